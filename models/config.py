@@ -1,0 +1,151 @@
+"""Model configuration: one frozen dataclass for the decoder-only family (GPT-2, LLaMA)."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+from oases_jax.errors import UserError
+
+FAMILIES = ("gpt2", "llama")
+DTYPES = ("float32", "bfloat16")
+REMAT_POLICIES = ("none", "full", "save_proj", "save_dots")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A decoder-only transformer. `family` picks the defaults of the block:
+
+    gpt2:  learned positions, LayerNorm, GELU MLP, biases, tied embeddings.
+    llama: RoPE, RMSNorm, SwiGLU MLP, no biases, grouped-query attention, untied head.
+    """
+
+    family: str = "gpt2"
+    vocab_size: int = 256
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int | None = None  # None: equal to n_heads (multi-head attention)
+    head_dim: int | None = None  # None: d_model // n_heads
+    d_ff: int | None = None  # None: 4 * d_model
+    max_seq_len: int = 1024
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    tie_embeddings: bool | None = None  # None: the family's default
+    vocab_multiple: int = 128  # the embedding table is padded to a multiple of this
+    dtype: str = "float32"  # compute dtype; parameters are always float32
+    remat: str = "none"
+    scan_layers: bool = True
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise UserError(f"model family {self.family!r} is unknown; use one of {FAMILIES}")
+        if self.dtype not in DTYPES:
+            raise UserError(f"dtype {self.dtype!r} is unknown; use one of {DTYPES}")
+        if self.remat not in REMAT_POLICIES:
+            raise UserError(f"remat policy {self.remat!r} is unknown; use one of {REMAT_POLICIES}")
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                raise UserError(f"model {name}={getattr(self, name)} must be positive")
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise UserError(
+                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                "set head_dim or change n_heads"
+            )
+        if self.n_heads % self.kv_heads:
+            raise UserError(
+                f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.kv_heads}; "
+                "grouped-query attention needs whole groups"
+            )
+        if self.family == "llama" and self.k_dim % 2:
+            raise UserError(f"RoPE needs an even head_dim, got {self.k_dim}")
+
+    # Derived values.
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def k_dim(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def ff_dim(self) -> int:
+        return self.d_ff or 4 * self.d_model
+
+    @property
+    def padded_vocab(self) -> int:
+        m = self.vocab_multiple
+        return -(-self.vocab_size // m) * m
+
+    @property
+    def tied(self) -> bool:
+        return self.family == "gpt2" if self.tie_embeddings is None else self.tie_embeddings
+
+    @property
+    def learned_positions(self) -> bool:
+        return self.family == "gpt2"
+
+    @property
+    def use_bias(self) -> bool:
+        return self.family == "gpt2"
+
+    @property
+    def gated_mlp(self) -> bool:
+        return self.family == "llama"
+
+    def param_count(self, *, embeddings: bool = True) -> int:
+        """Exact number of parameters of the model this config builds (padded vocab)."""
+        d, h, g, k, f = self.d_model, self.n_heads, self.kv_heads, self.k_dim, self.ff_dim
+        attn = d * (h + 2 * g) * k + h * k * d
+        mlp = d * f * (3 if self.gated_mlp else 2)
+        norms = 2 * d * (2 if self.use_bias else 1)
+        if self.use_bias:
+            attn += (h + 2 * g) * k + d
+            mlp += f + d
+        block = attn + mlp + norms
+        total = self.n_layers * block + d * (2 if self.use_bias else 1)
+        if embeddings:
+            total += self.padded_vocab * d * (1 if self.tied else 2)
+            if self.learned_positions:
+                total += self.max_seq_len * d
+        return total
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 * (non-embedding params + lm head) + 12 * layers * seq * H*K
+        (forward + backward of the matmuls, attention scores included, causal mask ignored)."""
+        matmul_params = self.param_count(embeddings=False) + self.padded_vocab * self.d_model
+        return 6.0 * matmul_params + 12.0 * self.n_layers * seq_len * self.n_heads * self.k_dim
+
+    def replace(self, **overrides) -> ModelConfig:
+        return dataclasses.replace(self, **overrides)
+
+    def with_overrides(self, pairs: list[str]) -> ModelConfig:
+        """Apply typed `key=value` overrides from the command line."""
+        fields = {f.name: f for f in dataclasses.fields(self)}
+        hints = typing.get_type_hints(ModelConfig)
+        kwargs = {}
+        for pair in pairs:
+            key, sep, value = pair.partition("=")
+            if not sep or key not in fields:
+                raise UserError(
+                    f"model override {pair!r} is not KEY=VALUE with a known key; keys: "
+                    f"{', '.join(fields)}"
+                )
+            kwargs[key] = _parse_value(key, value, hints[key])
+        return self.replace(**kwargs)
+
+
+def _parse_value(key: str, value: str, hint) -> object:
+    args = typing.get_args(hint)
+    if value.lower() == "none" and type(None) in args:
+        return None
+    base = next((a for a in args if a is not type(None)), hint)
+    try:
+        if base is bool:
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ValueError
+            return value.lower() in ("true", "1")
+        return base(value)
+    except ValueError:
+        raise UserError(f"model override {key}={value!r} is not a valid {base.__name__}") from None

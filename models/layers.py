@@ -1,0 +1,176 @@
+"""Shared transformer blocks (Flax NNX). Parameters carry logical axis names, never mesh axes."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from models.config import ModelConfig
+from oases_jax.rules import constrain
+
+# Names of the activations a remat policy may save (see `models.transformer.remat_policy`).
+# `*_in` are the normalised inputs of the column-parallel projections (after any all-gather),
+# `*_out` the outputs of the row-parallel ones (after the all-reduce / reduce-scatter): saving
+# them makes recomputation free of tensor-parallel communication.
+SAVE_NAMES = ("attn_in", "attn_out", "mlp_in", "mlp_out")
+
+
+def param(
+    rngs: nnx.Rngs,
+    shape: tuple[int, ...],
+    names: tuple[str | None, ...],
+    *,
+    std: float | None,
+    value: float = 0.0,
+) -> nnx.Param:
+    """A float32 parameter annotated with logical axis names (normal(std), or constant `value`)."""
+    assert len(shape) == len(names), (shape, names)
+    if std is None:
+        array = jnp.full(shape, value, jnp.float32)
+    else:
+        array = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return nnx.Param(array, out_sharding=names, eager_sharding=False)
+
+
+def _cast(p: nnx.Param, dtype) -> jax.Array:
+    return p[...].astype(dtype)
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.eps = cfg.norm_eps
+        self.scale = param(rngs, (cfg.d_model,), ("norm",), std=None, value=1.0)
+        self.bias = param(rngs, (cfg.d_model,), ("norm",), std=None, value=0.0)
+
+    def __call__(self, x_BLD: jax.Array) -> jax.Array:
+        x = x_BLD.astype(jnp.float32)
+        mean = x.mean(-1, keepdims=True)
+        var = jnp.square(x - mean).mean(-1, keepdims=True)
+        y = (x - mean) * jax.lax.rsqrt(var + self.eps) * self.scale[...] + self.bias[...]
+        return y.astype(x_BLD.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.eps = cfg.norm_eps
+        self.scale = param(rngs, (cfg.d_model,), ("norm",), std=None, value=1.0)
+
+    def __call__(self, x_BLD: jax.Array) -> jax.Array:
+        x = x_BLD.astype(jnp.float32)
+        y = x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + self.eps) * self.scale[...]
+        return y.astype(x_BLD.dtype)
+
+
+def rope(x_BLHK: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, half-split convention (the Hugging Face LLaMA layout)."""
+    _, length, _, k = x_BLHK.shape
+    inv_freq = theta ** (-jnp.arange(0, k, 2, dtype=jnp.float32) / k)
+    angles_LK = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    angles_LK = jnp.concatenate([angles_LK, angles_LK], axis=-1)
+    cos, sin = jnp.cos(angles_LK)[:, None, :], jnp.sin(angles_LK)[:, None, :]
+    x = x_BLHK.astype(jnp.float32)
+    x1, x2 = x[..., : k // 2], x[..., k // 2 :]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x * cos + rotated * sin).astype(x_BLHK.dtype)
+
+
+class Attention(nnx.Module):
+    """Causal self-attention with grouped-query heads (G KV heads shared by H/G query heads)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, h, g, k = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.k_dim
+        std, out_std = 0.02, 0.02 / math.sqrt(2 * cfg.n_layers)
+        self.cfg = cfg
+        self.wq = param(rngs, (d, h, k), ("embed", "heads", "head_dim"), std=std)
+        self.wk = param(rngs, (d, g, k), ("embed", "kv_heads", "head_dim"), std=std)
+        self.wv = param(rngs, (d, g, k), ("embed", "kv_heads", "head_dim"), std=std)
+        self.wo = param(rngs, (h, k, d), ("heads", "head_dim", "embed"), std=out_std)
+        if cfg.use_bias:
+            self.bq = param(rngs, (h, k), ("heads", "head_dim"), std=None)
+            self.bk = param(rngs, (g, k), ("kv_heads", "head_dim"), std=None)
+            self.bv = param(rngs, (g, k), ("kv_heads", "head_dim"), std=None)
+            self.bo = param(rngs, (d,), ("embed",), std=None)
+
+    def __call__(self, x_BLD: jax.Array) -> jax.Array:
+        cfg, dt = self.cfg, x_BLD.dtype
+        x_BLD = checkpoint_name(x_BLD, "attn_in")
+        q_BLHK = jnp.einsum("bld,dhk->blhk", x_BLD, _cast(self.wq, dt))
+        k_BLGK = jnp.einsum("bld,dgk->blgk", x_BLD, _cast(self.wk, dt))
+        v_BLGK = jnp.einsum("bld,dgk->blgk", x_BLD, _cast(self.wv, dt))
+        if cfg.use_bias:
+            q_BLHK += _cast(self.bq, dt)
+            k_BLGK += _cast(self.bk, dt)
+            v_BLGK += _cast(self.bv, dt)
+        if not cfg.learned_positions:
+            q_BLHK, k_BLGK = rope(q_BLHK, cfg.rope_theta), rope(k_BLGK, cfg.rope_theta)
+        q_BLHK = constrain(q_BLHK, ("batch", None, "heads", "head_dim"))
+        k_BLGK = constrain(k_BLGK, ("batch", None, "kv_heads", "head_dim"))
+        v_BLGK = constrain(v_BLGK, ("batch", None, "kv_heads", "head_dim"))
+        b, length, h, k = q_BLHK.shape
+        g = k_BLGK.shape[2]
+        q_BLGRK = q_BLHK.reshape(b, length, g, h // g, k)
+        scores = jnp.einsum(
+            "blgrk,bmgk->bgrlm", q_BLGRK, k_BLGK, preferred_element_type=jnp.float32
+        )
+        scores = scores / math.sqrt(k)
+        causal_LM = jnp.tril(jnp.ones((length, length), dtype=bool))
+        scores = jnp.where(causal_LM, scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+        o_BLGRK = jnp.einsum("bgrlm,bmgk->blgrk", probs, v_BLGK)
+        o_BLHK = o_BLGRK.reshape(b, length, h, k)
+        out_BLD = jnp.einsum("blhk,hkd->bld", o_BLHK, _cast(self.wo, dt))
+        if cfg.use_bias:
+            out_BLD += _cast(self.bo, dt)
+        return checkpoint_name(out_BLD, "attn_out")
+
+
+class MLP(nnx.Module):
+    """GELU (tanh form, as GPT-2) or SwiGLU MLP."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, f = cfg.d_model, cfg.ff_dim
+        self.cfg = cfg
+        self.w_in = param(rngs, (d, f), ("embed", "mlp"), std=0.02)
+        if cfg.gated_mlp:
+            self.w_gate = param(rngs, (d, f), ("embed", "mlp"), std=0.02)
+        self.w_out = param(rngs, (f, d), ("mlp", "embed"), std=0.02 / math.sqrt(2 * cfg.n_layers))
+        if cfg.use_bias:
+            self.b_in = param(rngs, (f,), ("mlp",), std=None)
+            self.b_out = param(rngs, (d,), ("embed",), std=None)
+
+    def __call__(self, x_BLD: jax.Array) -> jax.Array:
+        cfg, dt = self.cfg, x_BLD.dtype
+        x_BLD = checkpoint_name(x_BLD, "mlp_in")
+        h_BLF = jnp.einsum("bld,df->blf", x_BLD, _cast(self.w_in, dt))
+        if cfg.use_bias:
+            h_BLF += _cast(self.b_in, dt)
+        if cfg.gated_mlp:
+            gate_BLF = jnp.einsum("bld,df->blf", x_BLD, _cast(self.w_gate, dt))
+            h_BLF = jax.nn.silu(gate_BLF) * h_BLF
+        else:
+            h_BLF = jax.nn.gelu(h_BLF, approximate=True)
+        h_BLF = constrain(h_BLF, ("batch", None, "mlp"))
+        out_BLD = jnp.einsum("blf,fd->bld", h_BLF, _cast(self.w_out, dt))
+        if cfg.use_bias:
+            out_BLD += _cast(self.b_out, dt)
+        return checkpoint_name(out_BLD, "mlp_out")
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, norm_cls: type[nnx.Module], *, rngs: nnx.Rngs):
+        self.norm1 = norm_cls(cfg, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.norm2 = norm_cls(cfg, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x_BLD: jax.Array) -> jax.Array:
+        x_BLD = x_BLD + self.attn(self.norm1(x_BLD))
+        x_BLD = constrain(x_BLD, ("batch", "seq", "embed"))
+        x_BLD = x_BLD + self.mlp(self.norm2(x_BLD))
+        return constrain(x_BLD, ("batch", "seq", "embed"))

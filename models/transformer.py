@@ -1,0 +1,95 @@
+"""The decoder-only transformer: embeddings, a stack of blocks (scanned or unrolled), and a head.
+
+The blocks' parameters are always stacked on a leading `layers` axis, so the parameter layout,
+checkpoints and shardings do not depend on `scan_layers` or the remat policy.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models import gpt2, llama
+from models.config import ModelConfig
+from models.layers import SAVE_NAMES, Block, param
+from oases_jax.rules import constrain
+
+FAMILY_NORM = {"gpt2": gpt2.NORM, "llama": llama.NORM}
+
+
+def remat_policy(name: str):
+    """The `jax.checkpoint` policy for a remat name (None: no remat)."""
+    policies = jax.checkpoint_policies
+    return {
+        "none": None,
+        "full": policies.nothing_saveable,
+        "save_proj": policies.save_only_these_names(*SAVE_NAMES),
+        "save_dots": policies.dots_with_no_batch_dims_saveable,
+    }[name]
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        norm_cls = FAMILY_NORM[cfg.family]
+        d, vp = cfg.d_model, cfg.padded_vocab
+        self.embed = param(rngs, (vp, d), ("vocab", "embed"), std=0.02)
+        if cfg.learned_positions:
+            self.pos = param(rngs, (cfg.max_seq_len, d), ("pos", "embed"), std=0.01)
+
+        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_blocks(rngs: nnx.Rngs) -> Block:
+            return Block(cfg, norm_cls, rngs=rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.norm_f = norm_cls(cfg, rngs=rngs)
+        if not cfg.tied:
+            self.head = param(rngs, (d, vp), ("embed", "vocab"), std=0.02)
+
+    def embed_tokens(self, tokens_BL: jax.Array) -> jax.Array:
+        dt = jnp.dtype(self.cfg.dtype)
+        x_BLD = jnp.take(self.embed[...], tokens_BL, axis=0).astype(dt)
+        if self.cfg.learned_positions:
+            x_BLD = x_BLD + self.pos[: tokens_BL.shape[1]].astype(dt)
+        return constrain(x_BLD, ("batch", "seq", "embed"))
+
+    def backbone(self, x_BLD: jax.Array) -> jax.Array:
+        """All blocks and the final norm."""
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def layer(x_BLD, layer_state):
+            return nnx.merge(graphdef, layer_state)(x_BLD), None
+
+        policy = remat_policy(self.cfg.remat)
+        if self.cfg.remat != "none":
+            layer = jax.checkpoint(layer, policy=policy, prevent_cse=not self.cfg.scan_layers)
+        if self.cfg.scan_layers:
+            x_BLD, _ = jax.lax.scan(layer, x_BLD, stacked)
+        else:
+            for i in range(self.cfg.n_layers):
+                x_BLD, _ = layer(x_BLD, jax.tree.map(lambda a, i=i: a[i], stacked))
+        return self.norm_f(x_BLD)
+
+    def logits(self, h_BLD: jax.Array) -> jax.Array:
+        """Logits over the padded vocabulary, float32."""
+        dt = h_BLD.dtype
+        if self.cfg.tied:
+            logits_BLV = jnp.einsum("bld,vd->blv", h_BLD, self.embed[...].astype(dt))
+        else:
+            logits_BLV = jnp.einsum("bld,dv->blv", h_BLD, self.head[...].astype(dt))
+        logits_BLV = constrain(logits_BLV, ("batch", None, "vocab"))
+        return logits_BLV.astype(jnp.float32)
+
+    def __call__(self, tokens_BL: jax.Array) -> jax.Array:
+        return self.logits(self.backbone(self.embed_tokens(tokens_BL)))
+
+
+def cross_entropy(logits_BLV: jax.Array, targets_BL: jax.Array, vocab_size: int) -> jax.Array:
+    """Mean next-token cross-entropy; padded vocabulary rows are masked out of the softmax."""
+    valid_V = jnp.arange(logits_BLV.shape[-1]) < vocab_size
+    logits_BLV = jnp.where(valid_V, logits_BLV, jnp.finfo(jnp.float32).min)
+    logz_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
+    target_logit_BL = jnp.take_along_axis(logits_BLV, targets_BL[..., None], axis=-1)[..., 0]
+    return jnp.mean(logz_BL - target_logit_BL)

@@ -1,0 +1,80 @@
+"""Command-line plumbing shared by the scripts: one-line errors and device/process set-up."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+
+from oases_jax.errors import UserError
+
+EXIT_USER_ERROR = 2
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line with the fix, not a usage dump."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
+def run_main(
+    main: Callable[[], int | None], *, extra_errors: dict[type, int] | None = None
+) -> None:
+    """Run `main`; a UserError (or an `extra_errors` type) becomes one line on stderr and an exit
+    code, never a traceback."""
+    codes = {UserError: EXIT_USER_ERROR, **(extra_errors or {})}
+    try:
+        sys.exit(main() or 0)
+    except tuple(codes) as e:
+        prog = os.path.basename(sys.argv[0])
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(next(code for cls, code in codes.items() if isinstance(e, cls)))
+
+
+def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("devices and processes")
+    g.add_argument(
+        "--cpu-devices",
+        type=int,
+        default=8,
+        help="virtual CPU devices per process when running on CPU (default 8)",
+    )
+    g.add_argument("--coordinator", help="multi-host: coordinator address HOST:PORT")
+    g.add_argument("--num-processes", type=int, help="multi-host: total number of processes")
+    g.add_argument("--process-id", type=int, help="multi-host: this process's index")
+
+
+_CLUSTER_ENV = ("JAX_COORDINATOR_ADDRESS", "SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE")
+
+
+def init_runtime(args: argparse.Namespace) -> None:
+    """Set the CPU device count and join a multi-process job, before JAX touches a backend.
+
+    Multi-host comes from the flags, or else from a cluster environment JAX recognises (SLURM,
+    Open MPI, or JAX_COORDINATOR_ADDRESS) when it reports more than one process.
+    """
+    import jax
+
+    if args.cpu_devices <= 0:
+        raise UserError(f"--cpu-devices {args.cpu_devices} must be positive")
+    jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+    flags = (args.coordinator, args.num_processes, args.process_id)
+    if any(f is not None for f in flags):
+        if any(f is None for f in flags):
+            raise UserError(
+                "multi-host needs all of --coordinator, --num-processes and --process-id"
+            )
+        if not 0 <= args.process_id < args.num_processes:
+            raise UserError(
+                f"--process-id {args.process_id} is outside 0..{args.num_processes - 1}"
+            )
+        jax.distributed.initialize(
+            args.coordinator, num_processes=args.num_processes, process_id=args.process_id
+        )
+    elif any(
+        int(os.environ.get(v, "0") or 0) > 1 if v != "JAX_COORDINATOR_ADDRESS" else v in os.environ
+        for v in _CLUSTER_ENV
+    ):
+        jax.distributed.initialize()

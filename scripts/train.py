@@ -1,0 +1,151 @@
+"""Train a model: `python scripts/train.py` trains `small` on the stdlib corpus on 8 CPU devices.
+
+Every flag is documented in docs/cli.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import pathlib
+import statistics
+
+from oases_jax.cli import Parser, add_runtime_flags, init_runtime, run_main
+
+
+def parse_args(argv=None):
+    p = Parser(prog="train.py", description=__doc__.splitlines()[0])
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="small", help="preset name (default small)")
+    g.add_argument(
+        "--model-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one ModelConfig field, e.g. n_layers=2 (repeatable)",
+    )
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute dtype")
+    g.add_argument("--remat", choices=("none", "full", "save_proj", "save_dots"))
+    g.add_argument(
+        "--scan",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="scan over layers (default on)",
+    )
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--mesh", default="data=2,tensor=4", help="ordered axes, one may be -1")
+    g.add_argument("--rules", default="tp", help="dp, fsdp, tp, tp_sp or fsdp_tp (default tp)")
+    g.add_argument("--schedule", default="megatron", help="tensor-parallel schedule")
+    g.add_argument("--plan", help="a plan JSON from scripts/plan.py (not available yet)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--steps", type=int, default=200, help="total optimizer steps of the run")
+    g.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
+    g.add_argument("--microbatches", type=int, default=1, help="gradient-accumulation steps")
+    g.add_argument("--seq-len", type=int, default=128)
+    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    g.add_argument("--warmup-steps", type=int, default=20)
+    g.add_argument("--weight-decay", type=float, default=0.1)
+    g.add_argument("--clip-norm", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("data, logging and checkpoints")
+    g.add_argument("--data", default="stdlib", help="stdlib, a text file or dir, or a .bin")
+    g.add_argument("--log-every", type=int, default=10)
+    g.add_argument("--eval-every", type=int, default=100)
+    g.add_argument("--eval-batches", type=int, default=4)
+    g.add_argument("--out-dir", help="run directory (default runs/MODEL-TIMESTAMP)")
+    g.add_argument("--metrics-out", help="JSONL metrics file (default OUT_DIR/metrics.jsonl)")
+    g.add_argument("--ckpt-dir", help="checkpoint directory (default OUT_DIR/ckpt)")
+    g.add_argument("--ckpt-every", type=int, default=100)
+    g.add_argument("--keep", type=int, default=3, help="checkpoints kept")
+    g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    g.add_argument("--stop-after", type=int, help="end this run after N steps (checkpointed)")
+    g.add_argument("--peak-tflops", type=float, help="per-device peak for MFU on unknown devices")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_runtime_flags(p)
+    return p.parse_args(argv)
+
+
+def build_config(args):
+    from models import get_preset
+    from oases_jax.errors import UserError
+    from training import CheckpointConfig, OptimConfig, ParallelConfig, TrainConfig
+
+    if args.plan:
+        raise UserError("--plan needs the planner, which is not available yet; use --mesh/--rules")
+    model = get_preset(args.model).with_overrides(args.model_set)
+    model = model.replace(
+        **{
+            k: v
+            for k, v in (("dtype", args.dtype), ("remat", args.remat), ("scan_layers", args.scan))
+            if v is not None
+        }
+    )
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = pathlib.Path(args.out_dir or f"runs/{args.model}-{stamp}")
+    return TrainConfig(
+        model=model,
+        optim=OptimConfig(
+            lr=args.lr,
+            warmup_steps=args.warmup_steps,
+            weight_decay=args.weight_decay,
+            clip_norm=args.clip_norm,
+        ),
+        parallel=ParallelConfig(mesh=args.mesh, rules=args.rules, schedule=args.schedule),
+        ckpt=CheckpointConfig(
+            dir=args.ckpt_dir or str(out / "ckpt"),
+            every=args.ckpt_every,
+            resume=args.resume,
+            keep=args.keep,
+        ),
+        data=args.data,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        microbatches=args.microbatches,
+        seq_len=args.seq_len,
+        seed=args.seed,
+        log_every=args.log_every,
+        eval_every=args.eval_every,
+        eval_batches=args.eval_batches,
+        metrics_out=args.metrics_out or str(out / "metrics.jsonl"),
+        stop_after=args.stop_after,
+        peak_tflops=args.peak_tflops,
+        progress=not args.no_progress,
+    )
+
+
+def main() -> int:
+    args = parse_args()
+    init_runtime(args)
+    cfg = build_config(args)
+    import jax
+
+    from training import train
+
+    result = train(cfg)
+    if jax.process_index() == 0 and result.losses:
+        steps = sorted(result.losses)
+        print(
+            f"steps {steps[0]}..{steps[-1]} ({result.stopped}): loss "
+            f"{result.losses[steps[0]]:.4f} -> {result.losses[steps[-1]]:.4f}; "
+            f"checkpoint {cfg.ckpt.dir}; metrics {cfg.metrics_out}"
+        )
+        _print_throughput(cfg.metrics_out)
+    return 0
+
+
+def _print_throughput(path: str) -> None:
+    import json
+
+    rates = [
+        r["tokens_per_s"]
+        for r in map(json.loads, pathlib.Path(path).read_text().splitlines())
+        if "tokens_per_s" in r
+    ]
+    if rates:
+        print(f"tokens/s: median {statistics.median(rates):,.0f} over {len(rates)} log windows")
+
+
+if __name__ == "__main__":
+    from training import TrainingDiverged
+
+    run_main(main, extra_errors={TrainingDiverged: 3})

@@ -1,0 +1,102 @@
+"""Training configuration: frozen, keyword-only dataclasses nested by concern."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from models.config import ModelConfig
+from oases_jax.errors import UserError
+
+SCHEDULES = ("megatron",)  # the overlapped schedules join this list as they land
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """AdamW with linear warmup, cosine decay to `min_lr_ratio * lr`, and global-norm clipping."""
+
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    clip_norm: float = 1.0
+
+    def __post_init__(self):
+        if not self.lr > 0:
+            raise UserError(f"--lr {self.lr} must be positive")
+        if self.warmup_steps < 0:
+            raise UserError(f"--warmup-steps {self.warmup_steps} must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Where things run: the mesh, the rule set and the tensor-parallel schedule."""
+
+    mesh: str = "data=2,tensor=4"
+    rules: str = "tp"
+    schedule: str = "megatron"
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise UserError(f"unknown --schedule {self.schedule!r}; choose one of {SCHEDULES}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    dir: str | None = None
+    every: int = 100
+    resume: bool = False
+    keep: int = 3
+
+    def __post_init__(self):
+        if self.resume and not self.dir:
+            raise UserError("--resume needs --ckpt-dir DIR naming the checkpoints to resume from")
+        if self.every <= 0:
+            raise UserError(f"--ckpt-every {self.every} must be positive")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    model: ModelConfig
+    optim: OptimConfig = OptimConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    ckpt: CheckpointConfig = CheckpointConfig()
+    data: str = "stdlib"
+    steps: int = 200
+    batch_size: int = 16  # global, per optimizer step
+    microbatches: int = 1  # gradient accumulation: batch_size / microbatches rows each
+    seq_len: int = 128
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 4
+    metrics_out: str | None = None
+    stop_after: int | None = None  # end this run after this many steps (checkpointed)
+    peak_tflops: float | None = None  # per device, for MFU on devices not in the table
+    progress: bool = True
+
+    def __post_init__(self):
+        for name in ("steps", "batch_size", "microbatches", "seq_len", "log_every", "eval_every"):
+            if getattr(self, name) <= 0:
+                raise UserError(
+                    f"--{name.replace('_', '-')} {getattr(self, name)} must be positive"
+                )
+        if self.batch_size % self.microbatches:
+            raise UserError(
+                f"--batch-size {self.batch_size} is not divisible by --microbatches "
+                f"{self.microbatches}; pick a divisor"
+            )
+        if self.seq_len > self.model.max_seq_len:
+            raise UserError(
+                f"--seq-len {self.seq_len} exceeds the model's max_seq_len "
+                f"{self.model.max_seq_len}; shorten it or raise max_seq_len"
+            )
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.batch_size // self.microbatches
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len

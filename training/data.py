@@ -1,0 +1,137 @@
+"""Token corpora and deterministic, resumable, process-sharded batches.
+
+A batch is a pure function of (seed, step): resuming at step k needs no loader state, and every
+process agrees on the global batch while materialising only the rows of its own devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import sysconfig
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from oases_jax.errors import UserError
+
+BYTE_VOCAB = 256
+VAL_EVERY = 20  # stdlib / directory corpora: every 20th file is held out for validation
+VAL_FRACTION = 0.1  # single-file corpora: the last 10% of tokens is held out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Corpus:
+    name: str
+    train: np.ndarray  # 1-D token ids
+    val: np.ndarray
+    vocab_size: int  # ids are < vocab_size
+
+    def describe(self) -> str:
+        return f"{self.name}: {len(self.train):,} train / {len(self.val):,} val tokens"
+
+
+def _bytes_of(files: list[pathlib.Path]) -> np.ndarray:
+    return np.frombuffer(b"".join(p.read_bytes() for p in files), dtype=np.uint8)
+
+
+def _split_files(name: str, files: list[pathlib.Path]) -> Corpus:
+    if len(files) < 2:
+        return _split_tail(name, _bytes_of(files), BYTE_VOCAB)
+    val = [f for i, f in enumerate(files) if i % VAL_EVERY == VAL_EVERY - 1] or files[-1:]
+    train = [f for f in files if f not in set(val)]
+    return Corpus(name=name, train=_bytes_of(train), val=_bytes_of(val), vocab_size=BYTE_VOCAB)
+
+
+def _split_tail(name: str, tokens: np.ndarray, vocab: int) -> Corpus:
+    cut = int(len(tokens) * (1 - VAL_FRACTION))
+    return Corpus(name=name, train=tokens[:cut], val=tokens[cut:], vocab_size=vocab)
+
+
+def _bin(path: pathlib.Path) -> np.ndarray:
+    size = path.stat().st_size
+    if size % 2:
+        raise UserError(f"token file {path} has an odd size ({size} bytes); .bin files hold uint16")
+    return np.memmap(path, dtype=np.uint16, mode="r")
+
+
+def stdlib_files() -> list[pathlib.Path]:
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    return sorted(
+        (p for p in root.rglob("*.py") if "site-packages" not in p.parts),
+        key=lambda p: p.relative_to(root).as_posix(),
+    )
+
+
+def load_corpus(spec: str) -> Corpus:
+    """`stdlib` (default): this Python's standard-library sources, bytes as tokens.
+    A `.bin` file: nanoGPT uint16 tokens (last 10% validation); a directory holding `train.bin`
+    and `val.bin`: nanoGPT's split. Any other file: its bytes; a directory: its `*.txt` files."""
+    if spec == "stdlib":
+        return _split_files("stdlib", stdlib_files())
+    path = pathlib.Path(spec)
+    if not path.exists():
+        raise UserError(f"data path {spec!r} does not exist; pass an existing file or 'stdlib'")
+    if path.is_dir() and (path / "train.bin").exists():
+        if not (path / "val.bin").exists():
+            raise UserError(f"{path} has train.bin but no val.bin; add it or pass train.bin alone")
+        train, val = _bin(path / "train.bin"), _bin(path / "val.bin")
+        return Corpus(name=str(path), train=train, val=val, vocab_size=_vocab(train, val))
+    if path.is_dir():
+        files = sorted(path.rglob("*.txt"))
+        if not files:
+            raise UserError(f"data directory {spec!r} has no *.txt files and no train.bin")
+        return _split_files(str(path), files)
+    if path.suffix == ".bin":
+        tokens = _bin(path)
+        return _split_tail(str(path), tokens, _vocab(tokens))
+    return _split_tail(str(path), _bytes_of([path]), BYTE_VOCAB)
+
+
+def _vocab(*token_arrays: np.ndarray) -> int:
+    return int(max(int(t.max()) for t in token_arrays if len(t))) + 1
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BatchSampler:
+    """Random windows of `seq_len + 1` tokens; batch `step` depends only on (seed, step)."""
+
+    tokens: np.ndarray
+    seq_len: int
+    batch_size: int
+    seed: int
+    stream: int = 0  # 0: training, 1: validation (independent random streams)
+
+    def __post_init__(self):
+        if len(self.tokens) <= self.seq_len + 1:
+            raise UserError(
+                f"corpus split has {len(self.tokens)} tokens, fewer than seq_len+1="
+                f"{self.seq_len + 1}; use a shorter --seq-len or more data"
+            )
+
+    def offsets(self, step: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, self.stream, step])
+        return rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)
+
+    def rows(self, offsets: np.ndarray) -> np.ndarray:
+        return np.stack([self.tokens[o : o + self.seq_len + 1] for o in offsets]).astype(np.int32)
+
+    def host_batch(self, step: int) -> np.ndarray:
+        """The whole global batch on the host: [batch, seq_len + 1] int32."""
+        return self.rows(self.offsets(step))
+
+    def device_batch(self, step: int, sharding: NamedSharding, microbatches: int = 1) -> jax.Array:
+        """The global batch as a sharded array of shape [microbatches, batch/microbatches, L+1].
+
+        Each process reads only the rows that land on its own devices.
+        """
+        offsets = self.offsets(step).reshape(microbatches, -1)
+        shape = (*offsets.shape, self.seq_len + 1)
+
+        def fetch(index):
+            return self.rows(offsets[index[:2]].reshape(-1)).reshape(*offsets[index[:2]].shape, -1)[
+                ..., index[2]
+            ]
+
+        return jax.make_array_from_callback(shape, sharding, fetch)
