@@ -82,6 +82,8 @@ class TrainConfig:
                 raise UserError(
                     f"--{name.replace('_', '-')} {getattr(self, name)} must be positive"
                 )
+        if self.eval_batches < 0:
+            raise UserError(f"--eval-batches {self.eval_batches} must be >= 0 (0: no evaluation)")
         if self.batch_size % self.microbatches:
             raise UserError(
                 f"--batch-size {self.batch_size} is not divisible by --microbatches "

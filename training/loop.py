@@ -15,7 +15,7 @@ from tqdm import tqdm
 from models.sharding import init_sharded
 from oases_jax.errors import UserError
 from oases_jax.mesh import make_mesh
-from oases_jax.rules import get_rules
+from oases_jax.rules import get_rules, spec_divides
 from training.checkpoint import Checkpointer
 from training.config import TrainConfig
 from training.data import BatchSampler, load_corpus
@@ -71,6 +71,18 @@ def _check_resumable(meta: dict, cfg: TrainConfig) -> None:
             )
 
 
+def _check_batch(cfg: TrainConfig, rules, mesh) -> None:
+    spec = rules.act_spec(("batch",), mesh)
+    if spec_divides((cfg.micro_batch_size,), spec, mesh) is not None:
+        axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+        n = math.prod(mesh.shape[a] for a in axes)
+        raise UserError(
+            f"micro-batch of {cfg.micro_batch_size} sequences (--batch-size {cfg.batch_size} / "
+            f"--microbatches {cfg.microbatches}) does not split over mesh axis "
+            f"{'x'.join(axes)}={n}; use a --batch-size that is a multiple of {n * cfg.microbatches}"
+        )
+
+
 class _StopSignal:
     """SIGTERM/SIGINT finish the current step, checkpoint, and end the run."""
 
@@ -94,9 +106,11 @@ class _StopSignal:
             signal.signal(sig, handler)
 
 
-def train(cfg: TrainConfig) -> TrainResult:
-    mesh = make_mesh(cfg.parallel.mesh)
+def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainResult:
+    """Train as `cfg` says, on `devices` (default: all devices of all processes)."""
+    mesh = make_mesh(cfg.parallel.mesh, devices)
     rules = get_rules(cfg.parallel.rules)
+    _check_batch(cfg, rules, mesh)
     corpus = load_corpus(cfg.data)
     if corpus.vocab_size > cfg.model.vocab_size:
         raise UserError(
@@ -142,11 +156,11 @@ def _run(cfg, state, fns, train_batches, val_batches, ckpt, corpus_desc) -> Trai
     start = int(_scalar(state["step"]))
     end = cfg.steps if cfg.stop_after is None else min(cfg.steps, start + cfg.stop_after)
     if jax.process_index() == 0 and cfg.progress:
-        print(f"data {corpus_desc}; {jax.device_count()} devices, mesh {cfg.parallel.mesh}, "
+        print(f"data {corpus_desc}; {fns.batch_sharding.mesh.size} devices, mesh {cfg.parallel.mesh}, "
               f"rules {cfg.parallel.rules}; steps {start}..{end} of {cfg.steps}")
     lr_at = lr_schedule(cfg.optim, cfg.steps)
     peak = peak_flops_per_device(cfg.model.dtype, cfg.peak_tflops)
-    n_dev = jax.device_count()
+    n_dev = fns.batch_sharding.mesh.size
     writer = MetricsWriter(cfg.metrics_out)
     losses, val_losses = {}, {}
     main = jax.process_index() == 0
@@ -203,7 +217,7 @@ def _run(cfg, state, fns, train_batches, val_batches, ckpt, corpus_desc) -> Trai
                 bar.set_postfix(
                     loss=f"{loss:.4f}", tok_s=f"{record.get('tokens_per_s', 0):,.0f}", refresh=False
                 )
-            if step % cfg.eval_every == 0 or step == cfg.steps:
+            if cfg.eval_batches and (step % cfg.eval_every == 0 or step == cfg.steps):
                 val = _evaluate(fns, state, val_batches, cfg.eval_batches)
                 val_losses[step] = val
                 writer.write({"step": step, "val_loss": val})

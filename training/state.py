@@ -79,7 +79,7 @@ def build_step_fns(
             "step": state["step"] + 1,
             "rng": state["rng"],
         }
-        return new_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
     def traced(fn):
         # Trace under the mesh and rules so `constrain` calls in the model see them.

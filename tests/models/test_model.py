@@ -1,0 +1,130 @@
+"""Model properties: causality by gradient, remat == no remat, scan == no scan, presets, bf16."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models import PRESETS, Transformer, cross_entropy, get_preset
+from models.presets import CPU_PRESETS
+from models.sharding import abstract_model
+
+FAMILIES = ("tiny", "tiny-llama")
+
+
+def _tokens(b=2, length=16, seed=0):
+    return jax.random.randint(jax.random.key(seed), (b, length), 0, 256)
+
+
+def _loss_and_grads(cfg, tokens):
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+
+    def loss(p):
+        m = nnx.merge(graphdef, p)
+        return cross_entropy(m(tokens[:, :-1]), tokens[:, 1:], cfg.vocab_size)
+
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_causal_by_gradient(name):
+    cfg = get_preset(name)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    x_BLD = model.embed_tokens(_tokens(1, 12))
+    t = 5
+
+    def out_at_t(x):
+        return model.logits(model.backbone(x))[:, t].sum()
+
+    g_BLD = jax.grad(out_at_t)(x_BLD)
+    per_pos = jnp.abs(g_BLD[0]).sum(-1)
+    assert jnp.all(per_pos[t + 1 :] == 0), per_pos
+    assert jnp.all(per_pos[: t + 1] > 0), per_pos
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("remat", ["full", "save_proj", "save_dots"])
+def test_remat_equals_no_remat(name, remat):
+    cfg = get_preset(name)
+    tokens = _tokens()
+    loss0, g0 = _loss_and_grads(cfg, tokens)
+    loss1, g1 = _loss_and_grads(cfg.replace(remat=remat), tokens)
+    np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_scan_equals_unrolled(name):
+    cfg = get_preset(name)
+    tokens = _tokens()
+    loss0, g0 = _loss_and_grads(cfg.replace(scan_layers=True), tokens)
+    loss1, g1 = _loss_and_grads(cfg.replace(scan_layers=False), tokens)
+    np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_remat_saves_only_named_activations():
+    """`save_proj` keeps the projections' inputs/outputs, so recomputation re-runs no projection
+    into the residual stream: the backward has fewer dots than `full` remat."""
+    cfg = get_preset("tiny").replace(scan_layers=False)
+    tokens = _tokens()
+
+    def n_dots(remat):
+        c = cfg.replace(remat=remat)
+        model = Transformer(c, rngs=nnx.Rngs(0))
+        graphdef, params = nnx.split(model)
+
+        def loss(p):
+            return cross_entropy(nnx.merge(graphdef, p)(tokens[:, :-1]), tokens[:, 1:], 256)
+
+        text = jax.jit(jax.grad(loss)).lower(params).as_text()
+        return text.count("dot_general")
+
+    assert n_dots("save_proj") < n_dots("full")
+    assert n_dots("none") <= n_dots("save_proj")
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_builds_abstractly(name):
+    cfg = get_preset(name)
+    _, state = abstract_model(cfg)
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state))
+    assert n == cfg.param_count()
+    assert cfg.padded_vocab % 128 == 0 and cfg.padded_vocab >= cfg.vocab_size
+
+
+def test_full_size_parameter_counts():
+    # Published sizes, to within the padding of the vocabulary and learned positions.
+    expected = {"gpt2-1.5b": 1.56e9, "llama2-7b": 6.74e9, "llama2-70b": 6.9e10,
+                "opt-175b": 1.75e11, "bloom-176b": 1.76e11}
+    for name, n in expected.items():
+        assert abs(get_preset(name).param_count() / n - 1) < 0.03, name
+
+
+def test_small_splits_eight_ways():
+    cfg = get_preset("small")
+    assert cfg.n_heads % 8 == 0 and cfg.kv_heads % 8 == 0 and cfg.ff_dim % 8 == 0
+
+
+@pytest.mark.parametrize("name", CPU_PRESETS[:2])
+def test_bf16_close_to_fp32(name):
+    cfg = get_preset(name)
+    tokens = _tokens()
+    loss32, _ = _loss_and_grads(cfg, tokens)
+    loss16, g16 = _loss_and_grads(cfg.replace(dtype="bfloat16"), tokens)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(g16))  # fp32 master params
+    np.testing.assert_allclose(loss16, loss32, rtol=2e-2)
+
+
+def test_loss_matches_plain_reference():
+    """cross_entropy against an explicit log-softmax, with padded vocabulary rows masked."""
+    logits = jax.random.normal(jax.random.key(1), (2, 3, 8))
+    targets = jnp.array([[0, 1, 2], [3, 4, 5]])
+    ref = -np.mean(
+        [jax.nn.log_softmax(logits[b, t, :6])[targets[b, t]] for b in range(2) for t in range(3)]
+    )
+    np.testing.assert_allclose(cross_entropy(logits, targets, vocab_size=6), ref, rtol=1e-6)

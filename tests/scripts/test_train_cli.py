@@ -1,0 +1,76 @@
+"""scripts/train.py from the command line: the quickstart path and every bad input.
+
+Each bad input must give one line on stderr naming the value and the fix, a non-zero exit, and no
+traceback.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def run_train(*args, cwd=None, timeout=300):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "train.py"), "--no-progress", *args],
+        capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd or ROOT,
+    )
+
+
+def assert_one_line_error(proc, *needles, code=2):
+    assert proc.returncode == code, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()]
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+TINY = ("--model", "tiny", "--steps", "2", "--batch-size", "8", "--seq-len", "32")
+
+
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (("--model", "gpt-9000"), ("gpt-9000", "choose one of")),
+        (("--bogus-flag", "1"), ("--bogus-flag", "--help")),
+        (("--steps", "ten"), ("ten",)),
+        (("--mesh", "data=3,tensor=4"), ("data=3,tensor=4", "12 devices", "8")),
+        (("--mesh", "data=-1,tensor=-1"), ("more than one -1",)),
+        (("--mesh", "data=2,tensr=4"), ("tensr", "tensor")),
+        (("--mesh", "data=1,tensor=8", "--model-set", "n_heads=4", "--model-set", "d_model=64"),
+         ("kv_heads=4", "tensor=8")),
+        (("--batch-size", "6", "--mesh", "data=4,tensor=2"), ("batch", "6", "data")),
+        (("--data", "/no/such/file.txt"), ("/no/such/file.txt", "does not exist")),
+        (("--schedule", "warp-speed"), ("warp-speed", "megatron")),
+        (("--rules", "zero9"), ("zero9", "tp_sp")),
+        (("--model-set", "n_layers=two"), ("n_layers", "two")),
+        (("--model-set", "depth=3"), ("depth",)),
+        (("--seq-len", "4096"), ("4096", "max_seq_len")),
+        (("--resume",), ("--resume", "no checkpoint", "drop --resume")),
+    ],
+)
+def test_bad_input_is_one_line(tmp_path, args, needles):
+    proc = run_train(*TINY, "--out-dir", str(tmp_path / "run"), *args)
+    assert_one_line_error(proc, *needles)
+    assert not (tmp_path / "run" / "ckpt").exists() or not any((tmp_path / "run" / "ckpt").iterdir())
+
+
+def test_tiny_run_writes_checkpoint_and_metrics(tmp_path):
+    proc = run_train("--model", "tiny", "--steps", "6", "--batch-size", "8", "--seq-len", "32",
+                     "--log-every", "2", "--eval-every", "3", "--out-dir", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "loss" in r]
+    assert [r["step"] for r in train] == [2, 4, 6]
+    assert all(r["tokens_per_s"] > 0 and r["tflops_per_device"] > 0 for r in train)
+    assert [r["step"] for r in records if "val_loss" in r] == [3, 6]
+    assert (tmp_path / "run" / "ckpt" / "6").is_dir()
+    assert "loss" in proc.stdout and "tokens/s" in proc.stdout
