@@ -155,12 +155,14 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
 def _run(cfg, state, fns, train_batches, val_batches, ckpt, corpus_desc) -> TrainResult:
     start = int(_scalar(state["step"]))
     end = cfg.steps if cfg.stop_after is None else min(cfg.steps, start + cfg.stop_after)
+    n_dev = fns.batch_sharding.mesh.size
     if jax.process_index() == 0 and cfg.progress:
-        print(f"data {corpus_desc}; {fns.batch_sharding.mesh.size} devices, mesh {cfg.parallel.mesh}, "
-              f"rules {cfg.parallel.rules}; steps {start}..{end} of {cfg.steps}")
+        print(
+            f"data {corpus_desc}; {n_dev} devices, mesh {cfg.parallel.mesh}, "
+            f"rules {cfg.parallel.rules}; steps {start}..{end} of {cfg.steps}"
+        )
     lr_at = lr_schedule(cfg.optim, cfg.steps)
     peak = peak_flops_per_device(cfg.model.dtype, cfg.peak_tflops)
-    n_dev = fns.batch_sharding.mesh.size
     writer = MetricsWriter(cfg.metrics_out)
     losses, val_losses = {}, {}
     main = jax.process_index() == 0

@@ -99,8 +99,13 @@ def test_every_preset_builds_abstractly(name):
 
 def test_full_size_parameter_counts():
     # Published sizes, to within the padding of the vocabulary and learned positions.
-    expected = {"gpt2-1.5b": 1.56e9, "llama2-7b": 6.74e9, "llama2-70b": 6.9e10,
-                "opt-175b": 1.75e11, "bloom-176b": 1.76e11}
+    expected = {
+        "gpt2-1.5b": 1.56e9,
+        "llama2-7b": 6.74e9,
+        "llama2-70b": 6.9e10,
+        "opt-175b": 1.75e11,
+        "bloom-176b": 1.76e11,
+    }
     for name, n in expected.items():
         assert abs(get_preset(name).param_count() / n - 1) < 0.03, name
 

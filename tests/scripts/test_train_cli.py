@@ -20,7 +20,11 @@ def run_train(*args, cwd=None, timeout=300):
     env.pop("XLA_FLAGS", None)
     return subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "train.py"), "--no-progress", *args],
-        capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd or ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=cwd or ROOT,
     )
 
 
@@ -45,8 +49,10 @@ TINY = ("--model", "tiny", "--steps", "2", "--batch-size", "8", "--seq-len", "32
         (("--mesh", "data=3,tensor=4"), ("data=3,tensor=4", "12 devices", "8")),
         (("--mesh", "data=-1,tensor=-1"), ("more than one -1",)),
         (("--mesh", "data=2,tensr=4"), ("tensr", "tensor")),
-        (("--mesh", "data=1,tensor=8", "--model-set", "n_heads=4", "--model-set", "d_model=64"),
-         ("kv_heads=4", "tensor=8")),
+        (
+            ("--mesh", "data=1,tensor=8", "--model-set", "n_heads=4", "--model-set", "d_model=64"),
+            ("kv_heads=4", "tensor=8"),
+        ),
         (("--batch-size", "6", "--mesh", "data=4,tensor=2"), ("batch", "6", "data")),
         (("--data", "/no/such/file.txt"), ("/no/such/file.txt", "does not exist")),
         (("--schedule", "warp-speed"), ("warp-speed", "megatron")),
@@ -60,12 +66,28 @@ TINY = ("--model", "tiny", "--steps", "2", "--batch-size", "8", "--seq-len", "32
 def test_bad_input_is_one_line(tmp_path, args, needles):
     proc = run_train(*TINY, "--out-dir", str(tmp_path / "run"), *args)
     assert_one_line_error(proc, *needles)
-    assert not (tmp_path / "run" / "ckpt").exists() or not any((tmp_path / "run" / "ckpt").iterdir())
+    assert not (tmp_path / "run" / "ckpt").exists() or not any(
+        (tmp_path / "run" / "ckpt").iterdir()
+    )
 
 
 def test_tiny_run_writes_checkpoint_and_metrics(tmp_path):
-    proc = run_train("--model", "tiny", "--steps", "6", "--batch-size", "8", "--seq-len", "32",
-                     "--log-every", "2", "--eval-every", "3", "--out-dir", str(tmp_path / "run"))
+    proc = run_train(
+        "--model",
+        "tiny",
+        "--steps",
+        "6",
+        "--batch-size",
+        "8",
+        "--seq-len",
+        "32",
+        "--log-every",
+        "2",
+        "--eval-every",
+        "3",
+        "--out-dir",
+        str(tmp_path / "run"),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "loss" in r]

@@ -18,16 +18,23 @@ def _config(mesh: str, rules: str, model: str = "tiny") -> TrainConfig:
     return TrainConfig(
         model=get_preset(model),
         parallel=ParallelConfig(mesh=mesh, rules=rules),
-        steps=STEPS, batch_size=8, seq_len=32, log_every=STEPS, eval_every=STEPS,
-        eval_batches=0, progress=False,
+        steps=STEPS,
+        batch_size=8,
+        seq_len=32,
+        log_every=STEPS,
+        eval_every=STEPS,
+        eval_batches=0,
+        progress=False,
     )
 
 
 @pytest.fixture(scope="module")
 def reference():
     one = jax.devices()[:1]
-    return {m: train(_config("data=1,tensor=1", "dp", m), devices=one).losses
-            for m in ("tiny", "tiny-llama")}
+    return {
+        m: train(_config("data=1,tensor=1", "dp", m), devices=one).losses
+        for m in ("tiny", "tiny-llama")
+    }
 
 
 @pytest.mark.parametrize("rules", RULES)
