@@ -82,3 +82,122 @@ def detect(device_kind: str) -> DeviceSpec | None:
         if any(m.lower() in device_kind.lower() for m in spec.match):
             return spec
     return None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LinkSpec:
+    """One level of interconnect: per-GPU bandwidth (bytes/s, one direction) and latency (s)."""
+
+    name: str
+    bytes_per_s: float
+    latency_s: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClusterSpec:
+    """Devices plus interconnect levels. `levels` is ((span, link), ...) with growing spans: a
+    collective whose devices all lie in one aligned block of `span` devices uses that level's link
+    (e.g. ((8, NVLink), (32, InfiniBand)) for 4 nodes of 8 GPUs)."""
+
+    name: str
+    device: str
+    n_devices: int
+    levels: tuple[tuple[int, LinkSpec], ...]
+
+    def __post_init__(self):
+        spans = [s for s, _ in self.levels]
+        if spans != sorted(spans) or spans[-1] < self.n_devices:
+            raise UserError(f"cluster {self.name}: level spans {spans} must grow to n_devices")
+
+    @property
+    def device_spec(self) -> DeviceSpec:
+        return device_spec(self.device)
+
+    @property
+    def devices_per_node(self) -> int:
+        """Devices sharing the fastest level that is not the network (the first level)."""
+        return self.levels[0][0] if len(self.levels) > 1 else self.n_devices
+
+    def link_for(self, devices) -> LinkSpec:
+        """The slowest link a group of device ids must cross."""
+        devices = list(devices)
+        for span, link in self.levels:
+            if len({d // span for d in devices}) == 1:
+                return link
+        return self.levels[-1][1]
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> ClusterSpec:
+        try:
+            levels = tuple((int(s), LinkSpec(**link)) for s, link in data["levels"])
+            return cls(name=data["name"], device=data["device"], n_devices=int(data["n_devices"]),
+                       levels=levels)
+        except (KeyError, TypeError, ValueError) as e:
+            raise UserError(f"cluster JSON is malformed ({e!r}); see docs/hardware.md") from None
+
+
+_NVLINK4 = LinkSpec(name="nvlink4", bytes_per_s=450e9, latency_s=3e-6)
+_IB_400 = LinkSpec(name="ib-400g", bytes_per_s=50e9, latency_s=8e-6)
+_IB_100 = LinkSpec(name="ib-100g", bytes_per_s=12.5e9, latency_s=10e-6)
+_NVLINK_V100 = LinkSpec(name="nvlink2", bytes_per_s=150e9, latency_s=4e-6)
+_NVLINK_BRIDGE = LinkSpec(name="nvlink-bridge", bytes_per_s=56e9, latency_s=4e-6)
+_PCIE4 = LinkSpec(name="pcie4", bytes_per_s=24e9, latency_s=6e-6)
+_NVLINK3 = LinkSpec(name="nvlink3", bytes_per_s=300e9, latency_s=3e-6)
+_HOST = LinkSpec(name="host-memory", bytes_per_s=5e9, latency_s=20e-6)
+
+DEVICES["cpu"] = DeviceSpec(name="cpu", match=("cpu",), hbm_bytes_per_s=10e9,
+                            memory_bytes=24 * 2**30,
+                            peak_flops={"bfloat16": 20e9, "float32": 20e9})
+
+CLUSTERS: dict[str, ClusterSpec] = {
+    c.name: c
+    for c in (
+        ClusterSpec(name="3090-nvlink-32", device="3090", n_devices=32,
+                    levels=((2, _NVLINK_BRIDGE), (4, _PCIE4), (32, _IB_100))),
+        ClusterSpec(name="3090-pcie-32", device="3090", n_devices=32,
+                    levels=((4, _PCIE4), (32, _IB_100))),
+        ClusterSpec(name="v100-32", device="v100", n_devices=32,
+                    levels=((4, _NVLINK_V100), (32, _IB_100))),
+        ClusterSpec(name="h100-8", device="h100", n_devices=8, levels=((8, _NVLINK4),)),
+        ClusterSpec(name="h100-32", device="h100", n_devices=32,
+                    levels=((8, _NVLINK4), (32, _IB_400))),
+        ClusterSpec(name="h200-8", device="h200", n_devices=8, levels=((8, _NVLINK4),)),
+        ClusterSpec(name="cpu-8", device="cpu", n_devices=8, levels=((8, _HOST),)),
+    )
+}
+
+GPUS_PER_NODE = 8
+_TARGET_LINKS = {"h100": (_NVLINK4, _IB_400), "h200": (_NVLINK4, _IB_400),
+                 "a100": (_NVLINK3, LinkSpec(name="ib-200g", bytes_per_s=25e9, latency_s=8e-6))}
+
+
+def get_cluster(name: str) -> ClusterSpec:
+    """A built-in cluster name, a GPU target like `h100:16` (nodes of 8), or a JSON file."""
+    import json
+    import pathlib
+
+    if name in CLUSTERS:
+        return CLUSTERS[name]
+    if ":" in name:
+        kind, _, n = name.partition(":")
+        if kind in _TARGET_LINKS and n.isdigit() and int(n) > 0:
+            n = int(n)
+            intra, inter = _TARGET_LINKS[kind]
+            per_node = min(n, GPUS_PER_NODE)
+            levels = ((per_node, intra),) + (((n, inter),) if n > per_node else ())
+            return ClusterSpec(name=name, device=kind, n_devices=n, levels=levels)
+    path = pathlib.Path(name)
+    if path.suffix == ".json":
+        if not path.exists():
+            raise UserError(f"cluster file {name!r} does not exist")
+        try:
+            return ClusterSpec.from_json(json.loads(path.read_text()))
+        except json.JSONDecodeError as e:
+            raise UserError(f"cluster file {name!r} is not valid JSON ({e.msg})") from None
+    raise UserError(
+        f"unknown cluster {name!r}; use one of {', '.join(CLUSTERS)}, a target like h100:16, "
+        "or a JSON file"
+    )
