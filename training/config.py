@@ -7,7 +7,10 @@ import dataclasses
 from models.config import ModelConfig
 from oases_jax.errors import UserError
 
-SCHEDULES = ("megatron",)  # the overlapped schedules join this list as they land
+# Tensor-parallel schedules. Each names the rule set it needs when the user asked for plain `tp`:
+# the sequence-parallel schedules shard the residual stream on `seq` between blocks.
+SCHEDULES = ("megatron", "megatron_sp", "xla_auto")
+_SEQUENCE_PARALLEL = ("megatron_sp", "xla_auto")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -39,7 +42,19 @@ class ParallelConfig:
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
-            raise UserError(f"unknown --schedule {self.schedule!r}; choose one of {SCHEDULES}")
+            raise UserError(
+                f"unknown --schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}"
+            )
+        if self.schedule in _SEQUENCE_PARALLEL and self.rules not in ("tp", "tp_sp"):
+            raise UserError(
+                f"--schedule {self.schedule} is tensor + sequence parallel and cannot use "
+                f"--rules {self.rules}; use --rules tp_sp"
+            )
+
+    @property
+    def rules_name(self) -> str:
+        """The rule set actually used: sequence-parallel schedules upgrade `tp` to `tp_sp`."""
+        return "tp_sp" if self.schedule in _SEQUENCE_PARALLEL else self.rules
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -109,7 +109,7 @@ class _StopSignal:
 def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainResult:
     """Train as `cfg` says, on `devices` (default: all devices of all processes)."""
     mesh = make_mesh(cfg.parallel.mesh, devices)
-    rules = get_rules(cfg.parallel.rules)
+    rules = get_rules(cfg.parallel.rules_name)
     _check_batch(cfg, rules, mesh)
     corpus = load_corpus(cfg.data)
     if corpus.vocab_size > cfg.model.vocab_size:
@@ -125,7 +125,11 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
     )
     tx = make_optimizer(cfg.optim, cfg.steps)
     fns = build_step_fns(cfg.model, tx, rules, mesh)
-    ckpt = Checkpointer(cfg.ckpt.dir, keep=cfg.ckpt.keep) if cfg.ckpt.dir else None
+    ckpt = (
+        Checkpointer(cfg.ckpt.dir, keep=cfg.ckpt.keep, create=not cfg.ckpt.resume)
+        if cfg.ckpt.dir
+        else None
+    )
 
     state = None
     if ckpt is not None:
@@ -159,7 +163,7 @@ def _run(cfg, state, fns, train_batches, val_batches, ckpt, corpus_desc) -> Trai
     if jax.process_index() == 0 and cfg.progress:
         print(
             f"data {corpus_desc}; {n_dev} devices, mesh {cfg.parallel.mesh}, "
-            f"rules {cfg.parallel.rules}; steps {start}..{end} of {cfg.steps}"
+            f"rules {cfg.parallel.rules_name}; steps {start}..{end} of {cfg.steps}"
         )
     lr_at = lr_schedule(cfg.optim, cfg.steps)
     peak = peak_flops_per_device(cfg.model.dtype, cfg.peak_tflops)

@@ -31,6 +31,7 @@ class StepFns:
     state_shardings: TrainState
     batch_sharding: NamedSharding  # for [microbatches, batch, seq + 1]
     abstract_state: TrainState  # ShapeDtypeStructs with shardings, for restoring
+    step_jit: Callable  # the jitted train step itself, for `.lower(...)` (call under the mesh)
 
 
 def loss_fn(graphdef: nnx.GraphDef, params: nnx.State, tokens_BL: jax.Array, vocab: int):
@@ -114,6 +115,7 @@ def build_step_fns(
     }
     return StepFns(
         train_step=_under_mesh(step_jit, mesh),
+        step_jit=step_jit,
         eval_loss=_under_mesh(eval_jit, mesh),
         init_opt=_under_mesh(init_opt, mesh),
         state_shardings=state_sh,

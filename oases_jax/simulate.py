@@ -1,0 +1,144 @@
+"""Replay a compiled schedule on two streams (compute, collectives) with roofline and alpha-beta
+costs, to estimate step time and how much communication stays exposed.
+
+Rules of the replay, in schedule order:
+- compute op: runs on the compute stream, cost max(FLOPs / peak, bytes / HBM bandwidth);
+- async start: the transfer begins when both the issuing point and the comm stream are free;
+- async done: the compute stream waits until that transfer has finished;
+- sync collective: both streams wait for each other, then run it;
+- while loops replay their body `trip_count` times.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from oases_jax.hardware import ClusterSpec, LinkSpec
+from oases_jax.hlo import Instr
+from oases_jax.hlo_analysis import TRIVIAL, Program, collective_kind, is_async_start
+
+LOW_PRECISION = ("bf16", "f16", "f8e4m3fn", "f8e5m2", "s8", "u8")
+
+
+def collective_time(kind: str, nbytes: float, n: int, link: LinkSpec) -> float:
+    """Alpha-beta cost of one collective over `n` devices (ring algorithms).
+
+    all-reduce:          2 (n-1)/n * S / B + 2 (n-1) a
+    all-gather:            (n-1)/n * S / B +   (n-1) a   (S = gathered output)
+    reduce-scatter:        (n-1)/n * S / B +   (n-1) a   (S = input)
+    all-to-all:            (n-1)/n * S / B +   (n-1) a
+    collective-permute:              S / B +         a
+    """
+    if n <= 1 or nbytes == 0:
+        return 0.0
+    bw, a = link.bytes_per_s, link.latency_s
+    if kind == "collective-permute":
+        return nbytes / bw + a
+    steps = n - 1
+    if kind == "all-reduce":
+        return 2 * steps / n * nbytes / bw + 2 * steps * a
+    return steps / n * nbytes / bw + steps * a
+
+
+@dataclasses.dataclass
+class Event:
+    stream: str  # "compute" or "comm"
+    name: str
+    kind: str
+    start: float
+    end: float
+
+
+@dataclasses.dataclass
+class SimResult:
+    step_s: float
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    events: list[Event]
+
+    def to_json(self) -> dict:
+        return {k: getattr(self, k) for k in ("step_s", "compute_s", "comm_s", "exposed_comm_s")}
+
+
+class Simulator:
+    def __init__(self, program: Program, cluster: ClusterSpec, *, max_events: int = 20000):
+        self.p = program
+        self.cluster = cluster
+        self.device = cluster.device_spec
+        self.max_events = max_events
+
+    # Costs.
+    def compute_time(self, comp, instr: Instr) -> float:
+        if instr.opcode in TRIVIAL:
+            return 0.0
+        flops = self.p.instr_flops(comp, instr)
+        nbytes = instr.result_bytes + sum(self.p.shape_of(comp, o) for o in instr.operands)
+        dtype = "bfloat16" if self._low_precision(comp, instr) else "float32"
+        return max(flops / self.device.peak(dtype), nbytes / self.device.hbm_bytes_per_s)
+
+    def _low_precision(self, comp, instr: Instr) -> bool:
+        operands = [comp.by_name.get(o) for o in instr.operands]
+        dtypes = {a.dtype for o in operands if o for a in o.shapes} or {
+            a.dtype for a in instr.shapes}
+        return bool(dtypes & set(LOW_PRECISION))
+
+    def comm_time(self, comp, idx: int, instr: Instr, kind: str) -> float:
+        c = self.p._collective(comp, idx, instr, kind, 1, None)
+        if kind == "all-gather" and is_async_start(instr):  # bytes of the gathered output
+            done = next((i for i in comp.instrs[idx:] if instr.name in i.operands
+                         and i.opcode.endswith("-done")), None)
+            c.bytes = done.result_bytes if done else c.bytes
+        link = max((self.cluster.link_for(g) for g in c.groups), key=lambda lk: -lk.bytes_per_s,
+                   default=self.cluster.levels[0][1])
+        return collective_time(kind, c.bytes, max(c.group_size, 1), link)
+
+    # Replay.
+    def run(self) -> SimResult:
+        self.tc = self.tm = 0.0
+        self.compute_s = self.comm_s = 0.0
+        self.pending: dict[str, float] = {}
+        self.events: list[Event] = []
+        self._replay(self.p.module.entry)
+        step = max(self.tc, self.tm)
+        return SimResult(step_s=step, compute_s=self.compute_s, comm_s=self.comm_s,
+                         exposed_comm_s=max(step - self.compute_s, 0.0), events=self.events)
+
+    def _event(self, stream, name, kind, start, end):
+        if len(self.events) < self.max_events and end > start:
+            self.events.append(Event(stream, name, kind, start, end))
+
+    def _replay(self, comp_name: str) -> None:
+        comp = self.p.comp(comp_name)
+        for idx, instr in enumerate(comp.instrs):
+            kind = collective_kind(instr, self.p.module)
+            if instr.opcode == "while":
+                body = instr.attr("body").lstrip("%")
+                for _ in range(self.p.module.trip_count(instr) or 1):
+                    self._replay(body)
+            elif instr.opcode in ("call", "conditional"):
+                self._replay(instr.called[0])
+            elif kind and is_async_start(instr):
+                cost = self.comm_time(comp, idx, instr, kind)
+                begin = max(self.tc, self.tm)
+                self.tm = begin + cost
+                self.comm_s += cost
+                self.pending[instr.name] = self.tm
+                self._event("comm", instr.name, kind, begin, self.tm)
+            elif instr.opcode.endswith("-done") and instr.operands:
+                self.tc = max(self.tc, self.pending.pop(instr.operands[0], self.tc))
+            elif kind:  # synchronous collective
+                cost = self.comm_time(comp, idx, instr, kind)
+                begin = max(self.tc, self.tm)
+                self.tc = self.tm = begin + cost
+                self.comm_s += cost
+                self._event("comm", instr.name, kind, begin, self.tc)
+            else:
+                cost = self.compute_time(comp, instr)
+                self._event("compute", instr.name, instr.opcode, self.tc, self.tc + cost)
+                self.tc += cost
+                self.compute_s += cost
+
+
+def simulate(program: Program, cluster: ClusterSpec) -> SimResult:
+    return Simulator(program, cluster).run()

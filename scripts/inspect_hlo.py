@@ -1,0 +1,106 @@
+"""Compile a train step (or one layer) for a target and show what XLA did: collectives, overlap,
+memory, FLOPs and simulated time. `python scripts/inspect_hlo.py --model small --target h100:8`.
+
+Every flag is documented in docs/cli.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import sys
+import tempfile
+
+from oases_jax.cli import Parser, add_runtime_flags, init_runtime, run_main
+
+
+def parse_args(argv=None):
+    p = Parser(prog="inspect_hlo.py", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="small", help="preset name (default small)")
+    p.add_argument("--model-set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"))
+    p.add_argument("--remat", choices=("none", "full", "save_proj", "save_dots"))
+    p.add_argument("--mesh", default="tensor=-1", help="mesh over the target's devices")
+    p.add_argument("--rules", default="tp")
+    p.add_argument("--schedule", default="megatron")
+    p.add_argument("--plan", help="a plan JSON (not available yet)")
+    p.add_argument("--target", default="local", help="local, h100:N, h200:N or a100:N")
+    p.add_argument("--layer", action="store_true", help="one layer's forward+backward only")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, help="default: the model's max_seq_len, at most 1024")
+    p.add_argument("--json", metavar="OUT", help="write the report as JSON")
+    p.add_argument("--timeline", metavar="OUT.png", help="draw the simulated timeline")
+    p.add_argument("--compare", metavar="A,B,...", help="schedules side by side")
+    p.add_argument("--diff", metavar="A,B", help="two schedules (or report .json files) compared")
+    add_runtime_flags(p)
+    return p.parse_args(argv)
+
+
+def _write_atomic(path: str, text: str) -> None:
+    target = pathlib.Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, target)
+
+
+def main() -> int:
+    args = parse_args()
+    if args.target != "local" and not os.environ.get("JAX_PLATFORMS"):
+        # Compiling for GPUs that are not here: keep the local backend on the CPU.
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
+    init_runtime(args)
+    from models import get_preset
+    from oases_jax.errors import UserError
+    from oases_jax.targets import get_target
+    from training import report
+    from training.compiled import CompileSpec, inspect_program
+    from training.config import ParallelConfig
+
+    if args.plan:
+        raise UserError("--plan needs the planner, which is not available yet; use --schedule")
+    model = get_preset(args.model).with_overrides(args.model_set)
+    model = model.replace(**{k: v for k, v in (("dtype", args.dtype), ("remat", args.remat))
+                             if v is not None})
+    target = get_target(args.target)
+    seq_len = args.seq_len or min(model.max_seq_len, 1024)
+
+    def inspect(schedule: str):
+        spec = CompileSpec(model=model, batch_size=args.batch_size, seq_len=seq_len,
+                           layer=args.layer,
+                           parallel=ParallelConfig(mesh=args.mesh, rules=args.rules,
+                                                   schedule=schedule))
+        return inspect_program(spec, target)
+
+    if args.diff:
+        names = args.diff.split(",")
+        if len(names) != 2:
+            raise UserError(f"--diff {args.diff!r} needs two entries, e.g. megatron,xla_auto")
+        reports = [json.loads(pathlib.Path(n).read_text()) if n.endswith(".json")
+                   else inspect(n).report() for n in names]
+        print(report.diff(*reports))
+        return 0
+    schedules = args.compare.split(",") if args.compare else [args.schedule]
+    inspections = [inspect(s) for s in schedules]
+    for ins in inspections:
+        print(report.summary(ins), end="\n\n")
+    if len(inspections) > 1:
+        print(report.compare_table(inspections))
+    if args.json:
+        data = [i.report() for i in inspections]
+        _write_atomic(args.json, json.dumps(data[0] if len(data) == 1 else data, indent=1))
+    if args.timeline:
+        report.draw_timeline(inspections[0], args.timeline)
+        for ins in inspections[1:]:
+            stem = pathlib.Path(args.timeline)
+            name = f"{stem.stem}-{ins.spec.parallel.schedule}"
+            report.draw_timeline(ins, str(stem.with_stem(name)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))

@@ -1,0 +1,142 @@
+"""Compile one train step (or one transformer layer, forward and backward) for a target, and
+report what the compiled program does: collectives, overlap, memory, FLOPs, simulated time."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from models.config import ModelConfig
+from models.layers import Block
+from models.sharding import param_shardings
+from models.transformer import FAMILY_NORM, remat_policy
+from oases_jax.hlo_analysis import Analysis, Program, analyze
+from oases_jax.mesh import make_mesh
+from oases_jax.rules import constrain, get_rules, use_rules
+from oases_jax.simulate import SimResult, simulate
+from oases_jax.targets import Target
+from training.config import SCHEDULES, OptimConfig, ParallelConfig
+from training.optim import make_optimizer
+from training.state import build_step_fns
+
+# XLA options per schedule on GPU targets (see docs/parallelism.md, "GPU compile settings").
+_GPU_BASE = {"xla_gpu_enable_latency_hiding_scheduler": True}
+GPU_OPTIONS: dict[str, dict] = {
+    "megatron": _GPU_BASE,
+    "megatron_sp": _GPU_BASE,
+    # A threshold of 0 MiB makes XLA's windowed-einsum pass abort (a cycle found by the algebraic
+    # simplifier) on the attention einsums of jax 0.12.0.1; 1 MiB still rewrites every projection.
+    "xla_auto": {**_GPU_BASE, "xla_gpu_threshold_for_windowed_einsum_mib": 1,
+                 "xla_gpu_multi_streamed_windowed_einsum": True},
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CompileSpec:
+    model: ModelConfig
+    parallel: ParallelConfig
+    batch_size: int = 8
+    seq_len: int = 1024
+    layer: bool = False  # one block's forward + backward instead of a whole train step
+
+
+@dataclasses.dataclass
+class Inspection:
+    spec: CompileSpec
+    target: Target
+    analysis: Analysis
+    program: Program
+    sim: SimResult
+    compile_s: float
+    mesh: str  # resolved, e.g. data=1,tensor=8
+
+    def report(self) -> dict:
+        a, sim = self.analysis, self.sim
+        return {
+            "target": self.target.name,
+            "model": dataclasses.asdict(self.spec.model),
+            "mesh": self.mesh,
+            "rules": self.spec.parallel.rules_name,
+            "schedule": self.spec.parallel.schedule,
+            "layer": self.spec.layer,
+            "batch_size": self.spec.batch_size,
+            "seq_len": self.spec.seq_len,
+            "collectives": [c.to_json() for c in a.collectives],
+            "collective_counts": a.counts_by_kind(),
+            "collective_bytes": a.collective_bytes(),
+            "overlap_share": a.overlap_share(),
+            "gemm_overlap_share": a.overlap_share(require="gemm"),
+            "peak_memory_bytes": a.peak_memory_bytes,
+            "memory": a.memory,
+            "flops": a.flops,
+            "op_counts": a.op_counts,
+            "simulated_step_s": sim.step_s,
+            "compute_s": sim.compute_s,
+            "comm_s": sim.comm_s,
+            "exposed_comm_s": sim.exposed_comm_s,
+            "compile_s": self.compile_s,
+        }
+
+
+def compiler_options(schedule: str, target: Target) -> dict:
+    return dict(GPU_OPTIONS.get(schedule, _GPU_BASE)) if target.is_gpu_aot else {}
+
+
+def _abstract(tree, shardings):
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+
+def lower_train_step(spec: CompileSpec, mesh):
+    rules = get_rules(spec.parallel.rules_name)
+    tx = make_optimizer(OptimConfig(), total_steps=1000)
+    fns = build_step_fns(spec.model, tx, rules, mesh)
+    batch = jax.ShapeDtypeStruct((1, spec.batch_size, spec.seq_len + 1), jnp.int32,
+                                 sharding=fns.batch_sharding)
+    with jax.set_mesh(mesh):
+        return fns.step_jit.lower(fns.abstract_state, batch)
+
+
+def lower_layer(spec: CompileSpec, mesh):
+    """Forward and backward of one block: d(sum(block(x)))/d(params, x)."""
+    cfg, rules = spec.model, get_rules(spec.parallel.rules_name)
+    block = nnx.eval_shape(lambda: Block(cfg, FAMILY_NORM[cfg.family], rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(block)
+    p_sh = param_shardings(params, rules, mesh)
+    x_sh = NamedSharding(mesh, rules.act_spec(("batch", "seq", "embed"), mesh))
+    x = jax.ShapeDtypeStruct((spec.batch_size, spec.seq_len, cfg.d_model),
+                             jnp.dtype(cfg.dtype), sharding=x_sh)
+
+    def fwd_bwd(p, x_BLD):
+        with use_rules(rules, mesh):
+            def f(p, x):
+                y = nnx.merge(graphdef, p)(constrain(x, ("batch", "seq", "embed")))
+                return jnp.sum(y.astype(jnp.float32))
+
+            policy = remat_policy(cfg.remat)
+            if policy is not None:
+                f = jax.checkpoint(f, policy=policy)
+            return jax.grad(f, argnums=(0, 1))(p, x_BLD)
+
+    with jax.set_mesh(mesh):
+        return jax.jit(fwd_bwd, out_shardings=(p_sh, x_sh)).lower(_abstract(params, p_sh), x)
+
+
+def inspect_program(spec: CompileSpec, target: Target) -> Inspection:
+    if spec.parallel.schedule not in SCHEDULES:
+        raise ValueError(spec.parallel.schedule)
+    mesh = make_mesh(spec.parallel.mesh, target.devices)
+    t0 = time.perf_counter()
+    lowered = lower_layer(spec, mesh) if spec.layer else lower_train_step(spec, mesh)
+    compiled = lowered.compile(compiler_options=compiler_options(spec.parallel.schedule, target))
+    compile_s = time.perf_counter() - t0
+    analysis, program = analyze(compiled, mesh)
+    resolved = ",".join(f"{n}={s}" for n, s in zip(mesh.axis_names, mesh.devices.shape, strict=True))
+    sim = simulate(program, target.cluster)
+    return Inspection(spec, target, analysis, program, sim, compile_s, resolved)
+

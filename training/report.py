@@ -1,0 +1,117 @@
+"""Human-readable reports of inspections: collective tables, memory, simulated times, timelines."""
+
+from __future__ import annotations
+
+import collections
+
+from training.compiled import Inspection
+
+MIB = 2**20
+
+
+def _fmt_s(s: float) -> str:
+    return f"{s * 1e3:9.3f} ms"
+
+
+def collective_table(ins: Inspection) -> str:
+    """One row per (kind, axes, bytes, async, overlap) group, with execution counts."""
+    rows = collections.Counter()
+    for c in ins.analysis.collectives:
+        key = (c.kind, ",".join(c.axes) or "-", c.bytes, "async" if c.is_async else "sync",
+               "gemm" if c.gemm_overlapped else "compute" if c.overlapped else "none")
+        rows[key] += c.count
+    lines = [f"{'collective':<20} {'axes':<12} {'MiB':>9} {'count':>6} {'mode':<6} overlap"]
+    for (kind, axes, nbytes, mode, overlap), n in sorted(rows.items(), key=lambda kv: -kv[0][2]):
+        lines.append(f"{kind:<20} {axes:<12} {nbytes / MIB:9.3f} {n:6d} {mode:<6} {overlap}")
+    return "\n".join(lines)
+
+
+def summary(ins: Inspection) -> str:
+    r = ins.report()
+    mem = r["memory"]
+    parts = [
+        f"target {r['target']}  mesh {r['mesh']}  rules {r['rules']}  schedule {r['schedule']}"
+        f"  {'layer' if r['layer'] else 'train step'}  batch {r['batch_size']} x {r['seq_len']}",
+        "",
+        collective_table(ins),
+        "",
+        f"overlap share (bytes with compute in window): {r['overlap_share']:.3f}"
+        f"   with a GEMM in window: {r['gemm_overlap_share']:.3f}",
+        f"memory per device: peak {mem.get('peak_bytes', 0) / MIB:.1f} MiB = arguments "
+        f"{mem.get('argument', 0) / MIB:.1f} + outputs {mem.get('output', 0) / MIB:.1f} - aliased "
+        f"{mem.get('alias', 0) / MIB:.1f} + temporaries {mem.get('temp', 0) / MIB:.1f}",
+        f"FLOPs per device: {r['flops'] / 1e12:.3f} TFLOP",
+        f"simulated on {ins.target.cluster.name}: step {_fmt_s(r['simulated_step_s'])}, compute "
+        f"{_fmt_s(r['compute_s'])}, comm {_fmt_s(r['comm_s'])}, exposed comm "
+        f"{_fmt_s(r['exposed_comm_s'])}",
+        f"compile time: {r['compile_s']:.1f} s",
+    ]
+    return "\n".join(parts)
+
+
+def compare_table(inspections: list[Inspection]) -> str:
+    first = inspections[0].report()
+    head = (f"{'schedule':<14} {'step':>12} {'ratio':>6} {'exposed':>12} {'ratio':>6} "
+            f"{'comm':>12} {'overlap':>7} {'peak MiB':>9} {'ratio':>6}")
+    lines = [head]
+    for ins in inspections:
+        r = ins.report()
+
+        def ratio(key, r=r):
+            return r[key] / first[key] if first[key] else float("nan")
+
+        lines.append(
+            f"{r['schedule']:<14} {_fmt_s(r['simulated_step_s'])} {ratio('simulated_step_s'):6.2f}"
+            f" {_fmt_s(r['exposed_comm_s'])} {ratio('exposed_comm_s'):6.2f}"
+            f" {_fmt_s(r['comm_s'])} {r['overlap_share']:7.3f}"
+            f" {r['peak_memory_bytes'] / MIB:9.1f} {ratio('peak_memory_bytes'):6.2f}"
+        )
+    return "\n".join(lines)
+
+
+def diff(a: dict, b: dict) -> str:
+    """Collectives added or removed (by kind and axes, counting executions) and memory change."""
+
+    def counts(r):
+        c = collections.Counter()
+        for x in r["collectives"]:
+            c[(x["kind"], ",".join(x["axes"]) or "-")] += x["count"]
+        return c
+
+    ca, cb = counts(a), counts(b)
+    lines = [f"diff {a['schedule']} -> {b['schedule']} on {a['target']}"]
+    for key in sorted(set(ca) | set(cb)):
+        if ca[key] != cb[key]:
+            lines.append(f"  {key[0]:<20} {key[1]:<10} {ca[key]:5d} -> {cb[key]:5d} "
+                         f"({cb[key] - ca[key]:+d})")
+    if len(lines) == 1:
+        lines.append("  same collectives")
+    for key in ("peak_memory_bytes", "collective_bytes", "simulated_step_s", "exposed_comm_s"):
+        va, vb = a[key], b[key]
+        lines.append(f"  {key:<20} {va:.6g} -> {vb:.6g} ({(vb / va - 1) * 100 if va else 0:+.1f}%)")
+    return "\n".join(lines)
+
+
+def draw_timeline(ins: Inspection, path: str) -> None:
+    """The simulated two-stream timeline as a PNG (compute above, collectives below)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(14, 2.8))
+    colors = {"compute": "tab:blue", "comm": "tab:orange"}
+    for row, stream in enumerate(("compute", "comm")):
+        spans = [(e.start * 1e3, (e.end - e.start) * 1e3)
+                 for e in ins.sim.events if e.stream == stream]
+        ax.broken_barh(spans, (1 - row + 0.1, 0.8), color=colors[stream], linewidth=0)
+    ax.set_yticks([1.5, 0.5], ["compute", "collectives"])
+    ax.set_xlabel("simulated time (ms)")
+    r = ins.report()
+    ax.set_title(
+        f"{r['schedule']} on {r['target']}: step {r['simulated_step_s'] * 1e3:.3f} ms, "
+        f"exposed comm {r['exposed_comm_s'] * 1e3:.3f} ms"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
