@@ -136,7 +136,8 @@ def inspect_program(spec: CompileSpec, target: Target) -> Inspection:
     compiled = lowered.compile(compiler_options=compiler_options(spec.parallel.schedule, target))
     compile_s = time.perf_counter() - t0
     analysis, program = analyze(compiled, mesh)
-    resolved = ",".join(f"{n}={s}" for n, s in zip(mesh.axis_names, mesh.devices.shape, strict=True))
+    axes = zip(mesh.axis_names, mesh.devices.shape, strict=True)
+    resolved = ",".join(f"{n}={s}" for n, s in axes)
     sim = simulate(program, target.cluster)
     return Inspection(spec, target, analysis, program, sim, compile_s, resolved)
 

@@ -1,0 +1,152 @@
+"""The HLO analysis on programs whose collectives are known by hand, on CPU and on `h100:8`."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from oases_jax.hlo import _iota_groups, _mesh_groups, parse_module
+from oases_jax.hlo_analysis import Program, analyze
+from oases_jax.targets import get_target, has_gpu_aot
+
+ROWS, COLS, OUT = 128, 256, 128  # per-device block sizes
+TARGETS = ["local", pytest.param("h100:8", marks=pytest.mark.gpu_aot)]
+
+
+@functools.cache
+def _mesh(target: str, shape=(8,), names=("tensor",)) -> Mesh:
+    if target != "local" and not has_gpu_aot():
+        pytest.skip("needs the gpu-aot extra")
+    devices = np.asarray(get_target(target).devices, dtype=object)
+    return Mesh(devices.reshape(shape), names)
+
+
+def _compile(f, mesh, *args):
+    return analyze(jax.jit(f).lower(*args).compile(), mesh)[0]
+
+
+def _arg(mesh, shape, spec, dtype=jnp.float32):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_blocking_all_reduce(target):
+    mesh = _mesh(target, (2, 4), ("data", "tensor"))
+    f = jax.shard_map(lambda x: jax.lax.psum(x, "tensor"), mesh=mesh,
+                      in_specs=P("data", "tensor"), out_specs=P("data", None))
+    a = _compile(f, mesh, _arg(mesh, (2 * ROWS, 4 * COLS), P("data", "tensor")))
+    assert a.counts_by_kind() == {"all-reduce": 1}
+    (c,) = a.collectives
+    assert c.bytes == ROWS * COLS * 4 and c.group_size == 4 and c.axes == ("tensor",)
+    assert not c.overlapped and a.overlap_share() == 0.0
+    assert a.flops == 0
+
+
+def _ring(x_blk, w_blk, n=8):
+    """All-gather matmul: x row blocks travel around the ring, each multiplied as it arrives."""
+    idx = jax.lax.axis_index("tensor")
+    perm = [(i, (i + 1) % n) for i in range(n)]
+
+    def body(i, carry):
+        x, acc = carry
+        nxt = jax.lax.ppermute(x, "tensor", perm)
+        src = (idx - i) % n
+        acc = jax.lax.dynamic_update_slice_in_dim(acc, x @ w_blk, src * x.shape[0], 0)
+        return nxt, acc
+
+    acc = jax.lax.pcast(jnp.zeros((x_blk.shape[0] * n, w_blk.shape[1]), x_blk.dtype),
+                        ("tensor",), to="varying")
+    return jax.lax.fori_loop(0, n, body, (x_blk, acc))[1]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_ppermute_ring_in_a_loop(target):
+    mesh = _mesh(target)
+    f = jax.shard_map(_ring, mesh=mesh, in_specs=(P("tensor", None), P(None, "tensor")),
+                      out_specs=P(None, "tensor"))
+    a = _compile(f, mesh, _arg(mesh, (8 * ROWS, COLS), P("tensor", None), jnp.bfloat16),
+                 _arg(mesh, (COLS, 8 * OUT), P(None, "tensor"), jnp.bfloat16))
+    perms = [c for c in a.collectives if c.kind == "collective-permute"]
+    assert len(perms) == 1 and perms[0].count == 8  # one op in the loop body, 8 trips
+    (c,) = perms
+    assert c.axes == ("tensor",) and c.group_size == 2
+    assert c.groups == [[i, (i + 1) % 8] for i in range(8)]
+    # XLA:CPU upcasts the bf16 operands of the dot to f32 before the loop, so its blocks are f32.
+    assert c.bytes == ROWS * COLS * (4 if target == "local" else 2)
+    assert a.flops == 8 * 2 * ROWS * COLS * OUT
+    if target == "local":
+        assert not c.is_async  # CPU collectives are synchronous
+    else:
+        assert c.is_async and c.gemm_overlapped
+        assert a.overlap_share(require="gemm", kinds=["collective-permute"]) == 1.0
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_all_gather_then_dot(target):
+    mesh = _mesh(target)
+
+    def f(x_blk, w):
+        x = jax.lax.all_gather(x_blk, "tensor", tiled=True)
+        return x @ w
+
+    g = jax.shard_map(f, mesh=mesh, in_specs=(P("tensor", None), P()), out_specs=P(),
+                      check_vma=False)
+    a = _compile(g, mesh, _arg(mesh, (8 * ROWS, COLS), P("tensor", None)),
+                 _arg(mesh, (COLS, OUT), P()))
+    assert a.counts_by_kind() == {"all-gather": 1}
+    (c,) = a.collectives
+    assert c.bytes == 8 * ROWS * COLS * 4 and c.axes == ("tensor",) and c.group_size == 8
+    assert not c.gemm_overlapped  # the dot needs the gathered x: nothing to overlap with
+    assert a.flops == 2 * 8 * ROWS * COLS * OUT
+    assert a.peak_memory_bytes >= 8 * ROWS * COLS * 4
+
+
+def test_replica_group_formats():
+    assert _iota_groups("[2,4]<=[8]") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert _iota_groups("[4,2]<=[2,4]T(1,0)") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert _mesh_groups("mesh['data'=2,'tensor'=4] {'data'}") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert _mesh_groups("mesh['data'=2,'tensor'=4] {'tensor'}") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    p = Program("HloModule m\nENTRY %e () -> f32[] {\n  ROOT %c = f32[] constant(0)\n}\n",
+                (("data", 2), ("tensor", 4)))
+    assert p.axes_of([[0, 4], [1, 5]]) == ("data",)
+    assert p.axes_of([[0, 1, 2, 3]]) == ("tensor",)
+    assert p.axes_of([[0, 5]]) == ("data", "tensor")
+
+
+def test_parser_reads_tuples_nested_calls_and_trip_counts():
+    text = """HloModule m
+
+%body (p: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %p = (s32[], f32[4,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[4,8]{1,0} get-tuple-element(%p), index=1
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %t = (s32[], f32[4,8]{1,0}) tuple(%next, %x)
+}
+
+%cond (p.1: (s32[], f32[4,8])) -> pred[] {
+  %p.1 = (s32[], f32[4,8]{1,0}) parameter(0)
+  %i.1 = s32[] get-tuple-element(%p.1), index=0
+  %n = s32[] constant(5)
+  ROOT %lt = pred[] compare(%i.1, %n), direction=LT
+}
+
+ENTRY %main (a: f32[4,8]) -> f32[4,8] {
+  %a = f32[4,8]{1,0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[4,8]{1,0}) tuple(%zero, %a)
+  %w = (s32[], f32[4,8]{1,0}) while(%init), condition=%cond, body=%body
+  ROOT %r = f32[4,8]{1,0} get-tuple-element(%w), index=1
+}
+"""
+    m = parse_module(text)
+    assert m.entry == "main" and set(m.computations) == {"body", "cond", "main"}
+    w = m.computations["main"].by_name["w"]
+    assert w.called == ["body", "cond"] or sorted(w.called) == ["body", "cond"]
+    assert m.trip_count(w) == 5
+    assert w.result_bytes == 4 + 4 * 8 * 4
