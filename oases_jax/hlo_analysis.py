@@ -131,9 +131,52 @@ class Program:
             return trips * sum(self.flops_of(c) for c in instr.called)
         if instr.opcode == "conditional":
             return max((self.flops_of(c) for c in instr.called), default=0.0)
-        if instr.opcode in ("fusion", "call", "async-start"):
+        if instr.opcode in ("fusion", "fusion-start", "call", "async-start"):
             return sum(self.flops_of(c) for c in instr.called if c in self.module.computations)
         return 0.0
+
+    def traffic_bytes(self, comp: Computation, instr: Instr) -> int:
+        """HBM bytes an op reads and writes. Slices read only what they return, and in-place
+        updates write only the update: a loop body that slices one layer out of stacked weights
+        reads one layer, not the stack."""
+        if instr.opcode == "dynamic-slice":
+            return 2 * instr.result_bytes
+        if instr.opcode == "dynamic-update-slice" and len(instr.operands) > 1:
+            return 2 * self.shape_of(comp, instr.operands[1])
+        if instr.opcode not in ("fusion", "fusion-start") or not instr.called:
+            return instr.result_bytes + sum(self.shape_of(comp, o) for o in instr.operands)
+        body = self.comp(instr.called[0])
+        users: dict[str, list[Instr]] = collections.defaultdict(list)
+        for i in body.instrs:
+            for o in i.operands:
+                users[o].append(i)
+        def uses_of(name: str) -> list[Instr]:  # looking through bitcasts
+            out = []
+            for u in users[name]:
+                out += uses_of(u.name) if u.opcode == "bitcast" else [(u, name)]
+            return out
+
+        total = 0
+        for param in (i for i in body.instrs if i.opcode == "parameter"):
+            index = int(param.operand_text or 0)
+            operand = instr.operands[index] if index < len(instr.operands) else None
+            full = self.shape_of(comp, operand) if operand else 0
+            uses = uses_of(param.name)
+            if uses and all(u.opcode == "dynamic-slice" and u.operands[0] == via for u, via in uses):
+                total += sum(u.result_bytes for u, _ in uses)
+            elif uses and all(u.opcode == "dynamic-update-slice" and u.operands[0] == via
+                              for u, via in uses):
+                total += 0  # updated in place
+            else:
+                total += full
+        root = body.root
+        outputs = [body.by_name[o] for o in root.operands] if root.opcode == "tuple" else [root]
+        for out in outputs:
+            if out.opcode == "dynamic-update-slice" and len(out.operands) > 1:
+                total += self.shape_of(body, out.operands[1])
+            else:
+                total += out.result_bytes
+        return total
 
     def walk(self, comp_name: str | None = None, count: int = 1
              ) -> Iterator[tuple[Computation, int]]:

@@ -79,7 +79,7 @@ class Simulator:
         if instr.opcode in TRIVIAL:
             return 0.0
         flops = self.p.instr_flops(comp, instr)
-        nbytes = instr.result_bytes + sum(self.p.shape_of(comp, o) for o in instr.operands)
+        nbytes = self.p.traffic_bytes(comp, instr)
         dtype = "bfloat16" if self._low_precision(comp, instr) else "float32"
         return max(flops / self.device.peak(dtype), nbytes / self.device.hbm_bytes_per_s)
 

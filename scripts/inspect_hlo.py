@@ -58,7 +58,7 @@ def main() -> int:
     from oases_jax.errors import UserError
     from oases_jax.targets import get_target
     from training import report
-    from training.compiled import CompileSpec, inspect_program
+    from training.compiled import MAY_ABORT, CompileSpec, inspect_isolated, inspect_program
     from training.config import ParallelConfig
 
     if args.plan:
@@ -69,36 +69,42 @@ def main() -> int:
     target = get_target(args.target)
     seq_len = args.seq_len or min(model.max_seq_len, 1024)
 
-    def inspect(schedule: str):
+    def timeline_path(schedule: str, first: bool) -> str | None:
+        if not args.timeline:
+            return None
+        path = pathlib.Path(args.timeline)
+        return args.timeline if first else str(path.with_stem(f"{path.stem}-{schedule}"))
+
+    def inspect(schedule: str, first: bool = True) -> dict:
+        """The report of one schedule (and its timeline PNG when asked)."""
         spec = CompileSpec(model=model, batch_size=args.batch_size, seq_len=seq_len,
                            layer=args.layer,
                            parallel=ParallelConfig(mesh=args.mesh, rules=args.rules,
                                                    schedule=schedule))
-        return inspect_program(spec, target)
+        png = timeline_path(schedule, first)
+        if target.is_gpu_aot and schedule in MAY_ABORT:
+            return inspect_isolated(spec, args.target, png)
+        ins = inspect_program(spec, target)
+        if png:
+            report.draw_timeline(ins.sim.events, ins.report(), png)
+        return ins.report()
 
     if args.diff:
         names = args.diff.split(",")
         if len(names) != 2:
             raise UserError(f"--diff {args.diff!r} needs two entries, e.g. megatron,xla_auto")
         reports = [json.loads(pathlib.Path(n).read_text()) if n.endswith(".json")
-                   else inspect(n).report() for n in names]
+                   else inspect(n) for n in names]
         print(report.diff(*reports))
         return 0
     schedules = args.compare.split(",") if args.compare else [args.schedule]
-    inspections = [inspect(s) for s in schedules]
-    for ins in inspections:
-        print(report.summary(ins), end="\n\n")
-    if len(inspections) > 1:
-        print(report.compare_table(inspections))
+    reports = [inspect(s, i == 0) for i, s in enumerate(schedules)]
+    for r in reports:
+        print(report.summary(r), end="\n\n")
+    if len(reports) > 1:
+        print(report.compare_table(reports))
     if args.json:
-        data = [i.report() for i in inspections]
-        _write_atomic(args.json, json.dumps(data[0] if len(data) == 1 else data, indent=1))
-    if args.timeline:
-        report.draw_timeline(inspections[0], args.timeline)
-        for ins in inspections[1:]:
-            stem = pathlib.Path(args.timeline)
-            name = f"{stem.stem}-{ins.spec.parallel.schedule}"
-            report.draw_timeline(ins, str(stem.with_stem(name)))
+        _write_atomic(args.json, json.dumps(reports[0] if len(reports) == 1 else reports, indent=1))
     return 0
 
 

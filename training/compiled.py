@@ -4,6 +4,12 @@ report what the compiled program does: collectives, overlap, memory, FLOPs, simu
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
 import time
 
 import jax
@@ -23,6 +29,9 @@ from oases_jax.targets import Target
 from training.config import SCHEDULES, OptimConfig, ParallelConfig
 from training.optim import make_optimizer
 from training.state import build_step_fns
+
+# Schedules whose GPU compile can abort inside XLA: compiled in a child process.
+MAY_ABORT = ("xla_auto",)
 
 # XLA options per schedule on GPU targets (see docs/parallelism.md, "GPU compile settings").
 _GPU_BASE = {"xla_gpu_enable_latency_hiding_scheduler": True}
@@ -59,6 +68,7 @@ class Inspection:
         a, sim = self.analysis, self.sim
         return {
             "target": self.target.name,
+            "cluster": self.target.cluster.name,
             "model": dataclasses.asdict(self.spec.model),
             "mesh": self.mesh,
             "rules": self.spec.parallel.rules_name,
@@ -127,6 +137,35 @@ def lower_layer(spec: CompileSpec, mesh):
         return jax.jit(fwd_bwd, out_shardings=(p_sh, x_sh)).lower(_abstract(params, p_sh), x)
 
 
+def spec_to_json(spec: CompileSpec) -> dict:
+    return {"model": dataclasses.asdict(spec.model), "parallel": dataclasses.asdict(spec.parallel),
+            "batch_size": spec.batch_size, "seq_len": spec.seq_len, "layer": spec.layer}
+
+
+def spec_from_json(d: dict) -> CompileSpec:
+    return CompileSpec(model=ModelConfig(**d["model"]), parallel=ParallelConfig(**d["parallel"]),
+                       batch_size=d["batch_size"], seq_len=d["seq_len"], layer=d["layer"])
+
+
+def inspect_isolated(spec: CompileSpec, target: str, timeline: str | None = None,
+                     timeout_s: int = 900) -> dict:
+    """`inspect_program` in a child process, returning its report. XLA aborts the whole process
+    on some graphs (see `GPU_OPTIONS`); here that becomes a report with an `error`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path, out_path = pathlib.Path(tmp, "spec.json"), pathlib.Path(tmp, "report.json")
+        spec_path.write_text(json.dumps(spec_to_json(spec)))
+        cmd = [sys.executable, "-m", "training.compiled", str(spec_path), target, str(out_path),
+               timeline or ""]
+        env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+        if proc.returncode == 0 and out_path.exists():
+            return json.loads(out_path.read_text())
+    reason = next((ln for ln in proc.stderr.splitlines() if "Check failed" in ln or "rror" in ln),
+                  f"exit code {proc.returncode}")
+    return {"schedule": spec.parallel.schedule, "target": target,
+            "error": f"XLA aborted the compile: {reason.strip()[:300]}"}
+
+
 def inspect_program(spec: CompileSpec, target: Target) -> Inspection:
     if spec.parallel.schedule not in SCHEDULES:
         raise ValueError(spec.parallel.schedule)
@@ -141,3 +180,16 @@ def inspect_program(spec: CompileSpec, target: Target) -> Inspection:
     sim = simulate(program, target.cluster)
     return Inspection(spec, target, analysis, program, sim, compile_s, resolved)
 
+
+
+if __name__ == "__main__":  # the child of `inspect_isolated`
+    from oases_jax.targets import get_target
+
+    spec_file, target_name, out_file, timeline_file = sys.argv[1:5]
+    ins = inspect_program(spec_from_json(json.loads(pathlib.Path(spec_file).read_text())),
+                          get_target(target_name))
+    pathlib.Path(out_file).write_text(json.dumps(ins.report()))
+    if timeline_file:
+        from training.report import draw_timeline
+
+        draw_timeline(ins.sim.events, ins.report(), timeline_file)

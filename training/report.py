@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import collections
 
-from training.compiled import Inspection
-
 MIB = 2**20
 
 
@@ -13,27 +11,29 @@ def _fmt_s(s: float) -> str:
     return f"{s * 1e3:9.3f} ms"
 
 
-def collective_table(ins: Inspection) -> str:
+def collective_table(r: dict) -> str:
     """One row per (kind, axes, bytes, async, overlap) group, with execution counts."""
     rows = collections.Counter()
-    for c in ins.analysis.collectives:
-        key = (c.kind, ",".join(c.axes) or "-", c.bytes, "async" if c.is_async else "sync",
-               "gemm" if c.gemm_overlapped else "compute" if c.overlapped else "none")
-        rows[key] += c.count
+    for c in r["collectives"]:
+        key = (c["kind"], ",".join(c["axes"]) or "-", c["bytes"],
+               "async" if c["is_async"] else "sync",
+               "gemm" if c["gemm_overlapped"] else "compute" if c["overlapped"] else "none")
+        rows[key] += c["count"]
     lines = [f"{'collective':<20} {'axes':<12} {'MiB':>9} {'count':>6} {'mode':<6} overlap"]
     for (kind, axes, nbytes, mode, overlap), n in sorted(rows.items(), key=lambda kv: -kv[0][2]):
         lines.append(f"{kind:<20} {axes:<12} {nbytes / MIB:9.3f} {n:6d} {mode:<6} {overlap}")
     return "\n".join(lines)
 
 
-def summary(ins: Inspection) -> str:
-    r = ins.report()
+def summary(r: dict) -> str:
+    if "error" in r:
+        return f"schedule {r['schedule']} on {r['target']}: FAILED: {r['error']}"
     mem = r["memory"]
     parts = [
         f"target {r['target']}  mesh {r['mesh']}  rules {r['rules']}  schedule {r['schedule']}"
         f"  {'layer' if r['layer'] else 'train step'}  batch {r['batch_size']} x {r['seq_len']}",
         "",
-        collective_table(ins),
+        collective_table(r),
         "",
         f"overlap share (bytes with compute in window): {r['overlap_share']:.3f}"
         f"   with a GEMM in window: {r['gemm_overlap_share']:.3f}",
@@ -41,7 +41,7 @@ def summary(ins: Inspection) -> str:
         f"{mem.get('argument', 0) / MIB:.1f} + outputs {mem.get('output', 0) / MIB:.1f} - aliased "
         f"{mem.get('alias', 0) / MIB:.1f} + temporaries {mem.get('temp', 0) / MIB:.1f}",
         f"FLOPs per device: {r['flops'] / 1e12:.3f} TFLOP",
-        f"simulated on {ins.target.cluster.name}: step {_fmt_s(r['simulated_step_s'])}, compute "
+        f"simulated on {r['cluster']}: step {_fmt_s(r['simulated_step_s'])}, compute "
         f"{_fmt_s(r['compute_s'])}, comm {_fmt_s(r['comm_s'])}, exposed comm "
         f"{_fmt_s(r['exposed_comm_s'])}",
         f"compile time: {r['compile_s']:.1f} s",
@@ -49,16 +49,18 @@ def summary(ins: Inspection) -> str:
     return "\n".join(parts)
 
 
-def compare_table(inspections: list[Inspection]) -> str:
-    first = inspections[0].report()
+def compare_table(reports: list[dict]) -> str:
+    first = reports[0]
     head = (f"{'schedule':<14} {'step':>12} {'ratio':>6} {'exposed':>12} {'ratio':>6} "
             f"{'comm':>12} {'overlap':>7} {'peak MiB':>9} {'ratio':>6}")
     lines = [head]
-    for ins in inspections:
-        r = ins.report()
+    for r in reports:
+        if "error" in r:
+            lines.append(f"{r['schedule']:<14} failed: {r['error'][:80]}")
+            continue
 
         def ratio(key, r=r):
-            return r[key] / first[key] if first[key] else float("nan")
+            return r[key] / first[key] if first.get(key) else float("nan")
 
         lines.append(
             f"{r['schedule']:<14} {_fmt_s(r['simulated_step_s'])} {ratio('simulated_step_s'):6.2f}"
@@ -92,7 +94,7 @@ def diff(a: dict, b: dict) -> str:
     return "\n".join(lines)
 
 
-def draw_timeline(ins: Inspection, path: str) -> None:
+def draw_timeline(events, r: dict, path: str) -> None:
     """The simulated two-stream timeline as a PNG (compute above, collectives below)."""
     import matplotlib
 
@@ -103,11 +105,10 @@ def draw_timeline(ins: Inspection, path: str) -> None:
     colors = {"compute": "tab:blue", "comm": "tab:orange"}
     for row, stream in enumerate(("compute", "comm")):
         spans = [(e.start * 1e3, (e.end - e.start) * 1e3)
-                 for e in ins.sim.events if e.stream == stream]
+                 for e in events if e.stream == stream]
         ax.broken_barh(spans, (1 - row + 0.1, 0.8), color=colors[stream], linewidth=0)
     ax.set_yticks([1.5, 0.5], ["compute", "collectives"])
     ax.set_xlabel("simulated time (ms)")
-    r = ins.report()
     ax.set_title(
         f"{r['schedule']} on {r['target']}: step {r['simulated_step_s'] * 1e3:.3f} ms, "
         f"exposed comm {r['exposed_comm_s'] * 1e3:.3f} ms"

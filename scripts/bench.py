@@ -1,0 +1,141 @@
+"""Time real train steps of several mesh/rules/schedule variants, interleaved in one run.
+`python scripts/bench.py` times every schedule on data=2,tensor=4 with the `small` model.
+
+Every flag is documented in docs/cli.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shlex
+import sys
+import tempfile
+
+from oases_jax.cli import Parser, add_runtime_flags, init_runtime, run_main
+
+
+def parse_args(argv=None):
+    p = Parser(prog="bench.py", description=__doc__.splitlines()[0])
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default="small", help="preset name (default small)")
+    g.add_argument(
+        "--model-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one ModelConfig field, e.g. n_layers=2 (repeatable)",
+    )
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute dtype")
+    g.add_argument("--remat", choices=("none", "full", "save_proj", "save_dots"))
+    g.add_argument(
+        "--scan",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="scan over layers (default on)",
+    )
+    g = p.add_argument_group("variants")
+    g.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="[LABEL:]MESH[/RULES[/SCHEDULE]]",
+        help="a variant, e.g. data=2,tensor=4/tp/megatron (repeatable; the first is the baseline)",
+    )
+    g.add_argument(
+        "--schedules",
+        metavar="A,B,...",
+        help="one variant per schedule on --mesh/--rules (default: all, if no --variant)",
+    )
+    g.add_argument("--mesh", default="data=2,tensor=4", help="mesh for --schedules")
+    g.add_argument("--rules", default="tp", help="rule set for --schedules and --variant")
+    g = p.add_argument_group("measurement")
+    g.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
+    g.add_argument("--seq-len", type=int, default=128)
+    g.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
+    g.add_argument("--rounds", type=int, default=10, help="round-robin rounds")
+    g.add_argument("--steps-per-round", type=int, default=2, help="steps per variant per round")
+    g.add_argument("--seed", type=int, default=0, help="seed of the parameters and batches")
+    g.add_argument("--data", default="stdlib", help="stdlib, a text file or dir, or a .bin")
+    g.add_argument("--json", metavar="OUT", help="also write the report as JSON")
+    add_runtime_flags(p)
+    return p.parse_args(argv)
+
+
+def build_config(args):
+    from models import get_preset
+    from training.bench import BenchConfig, parse_variant
+    from training.config import SCHEDULES
+
+    model = get_preset(args.model).with_overrides(args.model_set)
+    model = model.replace(
+        **{
+            k: v
+            for k, v in (("dtype", args.dtype), ("remat", args.remat), ("scan_layers", args.scan))
+            if v is not None
+        }
+    )
+    variants = [parse_variant(v, rules=args.rules) for v in args.variant]
+    if args.schedules is not None or not variants:
+        schedules = args.schedules.split(",") if args.schedules is not None else SCHEDULES
+        variants += [
+            parse_variant(f"{args.mesh}/{args.rules}/{s.strip()}", rules=args.rules)
+            for s in schedules
+        ]
+    return BenchConfig(
+        model=model,
+        model_name=args.model,
+        variants=tuple(variants),
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        warmup=args.warmup,
+        rounds=args.rounds,
+        steps_per_round=args.steps_per_round,
+        seed=args.seed,
+        data=args.data,
+    )
+
+
+def _write_atomic(path: str, text: str) -> None:
+    target = pathlib.Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual mode
+        os.replace(tmp, target)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def main() -> int:
+    args = parse_args()
+    init_runtime(args)
+    cfg = build_config(args)
+    import jax
+
+    from training.bench import format_table, run_bench
+
+    main_process = jax.process_index() == 0
+
+    def log(msg: str) -> None:
+        if main_process:
+            print(msg, file=sys.stderr, flush=True)
+
+    report = run_bench(cfg, log)
+    if main_process:
+        print(format_table(report))
+        if args.json:
+            report["command"] = shlex.join(["python", *sys.argv])
+            _write_atomic(args.json, json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

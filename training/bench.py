@@ -1,0 +1,337 @@
+"""Measured train-step times on the local devices for several (mesh, rules, schedule) variants,
+timed round-robin in one process so that every variant sees the same machine state."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+from flax import nnx
+
+from models.config import ModelConfig
+from models.sharding import init_sharded
+from oases_jax.errors import UserError
+from oases_jax.mesh import make_mesh, parse_mesh
+from oases_jax.rules import get_rules, spec_divides
+from training.compiled import GPU_OPTIONS
+from training.config import OptimConfig, ParallelConfig
+from training.data import BatchSampler, load_corpus
+from training.optim import make_optimizer
+from training.state import TrainState, build_step_fns, new_state
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VariantSpec:
+    """One way to run the same train step: `[LABEL:]MESH[/RULES[/SCHEDULE]]` on the command line."""
+
+    mesh: str
+    rules: str = "tp"
+    schedule: str = "megatron"
+    label: str | None = None  # None: derived from what differs between the variants
+
+
+def parse_variant(text: str, *, rules: str = "tp", schedule: str = "megatron") -> VariantSpec:
+    """Parse `[LABEL:]MESH[/RULES[/SCHEDULE]]`; a missing or empty RULES or SCHEDULE takes the
+    given default. Only the syntax is checked here; `resolve_variants` checks the values."""
+    label, sep, body = text.rpartition(":")
+    if sep and not label.strip():
+        raise UserError(
+            f"variant {text!r} has an empty label before ':'; e.g. base:data=2,tensor=4"
+        )
+    parts = [p.strip() for p in body.split("/")]
+    if len(parts) > 3 or not parts[0]:
+        raise UserError(
+            f"variant {text!r} is not [LABEL:]MESH[/RULES[/SCHEDULE]]; "
+            "e.g. data=2,tensor=4/tp/megatron"
+        )
+    parts += [""] * (3 - len(parts))
+    return VariantSpec(
+        mesh=parts[0],
+        rules=parts[1] or rules,
+        schedule=parts[2] or schedule,
+        label=label.strip() if sep else None,
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    model: ModelConfig
+    model_name: str = "custom"  # for the report only
+    variants: tuple[VariantSpec, ...]
+    batch_size: int = 16
+    seq_len: int = 128
+    warmup: int = 3  # untimed steps per variant after compiling
+    rounds: int = 10
+    steps_per_round: int = 2  # steps of each variant per round, each timed on its own
+    seed: int = 0
+    data: str = "stdlib"
+
+    def __post_init__(self):
+        if not self.variants:
+            raise UserError("no variants to time; give at least one --variant or --schedules")
+        for name in ("batch_size", "seq_len", "rounds", "steps_per_round"):
+            if getattr(self, name) <= 0:
+                flag = name.replace("_", "-")
+                raise UserError(f"--{flag} {getattr(self, name)} must be positive")
+        if self.warmup < 0:
+            raise UserError(f"--warmup {self.warmup} must be >= 0")
+        if self.seq_len > self.model.max_seq_len:
+            raise UserError(
+                f"--seq-len {self.seq_len} exceeds the model's max_seq_len "
+                f"{self.model.max_seq_len}; shorten it or raise max_seq_len"
+            )
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup + self.rounds * self.steps_per_round
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Resolved:
+    """A variant checked against the devices: resolved mesh, rule set in use, final label."""
+
+    label: str
+    mesh: str  # every size filled in
+    rules: str  # the rule set actually used (a sequence-parallel schedule upgrades tp to tp_sp)
+    schedule: str
+
+
+def _short_mesh(mesh: str) -> str:
+    # data=2,tensor=4 -> d2t4 (the initials of KNOWN_AXES are all different).
+    return "".join(f"{name[0]}{size}" for name, size in parse_mesh(mesh).axes)
+
+
+def _labels(specs: list[VariantSpec], meshes: list[str]) -> list[str]:
+    """Given labels are kept; others show only the parts that differ between the variants."""
+    parts = [(_short_mesh(m), s.rules, s.schedule) for s, m in zip(specs, meshes, strict=True)]
+    differ = [len({p[i] for p in parts}) > 1 for i in range(3)]
+    if not any(differ):
+        differ = [True] * 3
+    labels, seen = [], {}
+    for spec, p in zip(specs, parts, strict=True):
+        label = spec.label or "/".join(x for x, d in zip(p, differ, strict=True) if d)
+        seen[label] = seen.get(label, 0) + 1
+        labels.append(label if seen[label] == 1 else f"{label}#{seen[label]}")
+    return labels
+
+
+def resolve_variants(specs: tuple[VariantSpec, ...], n_devices: int) -> list[Resolved]:
+    """Check every variant's schedule, rules and mesh before anything is compiled."""
+    meshes, rules = [], []
+    for spec in specs:
+        where = spec.label or f"{spec.mesh}/{spec.rules}/{spec.schedule}"
+        try:
+            parallel = ParallelConfig(mesh=spec.mesh, rules=spec.rules, schedule=spec.schedule)
+            get_rules(parallel.rules_name)
+            meshes.append(str(parse_mesh(spec.mesh).resolve(n_devices)))
+        except UserError as e:
+            raise UserError(f"variant {where}: {e}") from None
+        rules.append(parallel.rules_name)
+    labels = _labels(list(specs), meshes)
+    return [
+        Resolved(label=lab, mesh=m, rules=r, schedule=s.schedule)
+        for lab, m, r, s in zip(labels, meshes, rules, specs, strict=True)
+    ]
+
+
+@dataclasses.dataclass(eq=False)
+class Variant:
+    """A compiled variant and its live train state (advanced in place by `run_step`)."""
+
+    spec: Resolved
+    step: Callable  # (state, batch) -> (state, metrics), compiled
+    state: TrainState
+    batches: list[jax.Array]  # batch k for step k, identical values in every variant
+    compile_s: float
+    steps_done: int = 0
+
+    def run_step(self) -> None:
+        batch = self.batches[self.steps_done]
+        self.state, metrics = self.step(self.state, batch)
+        jax.block_until_ready((self.state, metrics))
+        self.steps_done += 1
+
+
+def compiler_options(schedule: str, platform: str) -> dict:
+    """The schedule's XLA options on a real GPU (the same ones `training.compiled` uses for GPU
+    targets); none elsewhere, where the schedules differ only in their rule set."""
+    return dict(GPU_OPTIONS.get(schedule, {})) if platform == "gpu" else {}
+
+
+def _check_batch(batch_size: int, rules, mesh, label: str) -> None:
+    spec = rules.act_spec(("batch",), mesh)
+    if spec_divides((batch_size,), spec, mesh) is not None:
+        axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+        n = math.prod(mesh.shape[a] for a in axes)
+        raise UserError(
+            f"variant {label}: --batch-size {batch_size} does not split over mesh axis "
+            f"{'x'.join(axes)}={n}; use a multiple of {n}"
+        )
+
+
+def build_variant(cfg: BenchConfig, spec: Resolved, sampler: BatchSampler) -> Variant:
+    """Initialise the model (same seed in every variant), compile the step, place the batches."""
+    mesh = make_mesh(spec.mesh)
+    rules = get_rules(spec.rules)
+    _check_batch(cfg.batch_size, rules, mesh, spec.label)
+    try:
+        tx = make_optimizer(OptimConfig(), cfg.total_steps)
+        fns = build_step_fns(cfg.model, tx, rules, mesh)
+        state = new_state(nnx.state(init_sharded(cfg.model, rules, mesh, cfg.seed)), fns, cfg.seed)
+    except UserError as e:
+        raise UserError(f"variant {spec.label}: {e}") from None
+    batches = [sampler.device_batch(k, fns.batch_sharding) for k in range(cfg.total_steps)]
+    options = compiler_options(spec.schedule, jax.devices()[0].platform)
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+        step = fns.step_jit.lower(fns.abstract_state, batches[0]).compile(compiler_options=options)
+    compile_s = time.perf_counter() - t0
+    return Variant(spec=spec, step=step, state=state, batches=batches, compile_s=compile_s)
+
+
+def prepare(cfg: BenchConfig, log: Callable[[str], None] = lambda _: None) -> list[Variant]:
+    """Check every variant, then build and compile them all (every state stays in memory)."""
+    resolved = resolve_variants(cfg.variants, jax.device_count())
+    corpus = load_corpus(cfg.data)
+    if corpus.vocab_size > cfg.model.vocab_size:
+        raise UserError(
+            f"data {cfg.data!r} has token ids up to {corpus.vocab_size - 1} but the model's "
+            f"vocab_size is {cfg.model.vocab_size}; pass --model-set vocab_size={corpus.vocab_size}"
+        )
+    sampler = BatchSampler(
+        tokens=corpus.train, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed
+    )
+    variants = []
+    for spec in resolved:
+        variants.append(build_variant(cfg, spec, sampler))
+        log(
+            f"compiled {spec.label} ({spec.mesh}, {spec.rules}, {spec.schedule}) "
+            f"in {variants[-1].compile_s:.1f} s"
+        )
+    return variants
+
+
+def warm_up(variants: list[Variant], steps: int) -> None:
+    for v in variants:
+        for _ in range(steps):
+            v.run_step()
+
+
+def time_rounds(variants: list[Variant], rounds: int, steps_per_round: int) -> list[list[float]]:
+    """Seconds of each timed step per variant. Round r starts at variant r mod n, so no variant
+    always runs first (or right after the same neighbour); each step blocks on its result."""
+    samples: list[list[float]] = [[] for _ in variants]
+    gc.collect()
+    gc.disable()  # a collection inside one step's window would land on whichever variant ran
+    try:
+        for r in range(rounds):
+            for i in range(len(variants)):
+                k = (r + i) % len(variants)
+                for _ in range(steps_per_round):
+                    t0 = time.perf_counter()
+                    variants[k].run_step()
+                    samples[k].append(time.perf_counter() - t0)
+    finally:
+        gc.enable()
+    return samples
+
+
+def summarize(cfg: BenchConfig, variants: list[Variant], samples: list[list[float]]) -> dict:
+    """The report as plain, JSON-ready data; `ratio` is each median over the first variant's."""
+    base = statistics.median(samples[0])
+    rows = []
+    for v, s in zip(variants, samples, strict=True):
+        median = statistics.median(s)
+        rows.append(
+            {
+                "label": v.spec.label,
+                "mesh": v.spec.mesh,
+                "rules": v.spec.rules,
+                "schedule": v.spec.schedule,
+                "median_s": median,
+                "min_s": min(s),
+                "max_s": max(s),
+                "tokens_per_s": cfg.tokens_per_step / median,
+                "ratio": median / base,
+                "compile_s": v.compile_s,
+                "samples": list(s),
+            }
+        )
+    device = jax.devices()[0]
+    return {
+        "device": device.device_kind,
+        "platform": device.platform,
+        "n_devices": jax.device_count(),
+        "model": cfg.model_name,
+        "dtype": cfg.model.dtype,
+        "batch_size": cfg.batch_size,
+        "seq_len": cfg.seq_len,
+        "warmup": cfg.warmup,
+        "rounds": cfg.rounds,
+        "steps_per_round": cfg.steps_per_round,
+        "variants": rows,
+    }
+
+
+def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda _: None) -> dict:
+    """Compile every variant, warm each up, time them round-robin; return `summarize`'s report."""
+    variants = prepare(cfg, log)
+    warm_up(variants, cfg.warmup)
+    log(f"timing {cfg.rounds} rounds x {cfg.steps_per_round} steps x {len(variants)} variants")
+    return summarize(cfg, variants, time_rounds(variants, cfg.rounds, cfg.steps_per_round))
+
+
+def format_table(report: dict) -> str:
+    """An aligned text table of a `run_bench` report."""
+    head = (
+        "variant",
+        "mesh",
+        "rules",
+        "schedule",
+        "compile s",
+        "median ms",
+        "min ms",
+        "max ms",
+        "tokens/s",
+        "ratio",
+    )
+    rows = [
+        (
+            r["label"],
+            r["mesh"],
+            r["rules"],
+            r["schedule"],
+            f"{r['compile_s']:.1f}",
+            f"{r['median_s'] * 1e3:.2f}",
+            f"{r['min_s'] * 1e3:.2f}",
+            f"{r['max_s'] * 1e3:.2f}",
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['ratio']:.3f}",
+        )
+        for r in report["variants"]
+    ]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=True)]
+    left = 4  # text columns are left-aligned, numbers right-aligned
+
+    def line(cells):
+        return "  ".join(
+            c.ljust(w) if i < left else c.rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
+
+    n = len(report["variants"][0]["samples"])
+    title = (
+        f"{report['model']} ({report['dtype']}), batch {report['batch_size']} x seq "
+        f"{report['seq_len']}, on {report['n_devices']} x {report['device']}; "
+        f"{n} timed steps per variant"
+    )
+    return "\n".join([title, line(head), line(["-" * w for w in widths]), *map(line, rows)])
