@@ -162,7 +162,8 @@ class Program:
             operand = instr.operands[index] if index < len(instr.operands) else None
             full = self.shape_of(comp, operand) if operand else 0
             uses = uses_of(param.name)
-            if uses and all(u.opcode == "dynamic-slice" and u.operands[0] == via for u, via in uses):
+            if uses and all(u.opcode == "dynamic-slice" and u.operands[0] == via
+                            for u, via in uses):
                 total += sum(u.result_bytes for u, _ in uses)
             elif uses and all(u.opcode == "dynamic-update-slice" and u.operands[0] == via
                               for u, via in uses):

@@ -64,12 +64,26 @@ class ShardingRules:
     def act_spec(self, logical: Logical, mesh: Mesh | None = None) -> PartitionSpec:
         return _to_spec(logical, dict(self.activations), mesh)
 
-    def flax_rules(self, kind: str = "params") -> tuple[tuple[str, MeshAxes], ...]:
+    def flax_rules(self, kind: str = "params", mesh: Mesh | None = None
+                   ) -> tuple[tuple[str, MeshAxes], ...]:
         """The table as `(logical, mesh_axes)` pairs for `nn.logical_axis_rules` /
-        `nnx.logical_axis_rules` in models this project did not write."""
+        `nnx.logical_axis_rules` in models this project did not write.
+
+        Every logical name is listed (unmapped ones with None), because Flax treats a name absent
+        from the rules as a mesh axis. With `mesh`, axes that mesh lacks are dropped, as
+        `param_spec` does."""
         if kind not in ("params", "activations"):
             raise UserError(f"rule kind {kind!r} is unknown; use 'params' or 'activations'")
-        return self.params if kind == "params" else self.activations
+        table = dict(self.params if kind == "params" else self.activations)
+        out = []
+        for name in LOGICAL_AXES:
+            axes = table.get(name)
+            if mesh is not None and axes is not None:
+                kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes)
+                             if a in mesh.shape and mesh.shape[a] > 1)
+                axes = None if not kept else kept[0] if len(kept) == 1 else kept
+            out.append((name, axes))
+        return tuple(out)
 
 
 def _to_spec(logical: Logical, table: dict[str, MeshAxes], mesh: Mesh | None) -> PartitionSpec:

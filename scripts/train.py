@@ -80,6 +80,12 @@ def build_config(args):
             if v is not None
         }
     )
+    import jax
+
+    if jax.process_count() > 1 and not (args.out_dir or (args.ckpt_dir and args.metrics_out)):
+        raise UserError(
+            "a multi-process run needs --out-dir DIR (the same shared path on every process)"
+        )
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = pathlib.Path(args.out_dir or f"runs/{args.model}-{stamp}")
     return TrainConfig(

@@ -20,8 +20,14 @@ def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
 
 
 def _decay_mask(params):
-    # No weight decay on vectors (norm scales, biases).
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
+    """Decay matrices only, not norm scales or biases. Block parameters carry a leading stacked
+    `layers` axis, which does not count."""
+
+    def is_matrix(path, p):
+        stacked = any(getattr(k, "key", None) == "blocks" for k in path)
+        return p.ndim - stacked >= 2
+
+    return jax.tree_util.tree_map_with_path(is_matrix, params)
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:

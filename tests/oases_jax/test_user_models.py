@@ -148,11 +148,6 @@ def test_nnx_logical_axis_rules_route_when_every_name_is_mapped(mesh):
         _check(state[layer]["bias"].get_value().sharding, mesh, bias_spec, 1)
 
 
-@pytest.mark.xfail(
-    reason="library: `flax_rules()` lists only the names a rule set maps, and NNX passes an "
-    "unlisted name (here 'embed' under tp) through as a mesh axis name",
-    strict=False,
-)
 def test_nnx_logical_axis_rules_route_with_unmapped_names(mesh):
     rules = get_rules("tp")
     _, abstract = _nnx_abstract()
