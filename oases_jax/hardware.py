@@ -136,7 +136,7 @@ class ClusterSpec:
             return cls(name=data["name"], device=data["device"], n_devices=int(data["n_devices"]),
                        levels=levels)
         except (KeyError, TypeError, ValueError) as e:
-            raise UserError(f"cluster JSON is malformed ({e!r}); see docs/hardware.md") from None
+            raise UserError(f"cluster JSON is malformed ({e!r}); see docs/inspection.md") from None
 
 
 _NVLINK4 = LinkSpec(name="nvlink4", bytes_per_s=450e9, latency_s=3e-6)

@@ -26,6 +26,7 @@ COLLECTIVES = (
 _ARRAY_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _INSTR_RE = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _COMP_RE = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_IOTA_RE = re.compile(r"\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?")
 _CALL_ATTRS = ("calls", "to_apply", "body", "condition", "branch_computations",
                "async_execution_thread")
 
@@ -88,6 +89,9 @@ class Instr:
         if not m:
             return None
         i = m.end()
+        iota = _IOTA_RE.match(self.attrs, i)
+        if iota:  # replica_groups=[2,4]<=[4,2]T(1,0)
+            return iota.group(0)
         if i < len(self.attrs) and self.attrs[i] in "({[":
             return self.attrs[i:_balanced(self.attrs, i)]
         if self.attrs.startswith("mesh[", i):  # replica_groups=mesh['a'=2] {'a'}
@@ -224,6 +228,8 @@ def parse_module(text: str) -> HloModule:
 def _iota_groups(text: str) -> list[list[int]]:
     """`[G,S]<=[d0,d1,...]T(p...)`: iota over dims, transposed by p, reshaped to G groups."""
     m = re.match(r"\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text)
+    if m is None:
+        raise ValueError(f"unreadable replica groups {text!r}")
     out_shape = [int(x) for x in m.group(1).split(",")]
     dims = [int(x) for x in m.group(2).split(",")]
     ids = np.arange(math.prod(dims)).reshape(dims)

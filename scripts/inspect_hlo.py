@@ -104,6 +104,9 @@ def main() -> int:
     if len(reports) > 1:
         print(report.compare_table(reports))
     if args.json:
+        command = "python " + " ".join(sys.argv)
+        for r in reports:
+            r["command"] = command
         _write_atomic(args.json, json.dumps(reports[0] if len(reports) == 1 else reports, indent=1))
     return 0
 

@@ -150,3 +150,20 @@ ENTRY %main (a: f32[4,8]) -> f32[4,8] {
     assert w.called == ["body", "cond"] or sorted(w.called) == ["body", "cond"]
     assert m.trip_count(w) == 5
     assert w.result_bytes == 4 + 4 * 8 * 4
+
+
+def test_attribute_values_in_every_replica_group_form():
+    text = """HloModule m
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %x = f32[8]{0} all-reduce(%a), channel_id=1, replica_groups=[2,4]<=[4,2]T(1,0), to_apply=%s
+  %y = f32[8]{0} all-reduce(%x), channel_id=2, replica_groups={{0,1},{2,3}}, to_apply=%s
+  ROOT %z = f32[8]{0} all-reduce(%y), replica_groups=mesh['data'=2,'tensor'=4] {'tensor'}, x=1
+}
+"""
+    p = Program(text, (("data", 2), ("tensor", 4)))
+    x, y, z = p.collectives()
+    assert x.groups == [[0, 2, 4, 6], [1, 3, 5, 7]] and x.axes == ("data", "tensor")
+    assert y.groups == [[0, 1], [2, 3]] and y.axes == ("tensor",)
+    assert z.groups == [[0, 1, 2, 3], [4, 5, 6, 7]] and z.axes == ("tensor",)

@@ -1,0 +1,81 @@
+"""scripts/inspect_hlo.py end to end: local and GPU targets, reports, comparisons, bad input."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from oases_jax.targets import has_gpu_aot
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+KEYS = {"target", "collectives", "overlap_share", "peak_memory_bytes", "flops",
+        "simulated_step_s", "compute_s", "exposed_comm_s"}
+
+
+def run(*args, timeout=600):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "inspect_hlo.py"), *args],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def test_local_train_step_report(tmp_path):
+    out = tmp_path / "r.json"
+    proc = run("--model", "tiny", "--mesh", "data=2,tensor=4", "--batch-size", "8",
+               "--seq-len", "32", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert KEYS <= set(r) and r["target"] == "local" and r["mesh"] == "data=2,tensor=4"
+    kinds = {c["kind"] for c in r["collectives"]}
+    assert "all-reduce" in kinds  # Megatron's tensor-parallel reductions (and data-parallel grads)
+    axes = {tuple(c["axes"]) for c in r["collectives"]}
+    assert ("tensor",) in axes and any("data" in a for a in axes)
+    assert all(not c["is_async"] for c in r["collectives"])  # CPU collectives are synchronous
+    assert r["overlap_share"] == 0.0
+    # Hand count: 6 N per token (forward + backward matmuls) plus attention, per device.
+    from models import get_preset
+
+    cfg = get_preset("tiny")
+    expected = cfg.flops_per_token(32) * 8 * 32 / 8
+    assert 0.8 < r["flops"] / expected < 1.25
+    assert "collective" in proc.stdout and "simulated" in proc.stdout
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--target", "tpu:8"), "tpu:8"),
+    (("--target", "h100:12"), "h100:12"),
+    (("--model", "nope"), "nope"),
+    (("--mesh", "tensor=3"), "tensor=3"),
+    (("--diff", "megatron"), "two entries"),
+])
+def test_bad_input(args, needle):
+    proc = run("--model", "tiny", *args)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    errors = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
+    assert len(errors) == 1 and needle in errors[0], proc.stderr
+
+
+@pytest.mark.gpu_aot
+@pytest.mark.skipif(not has_gpu_aot(), reason="needs the gpu-aot extra")
+def test_megatron_layer_on_h100_exposes_its_communication(tmp_path):
+    out, png = tmp_path / "r.json", tmp_path / "t.png"
+    proc = run("--model", "small", "--target", "h100:8", "--mesh", "tensor=8", "--layer",
+               "--compare", "megatron,megatron_sp", "--json", str(out), "--timeline", str(png))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    megatron, sp = json.loads(out.read_text())
+    assert megatron["target"] == "h100:8" and megatron["cluster"] == "h100:8"
+    # Megatron's all-reduces wait for the projection that feeds them: nearly all exposed.
+    assert megatron["exposed_comm_s"] >= 0.8 * megatron["comm_s"] > 0
+    assert megatron["gemm_overlap_share"] < 0.5
+    assert {c["kind"] for c in megatron["collectives"]} == {"all-reduce"}
+    assert {"all-gather", "reduce-scatter"} <= {c["kind"] for c in sp["collectives"]}
+    assert png.exists() and (tmp_path / "t-megatron_sp.png").exists()
+    assert "ratio" in proc.stdout
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(megatron))
+    b.write_text(json.dumps(sp))
+    diff = run("--diff", f"{a},{b}")
+    assert diff.returncode == 0, diff.stderr[-2000:]
+    assert "all-reduce" in diff.stdout and "peak_memory_bytes" in diff.stdout
