@@ -10,6 +10,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models.config import ModelConfig
+from oases_jax import tensor_parallel as tp
 from oases_jax.rules import constrain
 
 # Names of the activations a remat policy may save (see `models.transformer.remat_policy`).
@@ -98,9 +99,10 @@ class Attention(nnx.Module):
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
         cfg, dt = self.cfg, x_BLD.dtype
         x_BLD = checkpoint_name(x_BLD, "attn_in")
-        q_BLHK = jnp.einsum("bld,dhk->blhk", x_BLD, _cast(self.wq, dt))
-        k_BLGK = jnp.einsum("bld,dgk->blgk", x_BLD, _cast(self.wk, dt))
-        v_BLGK = jnp.einsum("bld,dgk->blgk", x_BLD, _cast(self.wv, dt))
+        q_BLHK, k_BLGK, v_BLGK = tp.column_parallel(
+            x_BLD, [_cast(self.wq, dt), _cast(self.wk, dt), _cast(self.wv, dt)],
+            [("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim"),
+             ("embed", "kv_heads", "head_dim")])
         if cfg.use_bias:
             q_BLHK += _cast(self.bq, dt)
             k_BLGK += _cast(self.bk, dt)
@@ -122,7 +124,7 @@ class Attention(nnx.Module):
         probs = jax.nn.softmax(scores, axis=-1).astype(dt)
         o_BLGRK = jnp.einsum("bgrlm,bmgk->blgrk", probs, v_BLGK)
         o_BLHK = o_BLGRK.reshape(b, length, h, k)
-        out_BLD = jnp.einsum("blhk,hkd->bld", o_BLHK, _cast(self.wo, dt))
+        out_BLD = tp.row_parallel(o_BLHK, _cast(self.wo, dt), ("heads", "head_dim", "embed"))
         if cfg.use_bias:
             out_BLD += _cast(self.bo, dt)
         return checkpoint_name(out_BLD, "attn_out")
@@ -145,16 +147,16 @@ class MLP(nnx.Module):
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
         cfg, dt = self.cfg, x_BLD.dtype
         x_BLD = checkpoint_name(x_BLD, "mlp_in")
-        h_BLF = jnp.einsum("bld,df->blf", x_BLD, _cast(self.w_in, dt))
+        weights = [_cast(self.w_in, dt)] + ([_cast(self.w_gate, dt)] if cfg.gated_mlp else [])
+        h_BLF, *gate = tp.column_parallel(x_BLD, weights, [("embed", "mlp")] * len(weights))
         if cfg.use_bias:
             h_BLF += _cast(self.b_in, dt)
         if cfg.gated_mlp:
-            gate_BLF = jnp.einsum("bld,df->blf", x_BLD, _cast(self.w_gate, dt))
-            h_BLF = jax.nn.silu(gate_BLF) * h_BLF
+            h_BLF = jax.nn.silu(gate[0]) * h_BLF
         else:
             h_BLF = jax.nn.gelu(h_BLF, approximate=True)
         h_BLF = constrain(h_BLF, ("batch", None, "mlp"))
-        out_BLD = jnp.einsum("blf,fd->bld", h_BLF, _cast(self.w_out, dt))
+        out_BLD = tp.row_parallel(h_BLF, _cast(self.w_out, dt), ("mlp", "embed"))
         if cfg.use_bias:
             out_BLD += _cast(self.b_out, dt)
         return checkpoint_name(out_BLD, "mlp_out")

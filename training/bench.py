@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import math
 import statistics
 import time
 from collections.abc import Callable
@@ -17,7 +16,8 @@ from models.config import ModelConfig
 from models.sharding import init_sharded
 from oases_jax.errors import UserError
 from oases_jax.mesh import make_mesh, parse_mesh
-from oases_jax.rules import get_rules, spec_divides
+from oases_jax.rules import get_rules
+from training.checks import check_shapes
 from training.compiled import GPU_OPTIONS
 from training.config import OptimConfig, ParallelConfig
 from training.data import BatchSampler, load_corpus
@@ -167,25 +167,15 @@ def compiler_options(schedule: str, platform: str) -> dict:
     return dict(GPU_OPTIONS.get(schedule, {})) if platform == "gpu" else {}
 
 
-def _check_batch(batch_size: int, rules, mesh, label: str) -> None:
-    spec = rules.act_spec(("batch",), mesh)
-    if spec_divides((batch_size,), spec, mesh) is not None:
-        axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
-        n = math.prod(mesh.shape[a] for a in axes)
-        raise UserError(
-            f"variant {label}: --batch-size {batch_size} does not split over mesh axis "
-            f"{'x'.join(axes)}={n}; use a multiple of {n}"
-        )
-
-
 def build_variant(cfg: BenchConfig, spec: Resolved, sampler: BatchSampler) -> Variant:
     """Initialise the model (same seed in every variant), compile the step, place the batches."""
     mesh = make_mesh(spec.mesh)
     rules = get_rules(spec.rules)
-    _check_batch(cfg.batch_size, rules, mesh, spec.label)
     try:
+        check_shapes(batch_size=cfg.batch_size, microbatches=1, seq_len=cfg.seq_len, rules=rules,
+                     mesh=mesh)
         tx = make_optimizer(OptimConfig(), cfg.total_steps)
-        fns = build_step_fns(cfg.model, tx, rules, mesh)
+        fns = build_step_fns(cfg.model, tx, rules, mesh, spec.schedule)
         state = new_state(nnx.state(init_sharded(cfg.model, rules, mesh, cfg.seed)), fns, cfg.seed)
     except UserError as e:
         raise UserError(f"variant {spec.label}: {e}") from None

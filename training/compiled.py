@@ -26,6 +26,7 @@ from oases_jax.mesh import make_mesh
 from oases_jax.rules import constrain, get_rules, use_rules
 from oases_jax.simulate import SimResult, simulate
 from oases_jax.targets import Target
+from oases_jax.tensor_parallel import TensorParallel, use_tensor_parallel
 from training.config import SCHEDULES, OptimConfig, ParallelConfig
 from training.optim import make_optimizer
 from training.state import build_step_fns
@@ -38,6 +39,8 @@ _GPU_BASE = {"xla_gpu_enable_latency_hiding_scheduler": True}
 GPU_OPTIONS: dict[str, dict] = {
     "megatron": _GPU_BASE,
     "megatron_sp": _GPU_BASE,
+    # Two permutes in flight at once: a backward ring step moves a block and a partial sum.
+    "collective_matmul": {**_GPU_BASE, "xla_gpu_experimental_parallel_collective_overlap_limit": 2},
     # A threshold of 0 MiB makes XLA's windowed-einsum pass abort (a cycle found by the algebraic
     # simplifier) on the attention einsums of jax 0.12.0.1; 1 MiB still rewrites every projection.
     "xla_auto": {**_GPU_BASE, "xla_gpu_threshold_for_windowed_einsum_mib": 1,
@@ -105,7 +108,7 @@ def _abstract(tree, shardings):
 def lower_train_step(spec: CompileSpec, mesh):
     rules = get_rules(spec.parallel.rules_name)
     tx = make_optimizer(OptimConfig(), total_steps=1000)
-    fns = build_step_fns(spec.model, tx, rules, mesh)
+    fns = build_step_fns(spec.model, tx, rules, mesh, spec.parallel.schedule)
     batch = jax.ShapeDtypeStruct((1, spec.batch_size, spec.seq_len + 1), jnp.int32,
                                  sharding=fns.batch_sharding)
     with jax.set_mesh(mesh):
@@ -122,8 +125,10 @@ def lower_layer(spec: CompileSpec, mesh):
     x = jax.ShapeDtypeStruct((spec.batch_size, spec.seq_len, cfg.d_model),
                              jnp.dtype(cfg.dtype), sharding=x_sh)
 
+    tp = TensorParallel(spec.parallel.schedule, rules, mesh)
+
     def fwd_bwd(p, x_BLD):
-        with use_rules(rules, mesh):
+        with use_rules(rules, mesh), use_tensor_parallel(tp):
             def f(p, x):
                 y = nnx.merge(graphdef, p)(constrain(x, ("batch", "seq", "embed")))
                 return jnp.sum(y.astype(jnp.float32))

@@ -9,8 +9,8 @@ from oases_jax.errors import UserError
 
 # Tensor-parallel schedules. Each names the rule set it needs when the user asked for plain `tp`:
 # the sequence-parallel schedules shard the residual stream on `seq` between blocks.
-SCHEDULES = ("megatron", "megatron_sp", "xla_auto")
-_SEQUENCE_PARALLEL = ("megatron_sp", "xla_auto")
+SCHEDULES = ("megatron", "megatron_sp", "collective_matmul", "xla_auto")
+_SEQUENCE_PARALLEL = ("megatron_sp", "collective_matmul", "xla_auto")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -15,8 +15,9 @@ from tqdm import tqdm
 from models.sharding import init_sharded
 from oases_jax.errors import UserError
 from oases_jax.mesh import make_mesh
-from oases_jax.rules import get_rules, spec_divides
+from oases_jax.rules import get_rules
 from training.checkpoint import Checkpointer
+from training.checks import check_shapes
 from training.config import TrainConfig
 from training.data import BatchSampler, load_corpus
 from training.metrics import MetricsWriter, peak_flops_per_device, throughput
@@ -71,18 +72,6 @@ def _check_resumable(meta: dict, cfg: TrainConfig) -> None:
             )
 
 
-def _check_batch(cfg: TrainConfig, rules, mesh) -> None:
-    spec = rules.act_spec(("batch",), mesh)
-    if spec_divides((cfg.micro_batch_size,), spec, mesh) is not None:
-        axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
-        n = math.prod(mesh.shape[a] for a in axes)
-        raise UserError(
-            f"micro-batch of {cfg.micro_batch_size} sequences (--batch-size {cfg.batch_size} / "
-            f"--microbatches {cfg.microbatches}) does not split over mesh axis "
-            f"{'x'.join(axes)}={n}; use a --batch-size that is a multiple of {n * cfg.microbatches}"
-        )
-
-
 class _StopSignal:
     """SIGTERM/SIGINT finish the current step, checkpoint, and end the run."""
 
@@ -110,7 +99,8 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
     """Train as `cfg` says, on `devices` (default: all devices of all processes)."""
     mesh = make_mesh(cfg.parallel.mesh, devices)
     rules = get_rules(cfg.parallel.rules_name)
-    _check_batch(cfg, rules, mesh)
+    check_shapes(batch_size=cfg.batch_size, microbatches=cfg.microbatches, seq_len=cfg.seq_len,
+                 rules=rules, mesh=mesh)
     corpus = load_corpus(cfg.data)
     if corpus.vocab_size > cfg.model.vocab_size:
         raise UserError(
@@ -124,7 +114,7 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
         tokens=corpus.val, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed, stream=1
     )
     tx = make_optimizer(cfg.optim, cfg.steps)
-    fns = build_step_fns(cfg.model, tx, rules, mesh)
+    fns = build_step_fns(cfg.model, tx, rules, mesh, cfg.parallel.schedule)
     ckpt = (
         Checkpointer(cfg.ckpt.dir, keep=cfg.ckpt.keep, create=not cfg.ckpt.resume)
         if cfg.ckpt.dir

@@ -15,6 +15,7 @@ from models.config import ModelConfig
 from models.sharding import abstract_model, param_shardings
 from models.transformer import cross_entropy
 from oases_jax.rules import ShardingRules, use_rules
+from oases_jax.tensor_parallel import TensorParallel, use_tensor_parallel
 
 TrainState = (
     dict  # {"params": nnx.State, "opt_state": optax state, "step": int32, "rng": uint32[2]}
@@ -41,7 +42,8 @@ def loss_fn(graphdef: nnx.GraphDef, params: nnx.State, tokens_BL: jax.Array, voc
 
 
 def build_step_fns(
-    cfg: ModelConfig, tx: optax.GradientTransformation, rules: ShardingRules, mesh: Mesh
+    cfg: ModelConfig, tx: optax.GradientTransformation, rules: ShardingRules, mesh: Mesh,
+    schedule: str = "megatron",
 ) -> StepFns:
     graphdef, abstract_params = abstract_model(cfg)
     p_sh = param_shardings(abstract_params, rules, mesh)
@@ -85,7 +87,8 @@ def build_step_fns(
     def traced(fn):
         # Trace under the mesh and rules so `constrain` calls in the model see them.
         def wrapper(*args):
-            with use_rules(rules, mesh):
+            tp = TensorParallel(schedule, rules, mesh)
+            with use_rules(rules, mesh), use_tensor_parallel(tp):
                 return fn(*args)
 
         return wrapper

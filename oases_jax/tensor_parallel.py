@@ -1,0 +1,105 @@
+"""Tensor-parallel projections that follow the active schedule.
+
+Models call `column_parallel` (D -> heads/mlp, e.g. QKV, MLP in) and `row_parallel`
+(heads/mlp -> D, e.g. attention out, MLP out) with logical names for the weights. Under the GSPMD
+schedules (megatron, megatron_sp, xla_auto) they are plain einsums and the partitioner inserts
+the collectives. Under `collective_matmul` they run the ring primitives of
+`oases_jax.collective_matmul` inside `shard_map` over the tensor axis: the sequence-sharded
+residual stream is gathered chunk by chunk into the column-parallel matmul, and the row-parallel
+matmul's partial sums are reduce-scattered back onto the sequence, both overlapped with compute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from oases_jax.collective_matmul import all_gather_matmul, matmul_reduce_scatter
+from oases_jax.rules import Logical, ShardingRules
+
+RING_SCHEDULES = ("collective_matmul",)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    """How projections run: `schedule`, on `mesh` under `rules`, rings over `axis`."""
+
+    schedule: str
+    rules: ShardingRules
+    mesh: Mesh
+    axis: str = "tensor"
+    bidirectional: bool = True
+
+    @property
+    def uses_rings(self) -> bool:
+        return self.schedule in RING_SCHEDULES and self.mesh.shape.get(self.axis, 1) > 1
+
+
+_ACTIVE: contextvars.ContextVar[TensorParallel | None] = contextvars.ContextVar(
+    "oases_jax_tensor_parallel", default=None)
+
+
+@contextlib.contextmanager
+def use_tensor_parallel(tp: TensorParallel):
+    token = _ACTIVE.set(tp)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def _flat(w: jax.Array, n_in: int) -> jax.Array:
+    return w.reshape(math.prod(w.shape[:n_in]), -1)
+
+
+def column_parallel(x_BLD: jax.Array, weights: Sequence[jax.Array],
+                    names: Sequence[Logical]) -> list[jax.Array]:
+    """[x @ w for w in weights], each w of shape [D, *out] named ("embed", *out_names); the
+    outputs are [B, L, *out]. Under a ring schedule all weights share one all-gather ring."""
+    tp = _ACTIVE.get()
+    if tp is None or not tp.uses_rings:
+        return [jnp.einsum("bld,d...->bl...", x_BLD, w) for w in weights]
+    rules, mesh = tp.rules, tp.mesh
+    x_spec = rules.act_spec(("batch", "seq", "embed"), mesh)
+    w_specs = [rules.param_spec(n, mesh) for n in names]
+    out_specs = tuple(rules.act_spec(("batch", None, *n[1:]), mesh) for n in names)
+    bidirectional = tp.bidirectional and x_BLD.shape[1] // mesh.shape[tp.axis] % 2 == 0
+
+    def local(x, *ws):
+        flat = [_flat(w, 1) for w in ws]
+        y = all_gather_matmul(x, jnp.concatenate(flat, axis=1), tp.axis, bidirectional)
+        cuts = [sum(f.shape[1] for f in flat[: i + 1]) for i in range(len(flat) - 1)]
+        parts = jnp.split(y, cuts, axis=-1)
+        return tuple(p.reshape(*p.shape[:2], *w.shape[1:]) for p, w in zip(parts, ws, strict=True))
+
+    outs = jax.shard_map(local, mesh=mesh, in_specs=(x_spec, *w_specs), out_specs=out_specs)(
+        x_BLD, *weights)
+    return list(outs)
+
+
+def row_parallel(h: jax.Array, w: jax.Array, names: Logical) -> jax.Array:
+    """h [B, L, *in] @ w [*in, D] -> [B, L, D], w named (*in_names, "embed"). Under a ring
+    schedule the result is reduce-scattered onto the sequence by a ring."""
+    tp = _ACTIVE.get()
+    n_in = w.ndim - 1
+    if tp is None or not tp.uses_rings:
+        letters = "ijkm"[:n_in]
+        return jnp.einsum(f"bl{letters},{letters}d->bld", h, w)
+    rules, mesh = tp.rules, tp.mesh
+    h_spec = rules.act_spec(("batch", None, *names[:-1]), mesh)
+    out_spec = rules.act_spec(("batch", "seq", "embed"), mesh)
+    bidirectional = tp.bidirectional and w.shape[-1] % 2 == 0
+
+    def local(h, w):
+        h_flat = h.reshape(*h.shape[:2], -1)
+        return matmul_reduce_scatter(h_flat, _flat(w, n_in), tp.axis, bidirectional)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(h_spec, rules.param_spec(names, mesh)),
+                         out_specs=out_spec)(h, w)
