@@ -10,6 +10,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models.config import ModelConfig
+from oases_jax import schedules
 from oases_jax import tensor_parallel as tp
 from oases_jax.rules import constrain
 
@@ -18,6 +19,9 @@ from oases_jax.rules import constrain
 # `*_out` the outputs of the row-parallel ones (after the all-reduce / reduce-scatter): saving
 # them makes recomputation free of tensor-parallel communication.
 SAVE_NAMES = ("attn_in", "attn_out", "mlp_in", "mlp_out")
+# Under ring schedules the gather happens inside the column-parallel projection, so its outputs
+# are the post-collective values to keep.
+RING_SAVE_NAMES = ("attn_qkv", "mlp_hidden")
 
 
 def param(
@@ -107,6 +111,7 @@ class Attention(nnx.Module):
             q_BLHK += _cast(self.bq, dt)
             k_BLGK += _cast(self.bk, dt)
             v_BLGK += _cast(self.bv, dt)
+        q_BLHK, k_BLGK, v_BLGK = (checkpoint_name(t, "attn_qkv") for t in (q_BLHK, k_BLGK, v_BLGK))
         if not cfg.learned_positions:
             q_BLHK, k_BLGK = rope(q_BLHK, cfg.rope_theta), rope(k_BLGK, cfg.rope_theta)
         q_BLHK = constrain(q_BLHK, ("batch", None, "heads", "head_dim"))
@@ -149,6 +154,7 @@ class MLP(nnx.Module):
         x_BLD = checkpoint_name(x_BLD, "mlp_in")
         weights = [_cast(self.w_in, dt)] + ([_cast(self.w_gate, dt)] if cfg.gated_mlp else [])
         h_BLF, *gate = tp.column_parallel(x_BLD, weights, [("embed", "mlp")] * len(weights))
+        h_BLF, *gate = (checkpoint_name(t, "mlp_hidden") for t in (h_BLF, *gate))
         if cfg.use_bias:
             h_BLF += _cast(self.b_in, dt)
         if cfg.gated_mlp:
@@ -172,7 +178,7 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, rngs=rngs)
 
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
-        x_BLD = x_BLD + self.attn(self.norm1(x_BLD))
-        x_BLD = constrain(x_BLD, ("batch", "seq", "embed"))
-        x_BLD = x_BLD + self.mlp(self.norm2(x_BLD))
-        return constrain(x_BLD, ("batch", "seq", "embed"))
+        # The order of work (one pass, or Oases sub-batches) comes from the active schedule.
+        ops = {"attn": lambda x: self.attn(self.norm1(x)), "mlp": lambda x: self.mlp(self.norm2(x))}
+        return schedules.run(tp.layer_schedule(), x_BLD, ops,
+                             constrain=lambda x: constrain(x, ("batch", "seq", "embed")))

@@ -12,19 +12,23 @@ from flax import nnx
 
 from models import gpt2, llama
 from models.config import ModelConfig
-from models.layers import SAVE_NAMES, Block, param
+from models.layers import RING_SAVE_NAMES, SAVE_NAMES, Block, param
+from oases_jax import tensor_parallel as tp
 from oases_jax.rules import constrain
 
 FAMILY_NORM = {"gpt2": gpt2.NORM, "llama": llama.NORM}
 
 
-def remat_policy(name: str):
-    """The `jax.checkpoint` policy for a remat name (None: no remat)."""
+def remat_policy(name: str, rings: bool = False):
+    """The `jax.checkpoint` policy for a remat name (None: no remat). `save_proj` keeps the
+    values on both sides of every tensor-parallel collective, so recomputing a layer issues no
+    communication; with ring schedules (`rings`) those include the column projections' outputs."""
     policies = jax.checkpoint_policies
+    saved = SAVE_NAMES + (RING_SAVE_NAMES if rings else ())
     return {
         "none": None,
         "full": policies.nothing_saveable,
-        "save_proj": policies.save_only_these_names(*SAVE_NAMES),
+        "save_proj": policies.save_only_these_names(*saved),
         "save_dots": policies.dots_with_no_batch_dims_saveable,
     }[name]
 
@@ -62,7 +66,7 @@ class Transformer(nnx.Module):
         def layer(x_BLD, layer_state):
             return nnx.merge(graphdef, layer_state)(x_BLD), None
 
-        policy = remat_policy(self.cfg.remat)
+        policy = remat_policy(self.cfg.remat, tp.uses_rings())
         if self.cfg.remat != "none":
             layer = jax.checkpoint(layer, policy=policy, prevent_cse=not self.cfg.scan_layers)
         if self.cfg.scan_layers:

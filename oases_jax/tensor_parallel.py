@@ -21,10 +21,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from oases_jax import schedules
 from oases_jax.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from oases_jax.rules import Logical, ShardingRules
 
-RING_SCHEDULES = ("collective_matmul",)
+RING_SCHEDULES = ("collective_matmul", "oases_cm")
+SUB_BATCH_SCHEDULES = ("oases", "oases_cm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,14 +38,36 @@ class TensorParallel:
     mesh: Mesh
     axis: str = "tensor"
     bidirectional: bool = True
+    sub_batches: int = 2  # for the Oases schedules
 
     @property
     def uses_rings(self) -> bool:
         return self.schedule in RING_SCHEDULES and self.mesh.shape.get(self.axis, 1) > 1
 
+    @property
+    def layer_schedule(self) -> schedules.Schedule:
+        if self.schedule in SUB_BATCH_SCHEDULES:
+            return schedules.oases(self.sub_batches)
+        return schedules.sequential()
+
 
 _ACTIVE: contextvars.ContextVar[TensorParallel | None] = contextvars.ContextVar(
     "oases_jax_tensor_parallel", default=None)
+
+
+def active() -> TensorParallel | None:
+    return _ACTIVE.get()
+
+
+def layer_schedule() -> schedules.Schedule:
+    """The order of work inside a layer under the active schedule (sequential without one)."""
+    tp = _ACTIVE.get()
+    return tp.layer_schedule if tp is not None else schedules.sequential()
+
+
+def uses_rings() -> bool:
+    tp = _ACTIVE.get()
+    return tp is not None and tp.uses_rings
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ def parse_args(argv=None):
     p.add_argument("--mesh", default="tensor=-1", help="mesh over the target's devices")
     p.add_argument("--rules", default="tp")
     p.add_argument("--schedule", default="megatron")
+    p.add_argument("--sub-batches", type=int, default=2, help="oases schedules: sub-batches")
     p.add_argument("--plan", help="a plan JSON (not available yet)")
     p.add_argument("--target", default="local", help="local, h100:N, h200:N or a100:N")
     p.add_argument("--layer", action="store_true", help="one layer's forward+backward only")
@@ -80,7 +81,8 @@ def main() -> int:
         spec = CompileSpec(model=model, batch_size=args.batch_size, seq_len=seq_len,
                            layer=args.layer,
                            parallel=ParallelConfig(mesh=args.mesh, rules=args.rules,
-                                                   schedule=schedule))
+                                                   schedule=schedule,
+                                                   sub_batches=args.sub_batches))
         png = timeline_path(schedule, first)
         if target.is_gpu_aot and schedule in MAY_ABORT:
             return inspect_isolated(spec, args.target, png)

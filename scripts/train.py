@@ -36,6 +36,7 @@ def parse_args(argv=None):
     g.add_argument("--mesh", default="data=2,tensor=4", help="ordered axes, one may be -1")
     g.add_argument("--rules", default="tp", help="dp, fsdp, tp, tp_sp or fsdp_tp (default tp)")
     g.add_argument("--schedule", default="megatron", help="tensor-parallel schedule")
+    g.add_argument("--sub-batches", type=int, default=2, help="oases schedules: sub-batches")
     g.add_argument("--plan", help="a plan JSON from scripts/plan.py (not available yet)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=200, help="total optimizer steps of the run")
@@ -96,7 +97,8 @@ def build_config(args):
             weight_decay=args.weight_decay,
             clip_norm=args.clip_norm,
         ),
-        parallel=ParallelConfig(mesh=args.mesh, rules=args.rules, schedule=args.schedule),
+        parallel=ParallelConfig(mesh=args.mesh, rules=args.rules, schedule=args.schedule,
+                                sub_batches=args.sub_batches),
         ckpt=CheckpointConfig(
             dir=args.ckpt_dir or str(out / "ckpt"),
             every=args.ckpt_every,

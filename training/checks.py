@@ -17,16 +17,22 @@ def _axes_size(rules: ShardingRules, logical: str, mesh: Mesh) -> tuple[str, int
 
 
 def check_shapes(*, batch_size: int, microbatches: int, seq_len: int, rules: ShardingRules,
-                 mesh: Mesh) -> None:
-    """The micro-batch must split over the batch axes, and the sequence over the axes a
-    sequence-parallel rule set shards it on."""
+                 mesh: Mesh, sub_batches: int = 1) -> None:
+    """The micro-batch must split over the batch axes (and, per device, into the schedule's
+    sub-batches), and the sequence over the axes a sequence-parallel rule set shards it on."""
     micro = batch_size // microbatches
+    axes, n = _axes_size(rules, "batch", mesh)
     if spec_divides((micro,), rules.act_spec(("batch",), mesh), mesh) is not None:
-        axes, n = _axes_size(rules, "batch", mesh)
         raise UserError(
             f"micro-batch of {micro} sequences (--batch-size {batch_size} / --microbatches "
             f"{microbatches}) does not split over mesh axis {axes}={n}; use a --batch-size that "
             f"is a multiple of {n * microbatches}"
+        )
+    if (micro // n) % sub_batches:
+        raise UserError(
+            f"each device's {micro // n} sequences (micro-batch {micro} over {axes or 'no axis'}"
+            f"={n}) do not split into --sub-batches {sub_batches}; use a --batch-size that is a "
+            f"multiple of {n * microbatches * sub_batches} or fewer sub-batches"
         )
     if spec_divides((seq_len,), rules.act_spec(("seq",), mesh), mesh) is not None:
         axes, n = _axes_size(rules, "seq", mesh)

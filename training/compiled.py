@@ -41,6 +41,12 @@ GPU_OPTIONS: dict[str, dict] = {
     "megatron_sp": _GPU_BASE,
     # Two permutes in flight at once: a backward ring step moves a block and a partial sum.
     "collective_matmul": {**_GPU_BASE, "xla_gpu_experimental_parallel_collective_overlap_limit": 2},
+    # Keep each sub-batch's collective separate: XLA's combiners would merge them into one.
+    "oases": {**_GPU_BASE, "xla_gpu_all_reduce_combine_threshold_bytes": 0,
+              "xla_gpu_all_gather_combine_threshold_bytes": 0,
+              "xla_gpu_reduce_scatter_combine_threshold_bytes": 0},
+    "oases_cm": {**_GPU_BASE, "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
+                 "xla_gpu_collective_permute_combine_threshold_bytes": 0},
     # A threshold of 0 MiB makes XLA's windowed-einsum pass abort (a cycle found by the algebraic
     # simplifier) on the attention einsums of jax 0.12.0.1; 1 MiB still rewrites every projection.
     "xla_auto": {**_GPU_BASE, "xla_gpu_threshold_for_windowed_einsum_mib": 1,
@@ -108,7 +114,8 @@ def _abstract(tree, shardings):
 def lower_train_step(spec: CompileSpec, mesh):
     rules = get_rules(spec.parallel.rules_name)
     tx = make_optimizer(OptimConfig(), total_steps=1000)
-    fns = build_step_fns(spec.model, tx, rules, mesh, spec.parallel.schedule)
+    fns = build_step_fns(spec.model, tx, rules, mesh, spec.parallel.schedule,
+                         spec.parallel.sub_batches)
     batch = jax.ShapeDtypeStruct((1, spec.batch_size, spec.seq_len + 1), jnp.int32,
                                  sharding=fns.batch_sharding)
     with jax.set_mesh(mesh):
@@ -125,7 +132,8 @@ def lower_layer(spec: CompileSpec, mesh):
     x = jax.ShapeDtypeStruct((spec.batch_size, spec.seq_len, cfg.d_model),
                              jnp.dtype(cfg.dtype), sharding=x_sh)
 
-    tp = TensorParallel(spec.parallel.schedule, rules, mesh)
+    tp = TensorParallel(spec.parallel.schedule, rules, mesh,
+                        sub_batches=spec.parallel.sub_batches)
 
     def fwd_bwd(p, x_BLD):
         with use_rules(rules, mesh), use_tensor_parallel(tp):
@@ -133,7 +141,7 @@ def lower_layer(spec: CompileSpec, mesh):
                 y = nnx.merge(graphdef, p)(constrain(x, ("batch", "seq", "embed")))
                 return jnp.sum(y.astype(jnp.float32))
 
-            policy = remat_policy(cfg.remat)
+            policy = remat_policy(cfg.remat, tp.uses_rings)
             if policy is not None:
                 f = jax.checkpoint(f, policy=policy)
             return jax.grad(f, argnums=(0, 1))(p, x_BLD)

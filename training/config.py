@@ -9,8 +9,8 @@ from oases_jax.errors import UserError
 
 # Tensor-parallel schedules. Each names the rule set it needs when the user asked for plain `tp`:
 # the sequence-parallel schedules shard the residual stream on `seq` between blocks.
-SCHEDULES = ("megatron", "megatron_sp", "collective_matmul", "xla_auto")
-_SEQUENCE_PARALLEL = ("megatron_sp", "collective_matmul", "xla_auto")
+SCHEDULES = ("megatron", "megatron_sp", "collective_matmul", "oases", "oases_cm", "xla_auto")
+_SEQUENCE_PARALLEL = ("megatron_sp", "collective_matmul", "oases_cm", "xla_auto")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -39,17 +39,25 @@ class ParallelConfig:
     mesh: str = "data=2,tensor=4"
     rules: str = "tp"
     schedule: str = "megatron"
+    sub_batches: int = 2  # Oases schedules: sub-batches per micro-batch
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
             raise UserError(
                 f"unknown --schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}"
             )
+        if self.sub_batches < 1:
+            raise UserError(f"--sub-batches {self.sub_batches} must be >= 1")
         if self.schedule in _SEQUENCE_PARALLEL and self.rules not in ("tp", "tp_sp"):
             raise UserError(
                 f"--schedule {self.schedule} is tensor + sequence parallel and cannot use "
                 f"--rules {self.rules}; use --rules tp_sp"
             )
+
+    @property
+    def layer_sub_batches(self) -> int:
+        """Sub-batches a layer splits its micro-batch into (1 outside the Oases schedules)."""
+        return self.sub_batches if self.schedule in ("oases", "oases_cm") else 1
 
     @property
     def rules_name(self) -> str:

@@ -100,7 +100,7 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
     mesh = make_mesh(cfg.parallel.mesh, devices)
     rules = get_rules(cfg.parallel.rules_name)
     check_shapes(batch_size=cfg.batch_size, microbatches=cfg.microbatches, seq_len=cfg.seq_len,
-                 rules=rules, mesh=mesh)
+                 rules=rules, mesh=mesh, sub_batches=cfg.parallel.layer_sub_batches)
     corpus = load_corpus(cfg.data)
     if corpus.vocab_size > cfg.model.vocab_size:
         raise UserError(
@@ -114,7 +114,8 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
         tokens=corpus.val, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed, stream=1
     )
     tx = make_optimizer(cfg.optim, cfg.steps)
-    fns = build_step_fns(cfg.model, tx, rules, mesh, cfg.parallel.schedule)
+    fns = build_step_fns(cfg.model, tx, rules, mesh, cfg.parallel.schedule,
+                         cfg.parallel.sub_batches)
     ckpt = (
         Checkpointer(cfg.ckpt.dir, keep=cfg.ckpt.keep, create=not cfg.ckpt.resume)
         if cfg.ckpt.dir

@@ -43,7 +43,7 @@ def loss_fn(graphdef: nnx.GraphDef, params: nnx.State, tokens_BL: jax.Array, voc
 
 def build_step_fns(
     cfg: ModelConfig, tx: optax.GradientTransformation, rules: ShardingRules, mesh: Mesh,
-    schedule: str = "megatron",
+    schedule: str = "megatron", sub_batches: int = 2,
 ) -> StepFns:
     graphdef, abstract_params = abstract_model(cfg)
     p_sh = param_shardings(abstract_params, rules, mesh)
@@ -87,7 +87,7 @@ def build_step_fns(
     def traced(fn):
         # Trace under the mesh and rules so `constrain` calls in the model see them.
         def wrapper(*args):
-            tp = TensorParallel(schedule, rules, mesh)
+            tp = TensorParallel(schedule, rules, mesh, sub_batches=sub_batches)
             with use_rules(rules, mesh), use_tensor_parallel(tp):
                 return fn(*args)
 
