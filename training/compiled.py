@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
 from models.layers import Block
@@ -123,7 +124,8 @@ def lower_train_step(spec: CompileSpec, mesh):
 
 
 def lower_layer(spec: CompileSpec, mesh):
-    """Forward and backward of one block: d(sum(block(x)))/d(params, x)."""
+    """Forward and backward of one block: sum(block(x)) and its gradients w.r.t. params and x
+    (the value keeps the forward alive, as a train step does)."""
     cfg, rules = spec.model, get_rules(spec.parallel.rules_name)
     block = nnx.eval_shape(lambda: Block(cfg, FAMILY_NORM[cfg.family], rngs=nnx.Rngs(0)))
     graphdef, params = nnx.split(block)
@@ -144,10 +146,11 @@ def lower_layer(spec: CompileSpec, mesh):
             policy = remat_policy(cfg.remat, tp.uses_rings)
             if policy is not None:
                 f = jax.checkpoint(f, policy=policy)
-            return jax.grad(f, argnums=(0, 1))(p, x_BLD)
+            return jax.value_and_grad(f, argnums=(0, 1))(p, x_BLD)
 
     with jax.set_mesh(mesh):
-        return jax.jit(fwd_bwd, out_shardings=(p_sh, x_sh)).lower(_abstract(params, p_sh), x)
+        out_sh = (NamedSharding(mesh, P()), (p_sh, x_sh))
+        return jax.jit(fwd_bwd, out_shardings=out_sh).lower(_abstract(params, p_sh), x)
 
 
 def spec_to_json(spec: CompileSpec) -> dict:

@@ -1,0 +1,48 @@
+"""Sub-batch schedules as plain data, and the executor against a plain loop."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from oases_jax import schedules
+
+
+def test_oases_order_and_pretty():
+    s = schedules.oases(2)
+    assert [(st.op, st.sub_batch) for st in s.steps] == [
+        ("attn", 0),
+        ("attn", 1),
+        ("mlp", 0),
+        ("mlp", 1),
+    ]
+    text = s.pretty()
+    assert "attn[1]   (hides the collective of attn[0])" in text
+    assert "mlp[0]   (hides the collective of attn[1])" in text
+    assert schedules.sequential().steps == (schedules.Step("attn", 0), schedules.Step("mlp", 0))
+    with pytest.raises(ValueError):
+        schedules.oases(0)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_executor_equals_unsplit_layer(k):
+    x = jax.random.normal(jax.random.key(0), (8, 5, 3))
+    ops = {"attn": lambda x: jnp.tanh(x) * 2.0, "mlp": lambda x: x**2 - 1.0}
+    want = x + ops["attn"](x)
+    want = want + ops["mlp"](want)
+    got = schedules.run(schedules.oases(k), x, ops)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_sub_batches_take_strided_rows():
+    seen = []
+    x = jnp.arange(8.0).reshape(8, 1, 1)
+    schedules.run(
+        schedules.oases(2), x, {"attn": lambda v: seen.append(v) or 0 * v, "mlp": lambda v: 0 * v}
+    )
+    assert [v.ravel().tolist() for v in seen] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+
+
+def test_batch_must_split():
+    with pytest.raises(ValueError, match="does not split into 3"):
+        schedules.run(schedules.oases(3), jnp.ones((4, 2, 2)), {"attn": abs, "mlp": abs})
