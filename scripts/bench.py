@@ -6,7 +6,6 @@ Every flag is documented in docs/cli.md.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
@@ -15,27 +14,12 @@ import sys
 import tempfile
 
 from oases_jax.cli import Parser, add_runtime_flags, init_runtime, run_main
+from training.flags import add_model_flags, model_from_flags
 
 
 def parse_args(argv=None):
     p = Parser(prog="bench.py", description=__doc__.splitlines()[0])
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default="small", help="preset name (default small)")
-    g.add_argument(
-        "--model-set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one ModelConfig field, e.g. n_layers=2 (repeatable)",
-    )
-    g.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute dtype")
-    g.add_argument("--remat", choices=("none", "full", "save_proj", "save_dots"))
-    g.add_argument(
-        "--scan",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="scan over layers (default on)",
-    )
+    add_model_flags(p)
     g = p.add_argument_group("variants")
     g.add_argument(
         "--variant",
@@ -65,18 +49,10 @@ def parse_args(argv=None):
 
 
 def build_config(args):
-    from models import get_preset
     from training.bench import BenchConfig, parse_variant
     from training.config import SCHEDULES
 
-    model = get_preset(args.model).with_overrides(args.model_set)
-    model = model.replace(
-        **{
-            k: v
-            for k, v in (("dtype", args.dtype), ("remat", args.remat), ("scan_layers", args.scan))
-            if v is not None
-        }
-    )
+    model = model_from_flags(args)
     variants = [parse_variant(v, rules=args.rules) for v in args.variant]
     if args.schedules is not None or not variants:
         schedules = args.schedules.split(",") if args.schedules is not None else SCHEDULES

@@ -13,14 +13,12 @@ import sys
 import tempfile
 
 from oases_jax.cli import Parser, add_runtime_flags, init_runtime, run_main
+from training.flags import add_model_flags, model_from_flags
 
 
 def parse_args(argv=None):
     p = Parser(prog="inspect_hlo.py", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="small", help="preset name (default small)")
-    p.add_argument("--model-set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"))
-    p.add_argument("--remat", choices=("none", "full", "save_proj", "save_dots"))
+    add_model_flags(p)
     p.add_argument("--mesh", default="tensor=-1", help="mesh over the target's devices")
     p.add_argument("--rules", default="tp")
     p.add_argument("--schedule", default="megatron")
@@ -55,7 +53,6 @@ def main() -> int:
 
         jax.config.update("jax_platforms", "cpu")
     init_runtime(args)
-    from models import get_preset
     from oases_jax.errors import UserError
     from oases_jax.targets import get_target
     from training import report
@@ -64,9 +61,7 @@ def main() -> int:
 
     if args.plan:
         raise UserError("--plan needs the planner, which is not available yet; use --schedule")
-    model = get_preset(args.model).with_overrides(args.model_set)
-    model = model.replace(**{k: v for k, v in (("dtype", args.dtype), ("remat", args.remat))
-                             if v is not None})
+    model = model_from_flags(args)
     target = get_target(args.target)
     seq_len = args.seq_len or min(model.max_seq_len, 1024)
 

@@ -5,33 +5,17 @@ Every flag is documented in docs/cli.md.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import pathlib
 import statistics
 
 from oases_jax.cli import Parser, add_runtime_flags, init_runtime, run_main
+from training.flags import add_model_flags, model_from_flags
 
 
 def parse_args(argv=None):
     p = Parser(prog="train.py", description=__doc__.splitlines()[0])
-    g = p.add_argument_group("model")
-    g.add_argument("--model", default="small", help="preset name (default small)")
-    g.add_argument(
-        "--model-set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override one ModelConfig field, e.g. n_layers=2 (repeatable)",
-    )
-    g.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute dtype")
-    g.add_argument("--remat", choices=("none", "full", "save_proj", "save_dots"))
-    g.add_argument(
-        "--scan",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="scan over layers (default on)",
-    )
+    add_model_flags(p)
     g = p.add_argument_group("parallelism")
     g.add_argument("--mesh", default="data=2,tensor=4", help="ordered axes, one may be -1")
     g.add_argument("--rules", default="tp", help="dp, fsdp, tp, tp_sp or fsdp_tp (default tp)")
@@ -67,20 +51,12 @@ def parse_args(argv=None):
 
 
 def build_config(args):
-    from models import get_preset
     from oases_jax.errors import UserError
     from training import CheckpointConfig, OptimConfig, ParallelConfig, TrainConfig
 
     if args.plan:
         raise UserError("--plan needs the planner, which is not available yet; use --mesh/--rules")
-    model = get_preset(args.model).with_overrides(args.model_set)
-    model = model.replace(
-        **{
-            k: v
-            for k, v in (("dtype", args.dtype), ("remat", args.remat), ("scan_layers", args.scan))
-            if v is not None
-        }
-    )
+    model = model_from_flags(args)
     import jax
 
     if jax.process_count() > 1 and not (args.out_dir or (args.ckpt_dir and args.metrics_out)):

@@ -191,12 +191,7 @@ def build_variant(cfg: BenchConfig, spec: Resolved, sampler: BatchSampler) -> Va
 def prepare(cfg: BenchConfig, log: Callable[[str], None] = lambda _: None) -> list[Variant]:
     """Check every variant, then build and compile them all (every state stays in memory)."""
     resolved = resolve_variants(cfg.variants, jax.device_count())
-    corpus = load_corpus(cfg.data)
-    if corpus.vocab_size > cfg.model.vocab_size:
-        raise UserError(
-            f"data {cfg.data!r} has token ids up to {corpus.vocab_size - 1} but the model's "
-            f"vocab_size is {cfg.model.vocab_size}; pass --model-set vocab_size={corpus.vocab_size}"
-        )
+    corpus = load_corpus(cfg.data, vocab_size=cfg.model.vocab_size)
     sampler = BatchSampler(
         tokens=corpus.train, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed
     )

@@ -64,10 +64,21 @@ def stdlib_files() -> list[pathlib.Path]:
     )
 
 
-def load_corpus(spec: str) -> Corpus:
+def load_corpus(spec: str, vocab_size: int | None = None) -> Corpus:
     """`stdlib` (default): this Python's standard-library sources, bytes as tokens.
     A `.bin` file: nanoGPT uint16 tokens (last 10% validation); a directory holding `train.bin`
-    and `val.bin`: nanoGPT's split. Any other file: its bytes; a directory: its `*.txt` files."""
+    and `val.bin`: nanoGPT's split. Any other file: its bytes; a directory: its `*.txt` files.
+    With `vocab_size`, token ids must fit a model of that vocabulary."""
+    corpus = _load(spec)
+    if vocab_size is not None and corpus.vocab_size > vocab_size:
+        raise UserError(
+            f"data {spec!r} has token ids up to {corpus.vocab_size - 1} but the model's "
+            f"vocab_size is {vocab_size}; pass --model-set vocab_size={corpus.vocab_size}"
+        )
+    return corpus
+
+
+def _load(spec: str) -> Corpus:
     if spec == "stdlib":
         return _split_files("stdlib", stdlib_files())
     path = pathlib.Path(spec)

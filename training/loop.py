@@ -101,12 +101,7 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
     rules = get_rules(cfg.parallel.rules_name)
     check_shapes(batch_size=cfg.batch_size, microbatches=cfg.microbatches, seq_len=cfg.seq_len,
                  rules=rules, mesh=mesh, sub_batches=cfg.parallel.layer_sub_batches)
-    corpus = load_corpus(cfg.data)
-    if corpus.vocab_size > cfg.model.vocab_size:
-        raise UserError(
-            f"data {cfg.data!r} has token ids up to {corpus.vocab_size - 1} but the model's "
-            f"vocab_size is {cfg.model.vocab_size}; pass --model-set vocab_size={corpus.vocab_size}"
-        )
+    corpus = load_corpus(cfg.data, vocab_size=cfg.model.vocab_size)
     train_batches = BatchSampler(
         tokens=corpus.train, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed
     )

@@ -7,10 +7,8 @@ import socket
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import pytest
-from jax.experimental.compilation_cache import compilation_cache
 
 from models import get_preset
 from training import TrainConfig, train
@@ -23,18 +21,6 @@ INHERIT_NOT = {
     *("JAX_LOCAL_DEVICE_IDS", "JAX_COMPILATION_CACHE_DIR", "OMPI_COMM_WORLD_SIZE"),
 }
 STEPS, STOP = 8, 5  # the schedule of an 8-step run, stopped after 5 (as in test_resume)
-
-
-@pytest.fixture(scope="module")
-def jax_cache(tmp_path_factory):
-    """The session's persistent compilation cache (test_resume compiles the same reference)."""
-    path = tmp_path_factory.getbasetemp() / "jax-cache"
-    old = jax.config.jax_compilation_cache_dir
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    compilation_cache.reset_cache()
-    yield path
-    jax.config.update("jax_compilation_cache_dir", old)
-    compilation_cache.reset_cache()
 
 
 def free_port() -> int:

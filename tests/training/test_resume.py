@@ -19,7 +19,6 @@ import types
 import jax
 import numpy as np
 import pytest
-from jax.experimental.compilation_cache import compilation_cache
 
 from models import get_preset
 from training import CheckpointConfig, TrainConfig, train
@@ -101,18 +100,6 @@ FAULTS = textwrap.dedent(
     runpy.run_path(sys.argv[0], run_name="__main__")
     """
 )
-
-
-@pytest.fixture(scope="module")
-def jax_cache(tmp_path_factory):
-    """One persistent compilation cache for the session, for this process and its children."""
-    path = tmp_path_factory.getbasetemp() / "jax-cache"
-    old = jax.config.jax_compilation_cache_dir
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    compilation_cache.reset_cache()
-    yield path
-    jax.config.update("jax_compilation_cache_dir", old)
-    compilation_cache.reset_cache()
 
 
 def cli_env(cache: pathlib.Path | None) -> dict:
