@@ -177,8 +177,36 @@ class Block(nnx.Module):
         self.norm2 = norm_cls(cfg, rngs=rngs)
         self.mlp = MLP(cfg, rngs=rngs)
 
+    def _ops(self):
+        return {"attn": lambda x: self.attn(self.norm1(x)),
+                "mlp": lambda x: self.mlp(self.norm2(x))}
+
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
         # The order of work (one pass, or Oases sub-batches) comes from the active schedule.
-        ops = {"attn": lambda x: self.attn(self.norm1(x)), "mlp": lambda x: self.mlp(self.norm2(x))}
-        return schedules.run(tp.layer_schedule(), x_BLD, ops,
+        ctx = tp.active()
+        if ctx is not None and ctx.manual_layer:
+            return _manual_layer(self, x_BLD, ctx)
+        return schedules.run(tp.layer_schedule(), x_BLD, self._ops(),
                              constrain=lambda x: constrain(x, ("batch", "seq", "embed")))
+
+
+def _manual_layer(block: Block, x_BLD: jax.Array, ctx: tp.TensorParallel) -> jax.Array:
+    """The whole layer inside one shard_map: per-device shapes, explicit collectives, and the
+    sub-batch executor free to order one sub-batch's collective against another's compute."""
+    graphdef, state = nnx.split(block)
+
+    def spec(v: nnx.Variable):
+        names = tuple(v.get_metadata().get("out_sharding") or ())
+        names = names[len(names) - v.get_value().ndim:]  # drop a stacked `layers` name
+        return ctx.rules.param_spec(names, ctx.mesh)
+
+    state_specs = jax.tree.map(spec, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    x_spec = ctx.rules.act_spec(("batch", "seq", "embed"), ctx.mesh)
+
+    def local(state, x):
+        with tp.manual_region():
+            ops = nnx.merge(graphdef, state)._ops()
+            return schedules.run(ctx.layer_schedule, x, ops, before_step=tp.pin_order)
+
+    return jax.shard_map(local, mesh=ctx.mesh, in_specs=(state_specs, x_spec),
+                         out_specs=x_spec)(state, x_BLD)

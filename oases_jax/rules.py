@@ -211,6 +211,16 @@ def use_rules(rules: ShardingRules, mesh: Mesh):
         _ACTIVE.reset(token)
 
 
+@contextlib.contextmanager
+def suspend_rules():
+    """No activation constraints inside (e.g. code traced per device inside shard_map)."""
+    token = _ACTIVE.set(None)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
 def active_rules() -> tuple[ShardingRules, Mesh] | None:
     return _ACTIVE.get()
 

@@ -55,9 +55,11 @@ def sequential() -> Schedule:
 
 
 def run(schedule: Schedule, x_BLD: jax.Array, ops: dict[str, Callable[[jax.Array], jax.Array]],
-        constrain: Callable[[jax.Array], jax.Array] = lambda x: x) -> jax.Array:
+        constrain: Callable[[jax.Array], jax.Array] = lambda x: x,
+        before_step: Callable[[jax.Array], jax.Array] = lambda x: x) -> jax.Array:
     """Execute `schedule` on x: split the batch into sub-batches, apply each residual step in
-    order, and join the sub-batches again."""
+    order, and join the sub-batches again. `before_step` sees each step's input first (the
+    manual Megatron layer uses it to pin the order of work, see `tensor_parallel.pin_order`)."""
     k, b = schedule.sub_batches, x_BLD.shape[0]
     if b % k:
         raise ValueError(f"batch of {b} does not split into {k} sub-batches")
@@ -66,6 +68,6 @@ def run(schedule: Schedule, x_BLD: jax.Array, ops: dict[str, Callable[[jax.Array
     grouped = x_BLD.reshape(b // k, k, *x_BLD.shape[1:])
     xs: list[jax.Array] = [grouped[:, j] for j in range(k)]
     for step in schedule.steps:
-        x = xs[step.sub_batch]
+        x = before_step(xs[step.sub_batch])
         xs[step.sub_batch] = constrain(x + ops[step.op](x))
     return jnp.stack(xs, axis=1).reshape(x_BLD.shape)

@@ -45,6 +45,12 @@ class TensorParallel:
         return self.schedule in RING_SCHEDULES and self.mesh.shape.get(self.axis, 1) > 1
 
     @property
+    def manual_layer(self) -> bool:
+        """Sub-batch schedules run each layer inside one shard_map, so the executor can order
+        one sub-batch's collective against another's compute."""
+        return self.schedule in SUB_BATCH_SCHEDULES and self.mesh.shape.get(self.axis, 1) > 1
+
+    @property
     def layer_schedule(self) -> schedules.Schedule:
         if self.schedule in SUB_BATCH_SCHEDULES:
             return schedules.oases(self.sub_batches)
@@ -53,6 +59,10 @@ class TensorParallel:
 
 _ACTIVE: contextvars.ContextVar[TensorParallel | None] = contextvars.ContextVar(
     "oases_jax_tensor_parallel", default=None)
+# Inside a manual (shard_map) layer region: projections are local, collectives explicit, and the
+# row projections leave their pre-collective partial here for the sub-batch executor.
+_MANUAL: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "oases_jax_manual_region", default=None)
 
 
 def active() -> TensorParallel | None:
@@ -68,6 +78,39 @@ def layer_schedule() -> schedules.Schedule:
 def uses_rings() -> bool:
     tp = _ACTIVE.get()
     return tp is not None and tp.uses_rings
+
+
+@contextlib.contextmanager
+def manual_region():
+    """Mark code traced inside a layer's shard_map (see `TensorParallel.manual_layer`)."""
+    from oases_jax.rules import suspend_rules
+
+    token = _MANUAL.set([])
+    try:
+        with suspend_rules():
+            yield
+    finally:
+        _MANUAL.reset(token)
+
+
+def take_pending() -> list[jax.Array]:
+    """The pre-collective partials produced since the last call (manual regions only)."""
+    pending = _MANUAL.get()
+    if pending is None:
+        return []
+    out = list(pending)
+    pending.clear()
+    return out
+
+
+def pin_order(x: jax.Array) -> jax.Array:
+    """Make `x` available only once the partials produced so far are computed. Applied to the
+    next sub-batch's input, it keeps XLA from hoisting that sub-batch's compute above the
+    previous one's projection, so the previous one's all-reduce has compute to hide behind."""
+    pending = take_pending()
+    if not pending:
+        return x
+    return jax.lax.optimization_barrier((*pending, x))[-1]
 
 
 @contextlib.contextmanager
@@ -88,24 +131,31 @@ def column_parallel(x_BLD: jax.Array, weights: Sequence[jax.Array],
     """[x @ w for w in weights], each w of shape [D, *out] named ("embed", *out_names); the
     outputs are [B, L, *out]. Under a ring schedule all weights share one all-gather ring."""
     tp = _ACTIVE.get()
-    if tp is None or not tp.uses_rings:
+    if _MANUAL.get() is not None and tp.uses_rings:  # already per device: the ring itself
+        return list(_gather_local(x_BLD, weights, tp.axis, tp.bidirectional))
+    if tp is None or not tp.uses_rings or _MANUAL.get() is not None:
         return [jnp.einsum("bld,d...->bl...", x_BLD, w) for w in weights]
     rules, mesh = tp.rules, tp.mesh
     x_spec = rules.act_spec(("batch", "seq", "embed"), mesh)
     w_specs = [rules.param_spec(n, mesh) for n in names]
     out_specs = tuple(rules.act_spec(("batch", None, *n[1:]), mesh) for n in names)
-    bidirectional = tp.bidirectional and x_BLD.shape[1] // mesh.shape[tp.axis] % 2 == 0
 
     def local(x, *ws):
-        flat = [_flat(w, 1) for w in ws]
-        y = all_gather_matmul(x, jnp.concatenate(flat, axis=1), tp.axis, bidirectional)
-        cuts = [sum(f.shape[1] for f in flat[: i + 1]) for i in range(len(flat) - 1)]
-        parts = jnp.split(y, cuts, axis=-1)
-        return tuple(p.reshape(*p.shape[:2], *w.shape[1:]) for p, w in zip(parts, ws, strict=True))
+        return _gather_local(x, ws, tp.axis, tp.bidirectional)
 
     outs = jax.shard_map(local, mesh=mesh, in_specs=(x_spec, *w_specs), out_specs=out_specs)(
         x_BLD, *weights)
     return list(outs)
+
+
+def _gather_local(x, ws, axis: str, bidirectional: bool) -> tuple[jax.Array, ...]:
+    """Per device: one all-gather ring for all weights (concatenated), split again."""
+    bidirectional = bidirectional and x.shape[1] % 2 == 0
+    flat = [_flat(w, 1) for w in ws]
+    y = all_gather_matmul(x, jnp.concatenate(flat, axis=1), axis, bidirectional)
+    cuts = [sum(f.shape[1] for f in flat[: i + 1]) for i in range(len(flat) - 1)]
+    parts = jnp.split(y, cuts, axis=-1)
+    return tuple(p.reshape(*p.shape[:2], *w.shape[1:]) for p, w in zip(parts, ws, strict=True))
 
 
 def row_parallel(h: jax.Array, w: jax.Array, names: Logical) -> jax.Array:
@@ -113,8 +163,17 @@ def row_parallel(h: jax.Array, w: jax.Array, names: Logical) -> jax.Array:
     schedule the result is reduce-scattered onto the sequence by a ring."""
     tp = _ACTIVE.get()
     n_in = w.ndim - 1
+    letters = "ijkm"[:n_in]
+    manual = _MANUAL.get()
+    if manual is not None and tp.uses_rings:
+        bidirectional = tp.bidirectional and w.shape[-1] % 2 == 0
+        return matmul_reduce_scatter(h.reshape(*h.shape[:2], -1), _flat(w, n_in), tp.axis,
+                                     bidirectional)
+    if manual is not None:  # Megatron inside the layer's shard_map: local partial, then psum
+        partial = jnp.einsum(f"bl{letters},{letters}d->bld", h, w)
+        manual.append(partial)
+        return jax.lax.psum(partial, tp.axis)
     if tp is None or not tp.uses_rings:
-        letters = "ijkm"[:n_in]
         return jnp.einsum(f"bl{letters},{letters}d->bld", h, w)
     rules, mesh = tp.rules, tp.mesh
     h_spec = rules.act_spec(("batch", None, *names[:-1]), mesh)
