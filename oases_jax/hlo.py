@@ -167,13 +167,6 @@ class HloModule:
     computations: dict[str, Computation]
     entry: str
 
-    @property
-    def entry_computation(self) -> Computation:
-        return self.computations[self.entry]
-
-    def instr(self, computation: str, name: str) -> Instr:
-        return self.computations[computation].by_name[name]
-
     def trip_count(self, while_instr: Instr) -> int | None:
         """A while loop's trip count: XLA's `known_trip_count`, else read from a loop condition
         of the form `i < constant` with `i` starting at a constant."""

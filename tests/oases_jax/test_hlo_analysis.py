@@ -167,3 +167,38 @@ ENTRY %main (a: f32[8]) -> f32[8] {
     assert x.groups == [[0, 2, 4, 6], [1, 3, 5, 7]] and x.axes == ("data", "tensor")
     assert y.groups == [[0, 1], [2, 3]] and y.axes == ("tensor",)
     assert z.groups == [[0, 1, 2, 3], [4, 5, 6, 7]] and z.axes == ("tensor",)
+
+
+def test_generic_async_wrapper_is_a_collective_with_a_window():
+    text = """HloModule m
+
+%wrapped_rs (p: f32[8,4]) -> f32[2,4] {
+  %p = f32[8,4]{1,0} parameter(0)
+  ROOT %rs = f32[2,4]{1,0} reduce-scatter(%p), replica_groups={{0,1,2,3}}, dimensions={0}
+}
+
+ENTRY %main (a: f32[8,4], b: f32[4,4]) -> (f32[2,4], f32[8,4]) {
+  %a = f32[8,4]{1,0} parameter(0)
+  %b = f32[4,4]{1,0} parameter(1)
+  %start = ((f32[8,4]{1,0}), f32[2,4]{1,0}) async-start(%a), calls=%wrapped_rs
+  %d = f32[8,4]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %done = f32[2,4]{1,0} async-done(%start)
+  ROOT %t = (f32[2,4]{1,0}, f32[8,4]{1,0}) tuple(%done, %d)
+}
+"""
+    p = Program(text, (("tensor", 4),))
+    (c,) = p.collectives()
+    assert c.kind == "reduce-scatter" and c.bytes == 8 * 4 * 4 and c.group_size == 4
+    assert c.is_async and c.gemm_overlapped and c.window == ["d"]
+    assert p.flops_of("main") == 2 * 8 * 4 * 4
+
+
+@pytest.mark.gpu_aot
+def test_multi_node_targets():
+    if not has_gpu_aot():
+        pytest.skip("needs the gpu-aot extra")
+    t = get_target("h100:16")
+    assert len(t.devices) == 16 and t.cluster.devices_per_node == 8
+    assert t.cluster.link_for([0, 8]).name == "ib-400g"
+    assert len(get_target("a100:64").devices) == 64
+    assert get_target("h200:8").devices[0].device_kind == "NVIDIA H200"
