@@ -2,7 +2,7 @@
 
 import jax
 import pytest
-from jax.experimental import compilation_cache
+from jax.experimental.compilation_cache import compilation_cache
 
 
 @pytest.fixture(scope="module")
