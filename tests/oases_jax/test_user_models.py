@@ -119,7 +119,9 @@ def test_nnx_user_module_under_rules(mesh, x_BD, name):
     want = reference(x_BD)
     sharded = dict(nnx.to_flat_state(state))
     for path, ref_var in nnx.to_flat_state(nnx.state(reference)):
-        np.testing.assert_array_equal(sharded[path].get_value(), ref_var.get_value())
+        # Same draws; jitted (sharded) and eager initialisers may round the scaling differently
+        # in the last bit (seen with jax 0.11.2).
+        np.testing.assert_allclose(sharded[path].get_value(), ref_var.get_value(), rtol=1e-6)
 
     @jax.jit
     def forward(state, x_BD):
@@ -205,7 +207,7 @@ def test_linen_user_module_under_rules(mesh, x_BD, name):
     for ref, got in zip(
         jax.tree.leaves(nn.unbox(reference)), jax.tree.leaves(nn.unbox(variables)), strict=True
     ):
-        np.testing.assert_array_equal(got, ref)
+        np.testing.assert_allclose(got, ref, rtol=1e-6)  # last-bit rounding, as above
     want = model.apply(reference, x_BD)
 
     x_sharded = jax.device_put(x_BD, NamedSharding(mesh, rules.act_spec(("batch", None), mesh)))
