@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import sys
+import tempfile
 from collections.abc import Callable
 
 from oases_jax.errors import UserError
@@ -78,3 +80,21 @@ def init_runtime(args: argparse.Namespace) -> None:
         for v in _CLUSTER_ENV
     ):
         jax.distributed.initialize()
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Write `text` to `path` through a temporary file and a rename: readers never see a partial
+    file, and a failure leaves nothing behind."""
+    target = pathlib.Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual mode
+        os.replace(tmp, target)
+    except BaseException:
+        os.unlink(tmp)
+        raise

@@ -86,6 +86,8 @@ class Program:
         self.num_devices = math.prod(s for _, s in mesh_axes) if mesh_axes else 1
         self._has_gemm: dict[str, bool] = {}
         self._flops: dict[str, float] = {}
+        self._collectives: list[Collective] | None = None
+        self._by_instr: dict[tuple[str, str], Collective] | None = None
 
     def comp(self, name: str) -> Computation:
         return self.module.computations[name]
@@ -206,6 +208,18 @@ class Program:
         return tuple(self.mesh_axes[i][0] for i in sorted(varying))
 
     def collectives(self) -> list[Collective]:
+        """Every collective of the program (computed once)."""
+        if self._collectives is None:
+            self._collectives = self._find_collectives()
+        return self._collectives
+
+    def collective_at(self, comp_name: str, instr_name: str) -> Collective:
+        """The collective that instruction `instr_name` of `comp_name` starts or is."""
+        if self._by_instr is None:
+            self._by_instr = {(c.computation, c.name): c for c in self.collectives()}
+        return self._by_instr[(comp_name, instr_name)]
+
+    def _find_collectives(self) -> list[Collective]:
         out = []
         for comp, count in self.walk():
             dones = {i.operands[0]: idx for idx, i in enumerate(comp.instrs)

@@ -90,11 +90,7 @@ class Simulator:
         return bool(dtypes & set(LOW_PRECISION))
 
     def comm_time(self, comp, idx: int, instr: Instr, kind: str) -> float:
-        c = self.p._collective(comp, idx, instr, kind, 1, None)
-        if kind == "all-gather" and is_async_start(instr):  # bytes of the gathered output
-            done = next((i for i in comp.instrs[idx:] if instr.name in i.operands
-                         and i.opcode.endswith("-done")), None)
-            c.bytes = done.result_bytes if done else c.bytes
+        c = self.p.collective_at(comp.name, instr.name)
         link = max((self.cluster.link_for(g) for g in c.groups), key=lambda lk: -lk.bytes_per_s,
                    default=self.cluster.levels[0][1])
         return collective_time(kind, c.bytes, max(c.group_size, 1), link)

@@ -7,13 +7,10 @@ Every flag is documented in docs/cli.md.
 from __future__ import annotations
 
 import json
-import os
-import pathlib
 import shlex
 import sys
-import tempfile
 
-from oases_jax.cli import Parser, add_runtime_flags, init_runtime, run_main
+from oases_jax.cli import Parser, add_runtime_flags, init_runtime, run_main, write_atomic
 from training.flags import add_model_flags, model_from_flags
 
 
@@ -74,22 +71,6 @@ def build_config(args):
     )
 
 
-def _write_atomic(path: str, text: str) -> None:
-    target = pathlib.Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the usual mode
-        os.replace(tmp, target)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 def main() -> int:
     args = parse_args()
     init_runtime(args)
@@ -109,7 +90,7 @@ def main() -> int:
         print(format_table(report))
         if args.json:
             report["command"] = shlex.join(["python", *sys.argv])
-            _write_atomic(args.json, json.dumps(report, indent=1) + "\n")
+            write_atomic(args.json, json.dumps(report, indent=1) + "\n")
     return 0
 
 

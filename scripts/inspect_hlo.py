@@ -10,9 +10,8 @@ import json
 import os
 import pathlib
 import sys
-import tempfile
 
-from oases_jax.cli import Parser, add_runtime_flags, init_runtime, run_main
+from oases_jax.cli import Parser, add_runtime_flags, init_runtime, run_main, write_atomic
 from training.flags import add_model_flags, model_from_flags
 
 
@@ -34,15 +33,6 @@ def parse_args(argv=None):
     p.add_argument("--diff", metavar="A,B", help="two schedules (or report .json files) compared")
     add_runtime_flags(p)
     return p.parse_args(argv)
-
-
-def _write_atomic(path: str, text: str) -> None:
-    target = pathlib.Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, target)
 
 
 def main() -> int:
@@ -104,7 +94,7 @@ def main() -> int:
         command = "python " + " ".join(sys.argv)
         for r in reports:
             r["command"] = command
-        _write_atomic(args.json, json.dumps(reports[0] if len(reports) == 1 else reports, indent=1))
+        write_atomic(args.json, json.dumps(reports[0] if len(reports) == 1 else reports, indent=1))
     return 0
 
 

@@ -2,11 +2,8 @@
 steps, the report's structure and ratios, and the command line (JSON output, bad input)."""
 
 import json
-import os
 import pathlib
 import statistics
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -14,6 +11,7 @@ import pytest
 
 from models import get_preset
 from oases_jax.errors import UserError
+from tests.scriptrun import run_script
 from training.bench import (
     BenchConfig,
     VariantSpec,
@@ -26,7 +24,6 @@ from training.bench import (
     warm_up,
 )
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 WARMUP, ROUNDS, PER_ROUND = 1, 2, 2
 DATA = str(pathlib.Path(__file__))  # a small text corpus: loads in no time, unlike stdlib
 
@@ -155,16 +152,7 @@ def test_timed_steps_train_the_same_model_on_the_same_data(bench):
 
 
 def run_bench_cli(*args, timeout=240):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
-    return subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=ROOT,
-    )
+    return run_script("bench.py", *args, timeout=timeout)
 
 
 def test_cli_writes_json(tmp_path):

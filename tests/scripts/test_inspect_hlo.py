@@ -1,24 +1,18 @@
 """scripts/inspect_hlo.py end to end: local and GPU targets, reports, comparisons, bad input."""
 
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
 from oases_jax.targets import has_gpu_aot
+from tests.scriptrun import run_script
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 KEYS = {"target", "collectives", "overlap_share", "peak_memory_bytes", "flops",
         "simulated_step_s", "compute_s", "exposed_comm_s"}
 
 
 def run(*args, timeout=600):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "inspect_hlo.py"), *args],
-                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    return run_script("inspect_hlo.py", *args, timeout=timeout)
 
 
 def test_local_train_step_report(tmp_path):

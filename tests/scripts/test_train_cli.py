@@ -5,27 +5,14 @@ traceback.
 """
 
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.scriptrun import run_script
 
 
 def run_train(*args, cwd=None, timeout=300):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
-    return subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "train.py"), "--no-progress", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=cwd or ROOT,
-    )
+    return run_script("train.py", "--no-progress", *args, timeout=timeout, cwd=cwd)
 
 
 def assert_one_line_error(proc, *needles, code=2):
