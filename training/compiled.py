@@ -28,6 +28,7 @@ from oases_jax.rules import constrain, get_rules, use_rules
 from oases_jax.simulate import SimResult, simulate
 from oases_jax.targets import Target
 from oases_jax.tensor_parallel import TensorParallel, use_tensor_parallel
+from oases_jax.xla_estimate import XlaEstimate, compile_with_estimate
 from training.config import SCHEDULES, OptimConfig, ParallelConfig
 from training.optim import make_optimizer
 from training.state import build_step_fns
@@ -73,6 +74,7 @@ class Inspection:
     sim: SimResult
     compile_s: float
     mesh: str  # resolved, e.g. data=1,tensor=8
+    xla: XlaEstimate | None = None  # XLA's own estimate (GPU targets only)
 
     def report(self) -> dict:
         a, sim = self.analysis, self.sim
@@ -100,6 +102,7 @@ class Inspection:
             "comm_s": sim.comm_s,
             "exposed_comm_s": sim.exposed_comm_s,
             "compile_s": self.compile_s,
+            "xla_estimate": self.xla.to_json() if self.xla else None,
         }
 
 
@@ -188,13 +191,18 @@ def inspect_program(spec: CompileSpec, target: Target) -> Inspection:
     mesh = make_mesh(spec.parallel.mesh, target.devices)
     t0 = time.perf_counter()
     lowered = lower_layer(spec, mesh) if spec.layer else lower_train_step(spec, mesh)
-    compiled = lowered.compile(compiler_options=compiler_options(spec.parallel.schedule, target))
+    options = compiler_options(spec.parallel.schedule, target)
+    xla = None
+    if target.is_gpu_aot:  # the same compile also dumps XLA's schedule and its time estimates
+        compiled, xla = compile_with_estimate(lowered, options)
+    else:
+        compiled = lowered.compile(compiler_options=options)
     compile_s = time.perf_counter() - t0
     analysis, program = analyze(compiled, mesh)
     axes = zip(mesh.axis_names, mesh.devices.shape, strict=True)
     resolved = ",".join(f"{n}={s}" for n, s in axes)
     sim = simulate(program, target.cluster)
-    return Inspection(spec, target, analysis, program, sim, compile_s, resolved)
+    return Inspection(spec, target, analysis, program, sim, compile_s, resolved, xla)
 
 
 
