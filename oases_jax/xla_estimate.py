@@ -371,10 +371,14 @@ class _Composer:
         for _ in range(self.trips(op)):
             if len(out) >= limit:
                 return
+            if cond in self.comps:
+                self.layout(cond, t0, out, limit)
             t0 += t_cond
             if body in self.comps:
                 self.layout(body, t0, out, limit)
                 t0 += self.total(body)[0]
+        if cond in self.comps:  # the last test, which ends the loop
+            self.layout(cond, t0, out, limit)
 
 
 def estimate_from_schedule(text: str, max_ops: int = MAX_OPS) -> XlaEstimate:
