@@ -1,1 +1,68 @@
-"""The parallel-plan planner (cost model and search); filled by the planner work."""
+"""The planner: an overlap-aware cost model (`planner.costs`), calibration profiles
+(`planner.profile`), an exact per-layer search (`planner.search`) and JSON plans
+(`planner.plan`). `make_plan` is the one-call entry point."""
+
+from __future__ import annotations
+
+from models.config import ModelConfig
+from oases_jax.errors import UserError
+from oases_jax.hardware import CLUSTERS, ClusterSpec, LinkSpec, detect, get_cluster
+
+COST_SOURCES = ("datasheet", "profile", "xla")
+
+
+def local_cluster(devices=None) -> ClusterSpec:
+    """The devices at hand as a cluster: `cpu-N` for CPU devices (host-memory links), the
+    GPU target of that model and count otherwise."""
+    import jax
+
+    devices = list(devices if devices is not None else jax.devices())
+    n, kind = len(devices), devices[0].device_kind
+    if devices[0].platform == "cpu":
+        if n == 8:
+            return CLUSTERS["cpu-8"]
+        link = CLUSTERS["cpu-8"].levels[0][1]
+        return ClusterSpec(name=f"cpu-{n}", device="cpu", n_devices=n, levels=((n, link),))
+    spec = detect(kind)
+    if spec is None:
+        raise UserError(f"no datasheet for device {kind!r}; describe it in a cluster JSON "
+                        "(docs/planner.md) and pass --cluster FILE")
+    return get_cluster(f"{spec.name}:{n}")
+
+
+def load_profile(source: str, cluster: ClusterSpec, path: str | None = None):
+    """The calibration profile for a cost source: None for `datasheet`; for `profile` and
+    `xla`, `path` or the default profile of the cluster's device and size."""
+    from planner.profile import Profile, default_profile_path
+
+    if source not in COST_SOURCES:
+        raise UserError(f"unknown --cost-source {source!r}; choose one of "
+                        f"{', '.join(COST_SOURCES)}")
+    if source == "datasheet":
+        return None
+    p = path or default_profile_path(cluster.device if source == "profile"
+                                     else f"xla-{cluster.device}", cluster.n_devices)
+    prof = Profile.load(p)
+    if prof.source != source:
+        raise UserError(f"profile {str(p)!r} holds {prof.source!r} costs, not {source!r}; "
+                        f"pass the matching --profile")
+    return prof
+
+
+def make_plan(cfg: ModelConfig, *, model: str, cluster: ClusterSpec, global_batch: int,
+              seq_len: int, memory_fraction: float = 0.9, profile=None,
+              cost_source: str = "datasheet", schedules=None) -> tuple[dict, object]:
+    """Search and return (plan JSON, SearchResult)."""
+    from planner.costs import TP_SCHEDULES, Hardware
+    from planner.plan import plan_json
+    from planner.search import search
+
+    hw = Hardware.of(cluster, profile)
+    result = search(cfg, hw, global_batch=global_batch, seq_len=seq_len,
+                    memory_fraction=memory_fraction, schedules=schedules or TP_SCHEDULES)
+    return plan_json(result, model=model, cfg=cfg, cluster=cluster.name,
+                     cost_source=cost_source), result
+
+
+__all__ = ["COST_SOURCES", "ClusterSpec", "LinkSpec", "get_cluster", "load_profile",
+           "local_cluster", "make_plan"]

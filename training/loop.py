@@ -100,7 +100,8 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
     mesh = make_mesh(cfg.parallel.mesh, devices)
     rules = get_rules(cfg.parallel.rules_name)
     check_shapes(batch_size=cfg.batch_size, microbatches=cfg.microbatches, seq_len=cfg.seq_len,
-                 rules=rules, mesh=mesh, sub_batches=cfg.parallel.layer_sub_batches)
+                 rules=get_rules("tp_sp") if cfg.parallel.sequence_parallel else rules,
+                 mesh=mesh, sub_batches=cfg.parallel.layer_sub_batches)
     corpus = load_corpus(cfg.data, vocab_size=cfg.model.vocab_size)
     train_batches = BatchSampler(
         tokens=corpus.train, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed
@@ -110,7 +111,7 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
     )
     tx = make_optimizer(cfg.optim, cfg.steps)
     fns = build_step_fns(cfg.model, tx, rules, mesh, cfg.parallel.schedule,
-                         cfg.parallel.sub_batches)
+                         cfg.parallel.sub_batches, layers=cfg.parallel.layers)
     ckpt = (
         Checkpointer(cfg.ckpt.dir, keep=cfg.ckpt.keep, create=not cfg.ckpt.resume)
         if cfg.ckpt.dir

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from models.config import ModelConfig
 from models.sharding import abstract_model, param_shardings
 from models.transformer import cross_entropy
+from oases_jax.layer_plan import LayerSpec, use_layer_plan
 from oases_jax.rules import ShardingRules, use_rules
 from oases_jax.tensor_parallel import TensorParallel, use_tensor_parallel
 
@@ -44,7 +45,10 @@ def loss_fn(graphdef: nnx.GraphDef, params: nnx.State, tokens_BL: jax.Array, voc
 def build_step_fns(
     cfg: ModelConfig, tx: optax.GradientTransformation, rules: ShardingRules, mesh: Mesh,
     schedule: str = "megatron", sub_batches: int = 2,
+    layers: Sequence[LayerSpec] | None = None,
 ) -> StepFns:
+    """`layers`: per-layer strategies of a plan (see `oases_jax.layer_plan`); None runs every
+    layer under `schedule`."""
     graphdef, abstract_params = abstract_model(cfg)
     p_sh = param_shardings(abstract_params, rules, mesh)
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -88,7 +92,7 @@ def build_step_fns(
         # Trace under the mesh and rules so `constrain` calls in the model see them.
         def wrapper(*args):
             tp = TensorParallel(schedule, rules, mesh, sub_batches=sub_batches)
-            with use_rules(rules, mesh), use_tensor_parallel(tp):
+            with use_rules(rules, mesh), use_tensor_parallel(tp), use_layer_plan(layers):
                 return fn(*args)
 
         return wrapper

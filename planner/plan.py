@@ -1,0 +1,118 @@
+"""Plans as plain JSON: what the search chose, what it predicts, and what it beat.
+
+    {"model": "small", "cluster": "cpu-8", "global_batch": 16, "seq_len": 128,
+     "mesh": {"data": 2, "tensor": 4}, "rules": "tp", "microbatches": 1,
+     "layers": [{"schedule": "oases", "sub_batches": 2, "remat": "none"}, ...],
+     "predicted_step_s": ..., "predicted_peak_memory_bytes": ..., "predicted_exposed_comm_s": ...,
+     "memory": {...}, "baselines": {"megatron": {...}, "best_uniform": {...}},
+     "search_s": ..., "cost_source": "datasheet" | "profile", "alternatives": [...]}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+from models.config import ModelConfig
+from oases_jax.cli import write_atomic
+from oases_jax.errors import UserError
+from planner.costs import TP_SCHEDULES, Strategy
+from planner.search import Candidate, SearchResult
+
+FORMAT = "oases-jax-plan/1"
+
+
+def candidate_json(c: Candidate) -> dict:
+    return {"summary": c.summary(), "mesh": c.layout.mesh(), "microbatches": c.layout.microbatches,
+            "step_s": c.cost.step_s, "peak_memory_bytes": c.cost.peak_memory_bytes,
+            "exposed_comm_s": c.cost.exposed_comm_s}
+
+
+def plan_json(result: SearchResult, *, model: str, cfg: ModelConfig, cluster: str,
+              cost_source: str, alternatives: int = 5) -> dict:
+    best = result.best
+    return {
+        "format": FORMAT,
+        "model": model,
+        "model_config": dataclasses.asdict(cfg),
+        "cluster": cluster,
+        "global_batch": best.layout.global_batch,
+        "seq_len": best.layout.seq_len,
+        "mesh": best.layout.mesh(),
+        "rules": best.layout.rules(),
+        "microbatches": best.layout.microbatches,
+        "layers": [s.to_json() for s in best.strategies],
+        "predicted_step_s": best.cost.step_s,
+        "predicted_peak_memory_bytes": best.cost.peak_memory_bytes,
+        "predicted_exposed_comm_s": best.cost.exposed_comm_s,
+        "memory": best.cost.memory,
+        "baselines": {k: candidate_json(v) for k, v in result.baselines.items()},
+        "search_s": result.search_s,
+        "cost_source": cost_source,
+        "alternatives": [candidate_json(c) for c in result.ranked[1:alternatives + 1]],
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A loaded plan: what `scripts/train.py` and `scripts/inspect_hlo.py` need from it."""
+
+    mesh: str  # "data=2,tensor=4"
+    rules: str
+    microbatches: int
+    global_batch: int
+    seq_len: int
+    layers: tuple[Strategy, ...]
+    raw: dict
+
+    @property
+    def uniform_schedule(self) -> str:
+        """The schedule of the first layer (the global one for code that needs one)."""
+        return self.layers[0].schedule
+
+    def check_model(self, cfg: ModelConfig) -> None:
+        if len(self.layers) != cfg.n_layers:
+            raise UserError(
+                f"the plan has {len(self.layers)} layer entries but the model has "
+                f"{cfg.n_layers} layers; plan again for this model with scripts/plan.py"
+            )
+
+
+def save(plan: dict, path: str | pathlib.Path) -> None:
+    write_atomic(pathlib.Path(path), json.dumps(plan, indent=1) + "\n")
+
+
+def load(path: str | pathlib.Path) -> Plan:
+    """Read and validate a plan file; every problem is a one-line UserError."""
+    path = pathlib.Path(path)
+    if not path.exists():
+        raise UserError(f"plan file {str(path)!r} does not exist; make one with scripts/plan.py "
+                        "--json PLAN.json, or use --plan auto")
+    try:
+        d = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"plan file {str(path)!r} is not valid JSON ({e}); "
+                        "write it again with scripts/plan.py") from None
+    return from_json(d, str(path))
+
+
+def from_json(d: dict, where: str = "plan") -> Plan:
+    try:
+        mesh = ",".join(f"{k}={int(v)}" for k, v in d["mesh"].items())
+        layers = []
+        for i, entry in enumerate(d["layers"]):
+            s = Strategy(schedule=entry["schedule"], sub_batches=int(entry.get("sub_batches", 1)),
+                         remat=entry.get("remat", "none"))
+            if s.schedule not in TP_SCHEDULES and s.schedule != "primepar":
+                raise UserError(f"{where}: layer {i} has unknown schedule {s.schedule!r}; "
+                                f"choose one of {', '.join(TP_SCHEDULES)}")
+            layers.append(s)
+        if not layers:
+            raise UserError(f"{where}: `layers` is empty; plan again with scripts/plan.py")
+        return Plan(mesh=mesh, rules=d.get("rules", "tp"), microbatches=int(d["microbatches"]),
+                    global_batch=int(d["global_batch"]), seq_len=int(d["seq_len"]),
+                    layers=tuple(layers), raw=d)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise UserError(f"{where} is not a plan (missing or bad field {e}); "
+                        "write it again with scripts/plan.py") from None

@@ -1,0 +1,244 @@
+"""The search: every mesh factorisation and micro-batch count, and for each an exact dynamic
+program over the layer chain that picks each layer's strategy under the memory budget."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from models.config import ModelConfig
+from oases_jax.errors import UserError
+from planner.costs import (
+    REMATS,
+    SEQUENCE_PARALLEL,
+    SUB_BATCH,
+    TP_SCHEDULES,
+    Hardware,
+    LayerCost,
+    LayerModel,
+    Layout,
+    StepCost,
+    Strategy,
+    divisors,
+    head_cost,
+    resharding_s,
+    static_memory,
+    step_cost,
+)
+
+MEMORY_BUCKETS = 64  # resolution of the DP's activation-memory axis
+SUB_BATCH_COUNTS = (2, 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    strategies: tuple[Strategy, ...]
+    cost: StepCost
+
+    def summary(self) -> str:
+        """e.g. `data=2,tensor=4: 4 x oases/2+none`, runs of equal strategies grouped."""
+        runs: list[list] = []
+        for s in self.strategies:
+            if runs and runs[-1][1] == s:
+                runs[-1][0] += 1
+            else:
+                runs.append([1, s])
+        return f"{self.layout.label()}: " + ", ".join(f"{n} x {s.label()}" for n, s in runs)
+
+    @property
+    def uniform(self) -> bool:
+        return len(set(self.strategies)) == 1
+
+
+@dataclasses.dataclass
+class SearchResult:
+    best: Candidate
+    ranked: list[Candidate]  # best first, one per layout (and the uniform baselines)
+    baselines: dict[str, Candidate]
+    search_s: float
+    layouts_considered: int
+    budget_bytes: float
+
+
+def layouts(cfg: ModelConfig, n_devices: int, global_batch: int, seq_len: int,
+            max_microbatches: int = 8) -> list[Layout]:
+    """Every data x fsdp x tensor = n_devices with a tensor degree that divides the heads, KV
+    heads, MLP width and vocabulary, and every power-of-two micro-batch count that divides the
+    per-replica batch."""
+    out = []
+    for t in divisors(n_devices):
+        if cfg.n_heads % t or cfg.kv_heads % t or cfg.ff_dim % t or cfg.padded_vocab % t:
+            continue
+        for f in divisors(n_devices // t):
+            d = n_devices // t // f
+            if global_batch % (d * f):
+                continue
+            per_replica = global_batch // (d * f)
+            m = 1
+            while m <= min(max_microbatches, per_replica):
+                if per_replica % m == 0:
+                    out.append(Layout(data=d, fsdp=f, tensor=t, microbatches=m,
+                                      global_batch=global_batch, seq_len=seq_len))
+                m *= 2
+    return out
+
+
+def strategies(layout: Layout, schedules: Sequence[str] = TP_SCHEDULES,
+               remats: Sequence[str] = REMATS) -> list[Strategy]:
+    """The per-layer choices valid on a layout: without tensor parallelism only the remat
+    policy matters; sequence-parallel schedules need the sequence to split over the tensor axis
+    and no fsdp axis; sub-batch counts must divide the micro-batch rows."""
+    if layout.tensor == 1:
+        return [Strategy(schedule="megatron", remat=r) for r in remats]
+    out = []
+    for sch in schedules:
+        if sch in SEQUENCE_PARALLEL and (layout.seq_len % layout.tensor or layout.fsdp > 1):
+            continue
+        counts = [k for k in SUB_BATCH_COUNTS if layout.rows % k == 0] if sch in SUB_BATCH else [1]
+        out += [Strategy(schedule=sch, sub_batches=k, remat=r) for k in counts for r in remats]
+    return out
+
+
+def chain_dp(times: np.ndarray, mems: np.ndarray, edges: np.ndarray, n_layers: int,
+             budget: float) -> tuple[float, list[int]] | None:
+    """Exact DP over a chain of `n_layers` identical layers: choose strategy s_i per layer to
+    minimise sum(times[s_i]) + sum(edges[s_i, s_{i+1}]) subject to sum(mems[s_i]) <= budget.
+    Memory is counted in `MEMORY_BUCKETS` buckets of budget / MEMORY_BUCKETS, each layer's
+    memory rounded up (so a returned chain always fits). None when nothing fits."""
+    if budget <= 0:
+        return None
+    n = len(times)
+    unit = budget / MEMORY_BUCKETS
+    need = np.ceil(mems / unit - 1e-9).astype(int)
+    m_axis = MEMORY_BUCKETS + 1
+    inf = np.inf
+    # dp[s, m]: best time of a chain ending in s using exactly m buckets.
+    dp = np.full((n, m_axis), inf)
+    for s in range(n):
+        if need[s] < m_axis:
+            dp[s, need[s]] = times[s]
+    src = np.arange(m_axis)[None, :] - need[:, None]  # [s, m] -> m - need[s]
+    valid = src >= 0
+    src = np.clip(src, 0, None)
+    back = []
+    for _ in range(n_layers - 1):
+        cand = dp[:, src] + edges[:, :, None]  # [prev, s, m]
+        cand = np.where(valid[None], cand, inf)
+        arg = np.argmin(cand, axis=0)  # [s, m]
+        best = np.take_along_axis(cand, arg[None], axis=0)[0] + times[:, None]
+        back.append(arg)
+        dp = best
+    s, m = np.unravel_index(np.argmin(dp), dp.shape)
+    total = dp[s, m]
+    if not np.isfinite(total):
+        return None
+    chain = [int(s)]
+    for arg in reversed(back):
+        prev = int(arg[s, m])
+        m = m - need[s]
+        s = prev
+        chain.append(s)
+    return float(total), chain[::-1]
+
+
+def plan_layout(cfg: ModelConfig, layout: Layout, hw: Hardware, budget: float,
+                schedules: Sequence[str] = TP_SCHEDULES,
+                remats: Sequence[str] = REMATS,
+                ) -> tuple[Candidate | None, dict[Strategy, Candidate]]:
+    """The best per-layer chain on one layout, and the best uniform plan of each schedule (all
+    under the budget). The DP runs per temporary-memory threshold, since the peak holds the
+    largest working set of any layer in the chain."""
+    lm = LayerModel(cfg, layout, hw)
+    strats = strategies(layout, schedules, remats)
+    costs: dict[Strategy, LayerCost] = {s: lm.time(s) for s in strats}
+    static = sum(static_memory(cfg, layout).values())
+    _, head_temp = head_cost(cfg, layout, hw)
+    times = np.array([costs[s].step_s for s in strats]) * layout.microbatches
+    mems = np.array([costs[s].act_bytes for s in strats])
+    edges = np.array([[resharding_s(a, b, cfg, layout, hw) * layout.microbatches for b in strats]
+                      for a in strats])
+
+    def full(chain: Sequence[Strategy]) -> Candidate:
+        return Candidate(layout, tuple(chain), step_cost(cfg, layout, chain, hw, costs))
+
+    uniform: dict[Strategy, Candidate] = {}
+    for s in strats:
+        if static + max(costs[s].temp_bytes, head_temp) + cfg.n_layers * costs[s].act_bytes \
+                <= budget:
+            uniform[s] = full([s] * cfg.n_layers)
+    best_uniform = min(uniform.values(), key=lambda c: c.cost.step_s, default=None)
+    # Identical layers and non-negative edges: without a binding budget the best chain is
+    # uniform. Otherwise mixing strategies (e.g. remat on some layers) can beat every uniform.
+    fastest = min(strats, key=lambda s: costs[s].step_s)
+    if best_uniform is not None and best_uniform.strategies[0] == fastest:
+        return best_uniform, uniform
+    best = best_uniform
+    temps = sorted({max(costs[s].temp_bytes, head_temp) for s in strats})
+    for tau in temps:
+        allowed = np.array([max(costs[s].temp_bytes, head_temp) <= tau for s in strats])
+        t_allowed = np.where(allowed, times, np.inf)
+        found = chain_dp(t_allowed, mems, edges, cfg.n_layers, budget - static - tau)
+        if found is None:
+            continue
+        cand = full([strats[i] for i in found[1]])
+        if cand.cost.peak_memory_bytes <= budget * (1 + 1e-9) and (
+                best is None or cand.cost.step_s < best.cost.step_s):
+            best = cand
+    return best, uniform
+
+
+def search(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int,
+           memory_fraction: float = 0.9, schedules: Sequence[str] = TP_SCHEDULES,
+           remats: Sequence[str] = REMATS, max_microbatches: int = 8,
+           n_devices: int | None = None) -> SearchResult:
+    """Search every layout; rank the best plan of each. Raises UserError with what would be
+    needed when nothing fits."""
+    t0 = time.perf_counter()
+    n = n_devices or hw.cluster.n_devices
+    if not 0 < memory_fraction <= 1:
+        raise UserError(f"--memory-fraction {memory_fraction} must be in (0, 1]")
+    if seq_len > cfg.max_seq_len:
+        raise UserError(f"--seq-len {seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
+    budget = memory_fraction * hw.cluster.device_spec.memory_bytes
+    cands = layouts(cfg, n, global_batch, seq_len, max_microbatches)
+    if not cands:
+        raise UserError(
+            f"no mesh of {n} devices splits --global-batch {global_batch} with a tensor degree "
+            f"dividing the model's heads ({cfg.n_heads}); use a batch divisible by {n}"
+        )
+    ranked: list[Candidate] = []
+    baselines: dict[str, Candidate] = {}
+    smallest: Candidate | None = None
+    for layout in cands:
+        best, uniform = plan_layout(cfg, layout, hw, budget, schedules, remats)
+        if best is not None:
+            ranked.append(best)
+        for s, c in uniform.items():
+            key = "megatron" if layout.tensor == 1 or s.schedule == "megatron" else None
+            if key and (key not in baselines or c.cost.step_s < baselines[key].cost.step_s):
+                baselines[key] = c
+            top = baselines.get("best_uniform")
+            if top is None or c.cost.step_s < top.cost.step_s:
+                baselines["best_uniform"] = c
+        if best is None:
+            lm = LayerModel(cfg, layout, hw)
+            probe = Strategy(schedule="megatron", remat="full")
+            c = step_cost(cfg, layout, [probe] * cfg.n_layers, hw, {probe: lm.time(probe)})
+            if smallest is None or c.peak_memory_bytes < smallest.cost.peak_memory_bytes:
+                smallest = Candidate(layout, (probe,) * cfg.n_layers, c)
+    if not ranked:
+        need = smallest.cost.peak_memory_bytes if smallest else float("nan")
+        raise UserError(
+            f"no plan fits {budget / 2**30:.1f} GiB per device (memory fraction "
+            f"{memory_fraction}); the leanest ({smallest.summary() if smallest else '-'}) needs "
+            f"{need / 2**30:.1f} GiB: use more devices (about "
+            f"{int(np.ceil(n * need / budget))}), a smaller --global-batch, or more micro-batches"
+        )
+    ranked.sort(key=lambda c: c.cost.step_s)
+    return SearchResult(best=ranked[0], ranked=ranked, baselines=baselines,
+                        search_s=time.perf_counter() - t0, layouts_considered=len(cands),
+                        budget_bytes=budget)

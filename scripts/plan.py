@@ -1,0 +1,157 @@
+"""Plan a training run: `python scripts/plan.py --model gpt2-1.5b --cluster h100-8` prints the
+ranked plans and writes the best with `--json plan.json`.
+
+Every flag is documented in docs/cli.md.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from oases_jax.cli import Parser, run_main
+from training.flags import add_model_flags, model_from_flags
+
+
+def parse_args(argv=None):
+    p = Parser(prog="plan.py", description=__doc__.splitlines()[0])
+    add_model_flags(p)
+    g = p.add_argument_group("workload")
+    g.add_argument("--cluster", default="cpu-8",
+                   help="built-in cluster name, a target like h100:16, or a cluster JSON file")
+    g.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step")
+    g.add_argument("--seq-len", type=int, default=None, help="default: the model's max_seq_len")
+    g.add_argument("--memory-fraction", type=float, default=0.9,
+                   help="share of each device's memory a plan may use")
+    g.add_argument("--schedules", metavar="A,B,...", help="restrict the per-layer schedules")
+    g = p.add_argument_group("costs")
+    g.add_argument("--cost-source", default="datasheet", help="datasheet, profile or xla")
+    g.add_argument("--profile", help="calibration profile JSON (default: profiles/DEVICE-N.json)")
+    g = p.add_argument_group("output")
+    g.add_argument("--top", type=int, default=10, help="rows of the ranked table")
+    g.add_argument("--json", metavar="OUT", help="write the best plan here")
+    g.add_argument("--explain", action="store_true", help="why each layer got its strategy")
+    g.add_argument("--compare", metavar="MODELS",
+                   help="comma-separated presets (or `oases-family`): one row each with the "
+                        "predicted speedup of the chosen plan over the best megatron plan")
+    return p.parse_args(argv)
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:10.2f}"
+
+
+def ranked_table(result, top: int) -> str:
+    rows = [f"{'#':>3}  {'plan':<62} {'step ms':>10} {'exposed':>10} {'peak GiB':>9}"]
+    for i, c in enumerate(result.ranked[:top]):
+        rows.append(f"{i + 1:3d}  {c.summary()[:62]:<62} {_ms(c.cost.step_s)} "
+                    f"{_ms(c.cost.exposed_comm_s)} {c.cost.peak_memory_bytes / 2**30:9.2f}")
+    return "\n".join(rows)
+
+
+def explain(result, cfg, hw) -> str:
+    """For the chosen layout: every strategy's layer time and memory, and the choice."""
+    from planner.costs import LayerModel
+    from planner.search import strategies
+
+    best = result.best
+    lm = LayerModel(cfg, best.layout, hw)
+    chosen = set(best.strategies)
+    lines = [f"layout {best.layout.label()}: per-layer candidates (one micro-batch)",
+             f"{'strategy':<28} {'fwd+bwd ms':>10} {'comm ms':>9} {'saved MiB':>10} "
+             f"{'temp MiB':>9}"]
+    for s in sorted(strategies(best.layout), key=lambda s: lm.time(s).step_s):
+        c = lm.time(s)
+        mark = "  <- chosen" if s in chosen else ""
+        lines.append(f"{s.label():<28} {c.step_s * 1e3:10.3f} {c.comm_s * 1e3:9.3f} "
+                     f"{c.act_bytes / 2**20:10.1f} {c.temp_bytes / 2**20:9.1f}{mark}")
+    fastest = min(strategies(best.layout), key=lambda s: lm.time(s).step_s)
+    if fastest not in chosen:
+        lines.append(f"the fastest layer strategy {fastest.label()} does not fit "
+                     f"{result.budget_bytes / 2**30:.1f} GiB for all {cfg.n_layers} layers; the "
+                     "DP traded time for memory on some layers")
+    else:
+        lines.append(f"every layer takes the fastest strategy, {fastest.label()}: it fits")
+    return "\n".join(lines)
+
+
+OASES_FAMILY = ("oases-h1024-l24", "oases-h2048-l24", "oases-h3072-l24", "oases-h4096-l16",
+                "oases-h6144-l16", "oases-h8192-l8", "oases-h12288-l4")
+
+
+def compare_table(args, cluster, profile, schedules) -> str:
+    """One row per model: the chosen plan, the best megatron plan and the predicted speedup."""
+    from models.presets import get_preset
+    from oases_jax.errors import UserError
+    from planner import make_plan
+
+    names = OASES_FAMILY if args.compare == "oases-family" else args.compare.split(",")
+    rows = [f"{'model':<18} {'chosen plan':<58} {'ms':>9} {'megatron plan':<34} {'ms':>9} "
+            f"{'speedup':>7}"]
+    for name in names:
+        cfg = get_preset(name.strip())
+        try:
+            _, r = make_plan(cfg, model=name, cluster=cluster, global_batch=args.global_batch,
+                             seq_len=args.seq_len or cfg.max_seq_len,
+                             memory_fraction=args.memory_fraction, profile=profile,
+                             schedules=schedules)
+        except UserError as e:
+            rows.append(f"{name:<18} infeasible: {e}")
+            continue
+        b, m = r.best, r.baselines.get("megatron")
+        rows.append(f"{name:<18} {b.summary()[:58]:<58} {b.cost.step_s * 1e3:9.1f} "
+                    f"{(m.summary() if m else '-')[:34]:<34} "
+                    f"{(m.cost.step_s * 1e3 if m else float('nan')):9.1f} "
+                    f"{(m.cost.step_s / b.cost.step_s if m else float('nan')):7.2f}")
+    return "\n".join(rows)
+
+
+def main() -> int:
+    args = parse_args()
+    import time
+
+    from oases_jax.errors import UserError
+    from oases_jax.hardware import get_cluster
+    from planner import load_profile, make_plan
+    from planner.costs import TP_SCHEDULES, Hardware
+    from planner.plan import save
+
+    cfg = model_from_flags(args)
+    cluster = get_cluster(args.cluster)
+    seq_len = args.seq_len or cfg.max_seq_len
+    if args.global_batch <= 0:
+        raise UserError(f"--global-batch {args.global_batch} must be positive")
+    schedules = TP_SCHEDULES
+    if args.schedules:
+        schedules = tuple(s.strip() for s in args.schedules.split(","))
+        bad = [s for s in schedules if s not in TP_SCHEDULES]
+        if bad:
+            raise UserError(f"unknown schedule {bad[0]!r} in --schedules; choose from "
+                            f"{', '.join(TP_SCHEDULES)}")
+    profile = load_profile(args.cost_source, cluster, args.profile)
+    t0 = time.perf_counter()
+    plan, result = make_plan(cfg, model=args.model, cluster=cluster,
+                             global_batch=args.global_batch, seq_len=seq_len,
+                             memory_fraction=args.memory_fraction, profile=profile,
+                             cost_source=args.cost_source, schedules=schedules)
+    print(f"{args.model} on {cluster.name} ({cluster.n_devices} x {cluster.device}), global "
+          f"batch {args.global_batch} x {seq_len}, costs: {args.cost_source}; "
+          f"{result.layouts_considered} layouts searched in {result.search_s:.2f} s "
+          f"(wall {time.perf_counter() - t0:.2f} s)")
+    print(ranked_table(result, args.top))
+    best, base = result.best, result.baselines.get("megatron")
+    print(f"best: {best.summary()}")
+    if base is not None:
+        print(f"megatron at its best mesh: {base.summary()}  {base.cost.step_s * 1e3:.2f} ms; "
+              f"predicted speedup {base.cost.step_s / best.cost.step_s:.2f}x")
+    if args.explain:
+        print(explain(result, cfg, Hardware.of(cluster, profile)))
+    if args.compare:
+        print(compare_table(args, cluster, profile, schedules))
+    if args.json:
+        save(plan, args.json)
+        print(f"plan written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))
