@@ -459,6 +459,24 @@ def estimate_from_hlo_text(text: str) -> XlaEstimate:
                        unpriced_ops=len(composer.unpriced))
 
 
+def collective_prices(text: str) -> list[tuple[str, str, float | None]]:
+    """(name, kind, XLA's time in seconds or None) of every collective in a schedule dump, as
+    XLA's latency estimator prices it (the "sol" cost of the collective)."""
+    comps, _ = _read_module(parse_text_proto(text)["hlo_module"][0])
+    composer = _Composer(comps, {})
+    wrapped = {c for comp in comps.values() for op in comp.ops.values()
+               if op.opcode == "async-start" for c in op.called}
+    out = []
+    for comp in comps.values():
+        if comp.id in wrapped:
+            continue
+        for op in comp.ops.values():
+            coll = composer.collective(op)
+            if coll:
+                out.append((op.name, coll[0], None if coll[1] is None else coll[1] * 1e-6))
+    return out
+
+
 # Compiling with the dump.
 
 

@@ -28,7 +28,10 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, help="default: the model's max_seq_len, at most 1024")
     p.add_argument("--json", metavar="OUT", help="write the report as JSON")
-    p.add_argument("--timeline", metavar="OUT.png", help="draw the simulated timeline")
+    p.add_argument("--timeline", metavar="OUT.png", help="draw the timeline")
+    p.add_argument("--timeline-source", choices=("sim", "xla"), default="sim",
+                   help="whose timeline --timeline draws: our simulator's or XLA's estimate "
+                        "(GPU targets)")
     p.add_argument("--compare", metavar="A,B,...", help="schedules side by side")
     p.add_argument("--diff", metavar="A,B", help="two schedules (or report .json files) compared")
     add_runtime_flags(p)
@@ -53,6 +56,9 @@ def main() -> int:
         raise UserError("--plan needs the planner, which is not available yet; use --schedule")
     model = model_from_flags(args)
     target = get_target(args.target)
+    if args.timeline_source == "xla" and not target.is_gpu_aot:
+        raise UserError(f"--timeline-source xla needs a GPU target (--target h100:8), not "
+                        f"{args.target!r}: XLA's estimate comes from its GPU scheduler")
     seq_len = args.seq_len or min(model.max_seq_len, 1024)
 
     def timeline_path(schedule: str, first: bool) -> str | None:
@@ -69,12 +75,17 @@ def main() -> int:
                                                    schedule=schedule,
                                                    sub_batches=args.sub_batches))
         png = timeline_path(schedule, first)
+        xla_png = png if args.timeline_source == "xla" else None
         if target.is_gpu_aot and schedule in MAY_ABORT:
-            return inspect_isolated(spec, args.target, png)
-        ins = inspect_program(spec, target)
-        if png:
-            report.draw_timeline(ins.sim.events, ins.report(), png)
-        return ins.report()
+            r = inspect_isolated(spec, args.target, None if xla_png else png)
+        else:
+            ins = inspect_program(spec, target)
+            r = ins.report()
+            if png and not xla_png:
+                report.draw_timeline(ins.sim.events, r, png)
+        if xla_png and "error" not in r:
+            report.draw_timeline(None, r, xla_png, source="xla")
+        return r
 
     if args.diff:
         names = args.diff.split(",")

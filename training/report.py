@@ -44,30 +44,82 @@ def summary(r: dict) -> str:
         f"simulated on {r['cluster']}: step {_fmt_s(r['simulated_step_s'])}, compute "
         f"{_fmt_s(r['compute_s'])}, comm {_fmt_s(r['comm_s'])}, exposed comm "
         f"{_fmt_s(r['exposed_comm_s'])}",
+        *xla_lines(r),
         f"compile time: {r['compile_s']:.1f} s",
     ]
     return "\n".join(parts)
 
 
+def _xla(r: dict) -> dict | None:
+    return r.get("xla_estimate") or None
+
+
+def xla_lines(r: dict) -> list[str]:
+    """XLA's own estimate beside ours (GPU targets): step, exposed comm by kind, comm priced."""
+    x = _xla(r)
+    if x is None:
+        return []
+    kinds = ", ".join(f"{k} {v * 1e3:.3f}" for k, v in x["exposed_comm_s"].items()
+                      if k != "total" and v)
+    line = (f"XLA's estimate:    step {_fmt_s(x['step_s'])}, comm {_fmt_s(x['comm_s']['total'])}, "
+            f"exposed comm {_fmt_s(x['exposed_comm_s']['total'])}")
+    out = [line + (f" ({kinds} ms)" if kinds else "")]
+    sim, xs = r["simulated_step_s"], x["step_s"]
+    if sim and xs:
+        out.append(f"XLA / simulated: step {xs / sim:.2f}x, exposed comm "
+                   f"{_ratio(x['exposed_comm_s']['total'], r['exposed_comm_s'])}, comm "
+                   f"{_ratio(x['comm_s']['total'], r['comm_s'])}")
+    return out
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b else "-"
+
+
+def _xla_value(r: dict, key: str) -> float | None:
+    x = _xla(r)
+    if x is None:
+        return None
+    return x["step_s"] if key == "step_s" else x[key]["total"]
+
+
 def compare_table(reports: list[dict]) -> str:
-    first = reports[0]
-    head = (f"{'schedule':<14} {'step':>12} {'ratio':>6} {'exposed':>12} {'ratio':>6} "
+    """Schedules side by side: our simulator's step and exposed communication, and XLA's when
+    the reports carry it, each with its ratio to the first schedule under the same opinion."""
+    first = next((r for r in reports if "error" not in r), reports[0])
+    with_xla = any(_xla(r) for r in reports)
+    head = (f"{'schedule':<17} {'sim step':>12} {'ratio':>6} {'exposed':>12} {'ratio':>6} "
             f"{'comm':>12} {'overlap':>7} {'peak MiB':>9} {'ratio':>6}")
+    if with_xla:
+        head += f" | {'XLA step':>12} {'ratio':>6} {'exposed':>12} {'ratio':>6}"
     lines = [head]
     for r in reports:
         if "error" in r:
-            lines.append(f"{r['schedule']:<14} failed: {r['error'][:80]}")
+            lines.append(f"{r['schedule']:<17} failed: {r['error'][:80]}")
             continue
 
         def ratio(key, r=r):
             return r[key] / first[key] if first.get(key) else float("nan")
 
-        lines.append(
-            f"{r['schedule']:<14} {_fmt_s(r['simulated_step_s'])} {ratio('simulated_step_s'):6.2f}"
+        line = (
+            f"{r['schedule']:<17} {_fmt_s(r['simulated_step_s'])} {ratio('simulated_step_s'):6.2f}"
             f" {_fmt_s(r['exposed_comm_s'])} {ratio('exposed_comm_s'):6.2f}"
             f" {_fmt_s(r['comm_s'])} {r['overlap_share']:7.3f}"
             f" {r['peak_memory_bytes'] / MIB:9.1f} {ratio('peak_memory_bytes'):6.2f}"
         )
+        if with_xla:
+            cells = []
+            for key in ("step_s", "exposed_comm_s"):
+                v, v0 = _xla_value(r, key), _xla_value(first, key)
+                if v is None:
+                    cells.append(f"{'-':>12} {'-':>6}")
+                else:
+                    cells.append(f"{_fmt_s(v)} {v / v0 if v0 else float('nan'):6.2f}")
+            line += " | " + " ".join(cells)
+        lines.append(line)
+    if with_xla:
+        lines.append("left: this project's simulator (datasheet roofline and alpha-beta); right: "
+                     "XLA's latency estimator (docs/xla_estimate.md); ratios to the first row")
     return "\n".join(lines)
 
 
@@ -88,19 +140,44 @@ def diff(a: dict, b: dict) -> str:
                          f"({cb[key] - ca[key]:+d})")
     if len(lines) == 1:
         lines.append("  same collectives")
-    for key in ("peak_memory_bytes", "collective_bytes", "simulated_step_s", "exposed_comm_s"):
-        va, vb = a[key], b[key]
+    values = [(key, a[key], b[key]) for key in
+              ("peak_memory_bytes", "collective_bytes", "simulated_step_s", "exposed_comm_s")]
+    if _xla(a) and _xla(b):
+        values += [(f"xla_{key}", _xla_value(a, key), _xla_value(b, key))
+                   for key in ("step_s", "exposed_comm_s")]
+    for key, va, vb in values:
         lines.append(f"  {key:<20} {va:.6g} -> {vb:.6g} ({(vb / va - 1) * 100 if va else 0:+.1f}%)")
     return "\n".join(lines)
 
 
-def draw_timeline(events, r: dict, path: str) -> None:
-    """The simulated two-stream timeline as a PNG (compute above, collectives below)."""
+TIMELINE_SOURCES = ("sim", "xla")
+
+
+def xla_events(r: dict) -> list:
+    """XLA's timeline from a report's `xla_estimate.per_op`, as drawable events."""
+    from oases_jax.simulate import Event
+
+    x = _xla(r)
+    if x is None:
+        raise ValueError(f"report of {r['schedule']} on {r['target']} has no xla_estimate "
+                         "(XLA's estimate exists for GPU targets only); use --timeline-source sim")
+    return [Event(o["stream"], o["name"], o["kind"], o["start"], o["end"]) for o in x["per_op"]]
+
+
+def draw_timeline(events, r: dict, path: str, source: str = "sim") -> None:
+    """A two-stream timeline as a PNG (compute above, collectives below): our simulator's
+    events, or with source="xla" XLA's (`events` None: read from the report)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if source == "xla":
+        events = xla_events(r) if events is None else events
+        x = _xla(r)
+        step, exposed, label = x["step_s"], x["exposed_comm_s"]["total"], "XLA's estimate"
+    else:
+        step, exposed, label = r["simulated_step_s"], r["exposed_comm_s"], "simulated"
     fig, ax = plt.subplots(figsize=(14, 2.8))
     colors = {"compute": "tab:blue", "comm": "tab:orange"}
     for row, stream in enumerate(("compute", "comm")):
@@ -108,10 +185,10 @@ def draw_timeline(events, r: dict, path: str) -> None:
                  for e in events if e.stream == stream]
         ax.broken_barh(spans, (1 - row + 0.1, 0.8), color=colors[stream], linewidth=0)
     ax.set_yticks([1.5, 0.5], ["compute", "collectives"])
-    ax.set_xlabel("simulated time (ms)")
+    ax.set_xlabel(f"{label}: time (ms)")
     ax.set_title(
-        f"{r['schedule']} on {r['target']}: step {r['simulated_step_s'] * 1e3:.3f} ms, "
-        f"exposed comm {r['exposed_comm_s'] * 1e3:.3f} ms"
+        f"{r['schedule']} on {r['target']} ({label}): step {step * 1e3:.3f} ms, "
+        f"exposed comm {exposed * 1e3:.3f} ms"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -264,3 +264,17 @@ def test_ring_loop_hides_part_of_each_permute_and_composes_by_hand():
                 + (trips + 1) * sum(_sols(blocks[cond][1])))
     assert est.step_s == pytest.approx(expected * US)
     assert est.step_s > trips * body_total * US
+
+
+def test_xla_timeline_is_drawn_from_a_report(tmp_path):
+    pytest.importorskip("matplotlib")
+    from training import report
+
+    est = estimate_from_schedule(_hand_dump())
+    r = {"schedule": "ring", "target": "h100:8", "xla_estimate": est.to_json()}
+    events = report.xla_events(r)
+    assert [e.name for e in events] == [o.name for o in est.per_op]
+    report.draw_timeline(None, r, str(tmp_path / "x.png"), source="xla")
+    assert (tmp_path / "x.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="GPU targets only"):
+        report.xla_events({**r, "xla_estimate": None})

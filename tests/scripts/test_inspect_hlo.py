@@ -28,6 +28,7 @@ def test_local_train_step_report(tmp_path):
     assert ("tensor",) in axes and any("data" in a for a in axes)
     assert all(not c["is_async"] for c in r["collectives"])  # CPU collectives are synchronous
     assert r["overlap_share"] == 0.0
+    assert r["xla_estimate"] is None  # XLA's estimate comes from its GPU scheduler only
     # Hand count: 6 N per token (forward + backward matmuls) plus attention, per device.
     from models import get_preset
 
@@ -43,6 +44,7 @@ def test_local_train_step_report(tmp_path):
     (("--model", "nope"), "nope"),
     (("--mesh", "tensor=3"), "tensor=3"),
     (("--diff", "megatron"), "two entries"),
+    (("--timeline-source", "xla", "--timeline", "t.png"), "GPU target"),
 ])
 def test_bad_input(args, needle):
     proc = run("--model", "tiny", *args)
@@ -67,6 +69,12 @@ def test_megatron_layer_on_h100_exposes_its_communication(tmp_path):
     assert {"all-gather", "reduce-scatter"} <= {c["kind"] for c in sp["collectives"]}
     assert png.exists() and (tmp_path / "t-megatron_sp.png").exists()
     assert "ratio" in proc.stdout
+    # XLA's own estimate of the same compile, beside ours.
+    x = megatron["xla_estimate"]
+    assert x["step_s"] > 0 and set(x["exposed_comm_s"]) == {"all-reduce", "total"}
+    assert 0 < x["exposed_comm_s"]["total"] <= x["comm_s"]["total"] < x["step_s"]
+    assert {o["stream"] for o in x["per_op"]} == {"compute", "comm"}
+    assert "XLA's estimate" in proc.stdout and "XLA step" in proc.stdout
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps(megatron))
     b.write_text(json.dumps(sp))
