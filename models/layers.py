@@ -107,10 +107,10 @@ class Attention(nnx.Module):
             x_BLD, [_cast(self.wq, dt), _cast(self.wk, dt), _cast(self.wv, dt)],
             [("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim"),
              ("embed", "kv_heads", "head_dim")])
-        if cfg.use_bias:
-            q_BLHK += _cast(self.bq, dt)
-            k_BLGK += _cast(self.bk, dt)
-            v_BLGK += _cast(self.bv, dt)
+        if cfg.use_bias:  # add_bias: the output may be in a schedule's own layout (primepar)
+            q_BLHK = tp.add_bias(q_BLHK, _cast(self.bq, dt), ("heads", "head_dim"))
+            k_BLGK = tp.add_bias(k_BLGK, _cast(self.bk, dt), ("kv_heads", "head_dim"))
+            v_BLGK = tp.add_bias(v_BLGK, _cast(self.bv, dt), ("kv_heads", "head_dim"))
         q_BLHK, k_BLGK, v_BLGK = (checkpoint_name(t, "attn_qkv") for t in (q_BLHK, k_BLGK, v_BLGK))
         if not cfg.learned_positions:
             q_BLHK, k_BLGK = rope(q_BLHK, cfg.rope_theta), rope(k_BLGK, cfg.rope_theta)
@@ -156,7 +156,7 @@ class MLP(nnx.Module):
         h_BLF, *gate = tp.column_parallel(x_BLD, weights, [("embed", "mlp")] * len(weights))
         h_BLF, *gate = (checkpoint_name(t, "mlp_hidden") for t in (h_BLF, *gate))
         if cfg.use_bias:
-            h_BLF += _cast(self.b_in, dt)
+            h_BLF = tp.add_bias(h_BLF, _cast(self.b_in, dt), ("mlp",))
         if cfg.gated_mlp:
             h_BLF = jax.nn.silu(gate[0]) * h_BLF
         else:

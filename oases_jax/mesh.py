@@ -13,7 +13,8 @@ from jax.sharding import AxisType, Mesh
 from oases_jax.errors import UserError
 
 # Mesh axis names the project understands. Rules map logical names onto these.
-KNOWN_AXES = ("data", "fsdp", "stage", "expert", "tensor")
+# `tp_row` x `tp_col` is the square of devices of the primepar schedule.
+KNOWN_AXES = ("data", "fsdp", "stage", "expert", "tensor", "tp_row", "tp_col")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

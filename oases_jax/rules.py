@@ -179,12 +179,25 @@ def fsdp_tp(*, data: str = "data", tensor: str = "tensor") -> ShardingRules:
     )
 
 
+def primepar(*, data: str = "data", rows: str = "tp_row", cols: str = "tp_col") -> ShardingRules:
+    """PrimePar on the rows x cols square: weights split over both axes (no replication), the
+    batch over data and rows, activations' features over cols (docs/parallelism.md)."""
+    split = (("heads", cols), ("kv_heads", cols), ("mlp", cols), ("vocab", cols))
+    return ShardingRules(
+        name="primepar",
+        description="PrimePar: weights split over a square of devices, activations not replicated",
+        params=(("embed", rows),) + split,
+        activations=(("batch", (data, rows)), ("embed", cols)) + split,
+    )
+
+
 RULE_SETS: dict[str, Callable[..., ShardingRules]] = {
     "dp": data_parallel,
     "fsdp": fsdp,
     "tp": megatron,
     "tp_sp": megatron_sp,
     "fsdp_tp": fsdp_tp,
+    "primepar": primepar,
 }
 
 

@@ -7,6 +7,8 @@ the collectives. Under `collective_matmul` they run the ring primitives of
 `oases_jax.collective_matmul` inside `shard_map` over the tensor axis: the sequence-sharded
 residual stream is gathered chunk by chunk into the column-parallel matmul, and the row-parallel
 matmul's partial sums are reduce-scattered back onto the sequence, both overlapped with compute.
+Under `primepar` they run `oases_jax.primepar` on the `rows` x `cols` square: column projections
+return the skewed layout that row projections take (`add_bias` adds a bias in it).
 """
 
 from __future__ import annotations
@@ -19,14 +21,15 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
-from oases_jax import schedules
+from oases_jax import primepar, schedules
 from oases_jax.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from oases_jax.rules import Logical, ShardingRules
 
 RING_SCHEDULES = ("collective_matmul", "oases_cm")
 SUB_BATCH_SCHEDULES = ("oases", "oases_cm")
+PRIMEPAR = "primepar"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +42,16 @@ class TensorParallel:
     axis: str = "tensor"
     bidirectional: bool = True
     sub_batches: int = 2  # for the Oases schedules
+    rows: str = "tp_row"  # primepar: the square's axes
+    cols: str = "tp_col"
+
+    def __post_init__(self):
+        if self.schedule == PRIMEPAR:
+            primepar.square_size(self.mesh.shape, self.rows, self.cols)
+
+    @property
+    def uses_primepar(self) -> bool:
+        return self.schedule == PRIMEPAR and self.mesh.shape.get(self.rows, 1) > 1
 
     @property
     def uses_rings(self) -> bool:
@@ -76,8 +89,10 @@ def layer_schedule() -> schedules.Schedule:
 
 
 def uses_rings() -> bool:
+    """Whether projections carry their own communication (rings or primepar), so that their
+    outputs are post-collective values a remat policy may keep."""
     tp = _ACTIVE.get()
-    return tp is not None and tp.uses_rings
+    return tp is not None and (tp.uses_rings or tp.uses_primepar)
 
 
 @contextlib.contextmanager
@@ -131,6 +146,8 @@ def column_parallel(x_BLD: jax.Array, weights: Sequence[jax.Array],
     """[x @ w for w in weights], each w of shape [D, *out] named ("embed", *out_names); the
     outputs are [B, L, *out]. Under a ring schedule all weights share one all-gather ring."""
     tp = _ACTIVE.get()
+    if tp is not None and tp.uses_primepar and _MANUAL.get() is None:
+        return _primepar_column(x_BLD, weights, names, tp)
     if _MANUAL.get() is not None and tp.uses_rings:  # already per device: the ring itself
         return list(_gather_local(x_BLD, weights, tp.axis, tp.bidirectional))
     if tp is None or not tp.uses_rings or _MANUAL.get() is not None:
@@ -165,6 +182,8 @@ def row_parallel(h: jax.Array, w: jax.Array, names: Logical) -> jax.Array:
     n_in = w.ndim - 1
     letters = "ijkm"[:n_in]
     manual = _MANUAL.get()
+    if tp is not None and tp.uses_primepar and manual is None:
+        return _primepar_row(h, w, names, tp)
     if manual is not None and tp.uses_rings:
         bidirectional = tp.bidirectional and w.shape[-1] % 2 == 0
         return matmul_reduce_scatter(h.reshape(*h.shape[:2], -1), _flat(w, n_in), tp.axis,
@@ -186,3 +205,57 @@ def row_parallel(h: jax.Array, w: jax.Array, names: Logical) -> jax.Array:
 
     return jax.shard_map(local, mesh=mesh, in_specs=(h_spec, rules.param_spec(names, mesh)),
                          out_specs=out_spec)(h, w)
+
+
+# PrimePar: projections on the rows x cols square (docs/parallelism.md, "PrimePar").
+
+
+def _primepar_column(x_BLD, weights, names, tp: TensorParallel) -> list[jax.Array]:
+    rules, mesh = tp.rules, tp.mesh
+    x_spec = rules.act_spec(("batch", "seq", "embed"), mesh)
+    w_specs = [rules.param_spec(n, mesh) for n in names]
+    out_specs = tuple(rules.act_spec(("batch", None, *n[1:]), mesh) for n in names)
+
+    def local(x, *ws):  # x: X[i, j] [B/(dp q), L, D/q]; ws: stored blocks W[j, i+j-1]
+        flat = [_flat(w, 1) for w in ws]
+        y = primepar.column_matmul(x, jnp.concatenate(flat, axis=1), tp.rows, tp.cols)
+        cuts = [sum(f.shape[1] for f in flat[: i + 1]) for i in range(len(flat) - 1)]
+        parts = jnp.split(y, cuts, axis=-1)  # skewed: Y[i, i+j]
+        return tuple(p.reshape(*p.shape[:2], *w.shape[1:]) for p, w in zip(parts, ws, strict=True))
+
+    outs = jax.shard_map(local, mesh=mesh, in_specs=(x_spec, *w_specs), out_specs=out_specs)(
+        x_BLD, *weights)
+    return list(outs)
+
+
+def _primepar_row(h, w, names, tp: TensorParallel) -> jax.Array:
+    rules, mesh = tp.rules, tp.mesh
+    n_in = w.ndim - 1
+    h_spec = rules.act_spec(("batch", None, *names[:-1]), mesh)
+    out_spec = rules.act_spec(("batch", "seq", "embed"), mesh)
+
+    def local(h, w):  # h: skewed X[i, i+j]; w: stored block W[i+j, j]
+        h_flat = h.reshape(*h.shape[:2], -1)
+        return primepar.row_matmul(h_flat, _flat(w, n_in), tp.rows, tp.cols)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(h_spec, rules.param_spec(names, mesh)),
+                         out_specs=out_spec)(h, w)
+
+
+def add_bias(y: jax.Array, b: jax.Array, names: Logical) -> jax.Array:
+    """y + b for a column projection's output y [B, L, *out] and its bias b [*out] named
+    `names`. Under primepar y is skewed (device (i, j) holds output block i+j), so each device
+    adds that block of b."""
+    tp = _ACTIVE.get()
+    if tp is None or not tp.uses_primepar or _MANUAL.get() is not None:
+        return y + b
+    y_spec = tp.rules.act_spec(("batch", None, *names), tp.mesh)
+
+    def local(y, b):
+        q = jax.lax.axis_size(tp.rows)
+        skew = (jax.lax.axis_index(tp.rows) + jax.lax.axis_index(tp.cols)) % q
+        n = b.shape[0] // q
+        return y + jax.lax.dynamic_slice_in_dim(b, skew * n, n, axis=0)
+
+    return jax.shard_map(local, mesh=tp.mesh, in_specs=(y_spec, PartitionSpec()),
+                         out_specs=y_spec)(y, b)

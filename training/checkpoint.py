@@ -10,6 +10,7 @@ import contextlib
 import logging
 import pathlib
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import orbax.checkpoint as ocp
@@ -35,9 +36,13 @@ def _mute(unraisable) -> None:
 
 
 class Checkpointer:
-    def __init__(self, directory: str, *, keep: int = 3, create: bool = True):
+    def __init__(self, directory: str, *, keep: int = 3, create: bool = True,
+                 encode: Callable[[Any], Any] | None = None,
+                 decode: Callable[[Any], Any] | None = None):
         """`create=False` (resuming) leaves a missing directory missing: a mistyped path is
-        reported, not made."""
+        reported, not made. `encode` maps a state to what is written (e.g. primepar's stored
+        weights to the standard layout) and `decode` maps it back after reading."""
+        self.encode, self.decode = encode or (lambda s: s), decode or (lambda s: s)
         path = pathlib.Path(directory).absolute()
         if path.exists() and not path.is_dir():
             raise UserError(f"--ckpt-dir {directory!r} is a file; pass a directory")
@@ -56,7 +61,7 @@ class Checkpointer:
         self.manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+                state=ocp.args.StandardSave(self.encode(state)), meta=ocp.args.JsonSave(meta)
             ),
             force=True,
         )
@@ -74,7 +79,7 @@ class Checkpointer:
             restored = self.manager.restore(
                 step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
             )
-        return restored["state"]
+        return self.decode(restored["state"])
 
     @contextlib.contextmanager
     def _reading(self, step: int):

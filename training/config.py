@@ -9,7 +9,8 @@ from oases_jax.errors import UserError
 
 # Tensor-parallel schedules. Each names the rule set it needs when the user asked for plain `tp`:
 # the sequence-parallel schedules shard the residual stream on `seq` between blocks.
-SCHEDULES = ("megatron", "megatron_sp", "collective_matmul", "oases", "oases_cm", "xla_auto")
+SCHEDULES = ("megatron", "megatron_sp", "collective_matmul", "oases", "oases_cm", "xla_auto",
+             "primepar")
 _SEQUENCE_PARALLEL = ("megatron_sp", "collective_matmul", "oases_cm", "xla_auto")
 
 
@@ -40,6 +41,9 @@ class ParallelConfig:
     rules: str = "tp"
     schedule: str = "megatron"
     sub_batches: int = 2  # Oases schedules: sub-batches per micro-batch
+    # Per-layer strategies from a plan (oases_jax.layer_plan.LayerSpec); None: every layer
+    # runs `schedule`.
+    layers: tuple | None = None
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -53,16 +57,48 @@ class ParallelConfig:
                 f"--schedule {self.schedule} is tensor + sequence parallel and cannot use "
                 f"--rules {self.rules}; use --rules tp_sp"
             )
+        if self.schedule == "primepar":
+            _check_primepar_mesh(self.mesh, self.rules)
 
     @property
     def layer_sub_batches(self) -> int:
-        """Sub-batches a layer splits its micro-batch into (1 outside the Oases schedules)."""
+        """Sub-batches a layer splits its micro-batch into (1 outside the Oases schedules); with
+        per-layer strategies, the least common multiple over the layers."""
+        if self.layers:
+            import math
+
+            return math.lcm(*(s.sub_batches if s.schedule in ("oases", "oases_cm") else 1
+                              for s in self.layers))
         return self.sub_batches if self.schedule in ("oases", "oases_cm") else 1
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Some layer shards the residual stream on the sequence."""
+        scheds = [s.schedule for s in self.layers] if self.layers else [self.schedule]
+        return any(s in _SEQUENCE_PARALLEL for s in scheds)
 
     @property
     def rules_name(self) -> str:
         """The rule set actually used: sequence-parallel schedules upgrade `tp` to `tp_sp`."""
+        if self.schedule == "primepar":
+            return "primepar"
         return "tp_sp" if self.schedule in _SEQUENCE_PARALLEL else self.rules
+
+
+def _check_primepar_mesh(mesh: str, rules: str) -> None:
+    """primepar runs on a tp_row x tp_col square, with its own rule set."""
+    from oases_jax.mesh import parse_mesh
+    from oases_jax.primepar import square_size
+
+    if rules not in ("tp", "primepar"):
+        raise UserError(f"--schedule primepar uses its own rule set and cannot use --rules "
+                        f"{rules}; drop --rules or pass --rules primepar")
+    spec = parse_mesh(mesh)
+    if spec.size("tensor") != 1:
+        raise UserError(f"--schedule primepar splits over tp_row x tp_col, not tensor; use e.g. "
+                        f"--mesh data=2,tp_row=2,tp_col=2 instead of {mesh}")
+    if -1 not in (spec.size("tp_row"), spec.size("tp_col")):
+        square_size(dict(spec.axes), "tp_row", "tp_col")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

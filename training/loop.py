@@ -12,6 +12,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from models.layout import layout_fns
 from models.sharding import init_sharded
 from oases_jax.errors import UserError
 from oases_jax.mesh import make_mesh
@@ -112,8 +113,11 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
     tx = make_optimizer(cfg.optim, cfg.steps)
     fns = build_step_fns(cfg.model, tx, rules, mesh, cfg.parallel.schedule,
                          cfg.parallel.sub_batches, layers=cfg.parallel.layers)
+    # Checkpoints hold the standard layout whatever the schedule stores (primepar: permuted).
+    to_stored, to_standard = layout_fns(cfg.parallel.schedule, rules, mesh)
     ckpt = (
-        Checkpointer(cfg.ckpt.dir, keep=cfg.ckpt.keep, create=not cfg.ckpt.resume)
+        Checkpointer(cfg.ckpt.dir, keep=cfg.ckpt.keep, create=not cfg.ckpt.resume,
+                     encode=to_standard, decode=to_stored)
         if cfg.ckpt.dir
         else None
     )
@@ -135,7 +139,7 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
             )
     if state is None:
         model = init_sharded(cfg.model, rules, mesh, cfg.seed)
-        state = new_state(nnx.state(model), fns, cfg.seed)
+        state = new_state(to_stored(nnx.state(model)), fns, cfg.seed)
     try:
         return _run(cfg, state, fns, train_batches, val_batches, ckpt, corpus.describe())
     finally:

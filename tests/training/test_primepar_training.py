@@ -1,0 +1,158 @@
+"""The primepar schedule in the model: one block against the single-device block, 30 training
+steps against `megatron`, checkpoints and exports in the standard layout, the command line, and
+the compiled layer (permutes for every projection; overlapped on the GPU target)."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models import get_preset
+from models.hf import export_hf, load_hf
+from models.layers import Block
+from models.layout import layout_fns, standard_model
+from models.sharding import init_sharded, param_shardings
+from models.transformer import FAMILY_NORM
+from oases_jax.errors import UserError
+from oases_jax.mesh import make_mesh
+from oases_jax.rules import constrain, get_rules, use_rules
+from oases_jax.tensor_parallel import TensorParallel, use_tensor_parallel
+from tests.scriptrun import run_script
+from training import CheckpointConfig, ParallelConfig, TrainConfig, train
+
+MESH = "data=2,tp_row=2,tp_col=2"
+STEPS = 30
+
+
+def _block(cfg, mesh_spec):
+    """Outputs and gradients of one block: single device, and primepar on `mesh_spec` with the
+    weights stored permuted (gradients mapped back to the standard layout)."""
+    block = Block(cfg, FAMILY_NORM[cfg.family], rngs=nnx.Rngs(3))
+    graphdef, params = nnx.split(block)
+    x = jax.random.normal(jax.random.key(1), (8, 32, cfg.d_model))
+    ct = jax.random.normal(jax.random.key(2), x.shape)
+
+    def f(p, x):
+        y = nnx.merge(graphdef, p)(x)
+        return jnp.sum(y * ct), y
+
+    grad = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)
+    (_, y_ref), g_ref = jax.jit(grad)(params, x)
+
+    mesh, rules = make_mesh(mesh_spec), get_rules("primepar")
+    to_stored, to_standard = layout_fns("primepar", rules, mesh)
+    stored = to_stored(jax.device_put(params, param_shardings(params, rules, mesh)))
+
+    def f_sharded(p, x):
+        with use_rules(rules, mesh), use_tensor_parallel(TensorParallel("primepar", rules, mesh)):
+            return grad(p, constrain(x, ("batch", "seq", "embed")))
+
+    with jax.set_mesh(mesh):
+        (_, y), (g_p, g_x) = jax.jit(f_sharded)(stored, x)
+    return (y, (to_standard(g_p), g_x)), (y_ref, g_ref)
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-llama"])
+@pytest.mark.parametrize("mesh", [MESH, "tp_row=2,tp_col=2,data=2"])
+def test_block_matches_single_device(model, mesh):
+    (y, g), (y_ref, g_ref) = _block(get_preset(model), mesh)
+    np.testing.assert_allclose(y, y_ref, rtol=1e-4, atol=1e-5)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def _config(schedule, mesh, steps=STEPS, **kw):
+    return TrainConfig(model=get_preset("tiny"), parallel=ParallelConfig(mesh=mesh,
+                       schedule=schedule), steps=steps, batch_size=8, seq_len=32,
+                       log_every=steps, eval_batches=0, progress=False, **kw)
+
+
+@pytest.mark.slow
+def test_training_matches_megatron(jax_cache):
+    ref = train(_config("megatron", "data=2,tensor=4")).losses
+    got = train(_config("primepar", MESH)).losses
+    np.testing.assert_allclose([got[s] for s in ref], list(ref.values()), rtol=1e-4)
+
+
+def test_checkpoints_hold_the_standard_layout(tmp_path, jax_cache):
+    """Stop a primepar run after 2 of 4 steps and resume it under megatron, and the reverse: the
+    last two losses are those of an uninterrupted megatron run."""
+    ref = train(_config("megatron", "data=2,tensor=4", steps=4)).losses
+    for first, second, mesh1, mesh2 in [("primepar", "megatron", MESH, "data=2,tensor=4"),
+                                        ("megatron", "primepar", "data=2,tensor=4", MESH)]:
+        ckpt = str(tmp_path / first)
+        train(_config(first, mesh1, steps=4, stop_after=2, ckpt=CheckpointConfig(dir=ckpt)))
+        got = train(_config(second, mesh2, steps=4,
+                            ckpt=CheckpointConfig(dir=ckpt, resume=True))).losses
+        np.testing.assert_allclose([got[3], got[4]], [ref[3], ref[4]], rtol=1e-4)
+
+
+def test_export_writes_the_standard_layout(tmp_path):
+    cfg = get_preset("tiny")
+    mesh, rules = make_mesh(MESH), get_rules("primepar")
+    model = init_sharded(cfg, rules, mesh, seed=0)
+    want = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
+    graphdef, state = nnx.split(model)
+    stored = nnx.merge(graphdef, layout_fns("primepar", rules, mesh)[0](state))
+    wq = ("blocks", "attn", "wq")
+    assert not np.array_equal(np.asarray(nnx.state(stored)[wq].get_value()),
+                              want[wq].get_value())
+    export_hf(standard_model(stored, rules, mesh), tmp_path / "hf")
+    got = nnx.state(load_hf(tmp_path / "hf", rules="tp", mesh=make_mesh("data=2,tensor=4")),
+                    nnx.Param)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a)[: b.shape[0]], b)
+
+
+@pytest.mark.parametrize("mesh, match", [
+    ("data=2,tp_row=4,tp_col=1", "square"),
+    ("data=2,tensor=4", "not tensor"),
+])
+def test_impossible_meshes_are_user_errors(mesh, match):
+    with pytest.raises(UserError, match=match):
+        ParallelConfig(mesh=mesh, schedule="primepar")
+
+
+def test_train_script(tmp_path):
+    out = run_script("train.py", "--model", "tiny", "--schedule", "primepar", "--mesh", MESH,
+                     "--steps", "3", "--batch-size", "8", "--seq-len", "32", "--eval-batches",
+                     "0", "--no-progress", "--out-dir", str(tmp_path / "run"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    losses = [json.loads(line)["loss"] for line in
+              (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(np.isfinite(losses))
+    bad = run_script("train.py", "--model", "tiny", "--schedule", "primepar", "--mesh",
+                     "data=2,tp_row=4,tp_col=1", "--steps", "1", "--out-dir", str(tmp_path / "x"))
+    assert bad.returncode == 2
+    assert len(bad.stderr.strip().splitlines()) == 1 and "square" in bad.stderr
+    odd = run_script("train.py", "--model", "tiny", "--model-set", "n_heads=4", "--schedule",
+                     "primepar", "--mesh", "data=1,tp_row=2,tp_col=2,fsdp=2", "--steps", "1",
+                     "--batch-size", "6", "--out-dir", str(tmp_path / "y"))
+    assert odd.returncode == 2 and len(odd.stderr.strip().splitlines()) == 1, odd.stderr
+
+
+def _layer(target_devices, mesh_spec, schedule="primepar", **overrides):
+    from oases_jax.hlo_analysis import analyze
+    from training.compiled import CompileSpec, lower_layer
+
+    cfg = get_preset("tiny").replace(**overrides)
+    spec = CompileSpec(model=cfg, parallel=ParallelConfig(mesh=mesh_spec, schedule=schedule),
+                       batch_size=8, seq_len=32, layer=True)
+    mesh = make_mesh(mesh_spec, target_devices)
+    return analyze(lower_layer(spec, mesh).compile(), mesh)[0]
+
+
+def test_layer_projections_use_permutes_only():
+    """A layer forward+backward on the square: the projections move blocks by permutes; the
+    only other collectives are the small reductions of the norms' statistics and of the
+    replicated biases' and norm scales' gradients (no gathers)."""
+    analysis = _layer(jax.devices(), MESH)
+    kinds = analysis.counts_by_kind()
+    assert kinds.get("collective-permute", 0) >= 22, kinds  # 11 (q-1) per attention and MLP
+    assert not {"all-gather", "reduce-scatter", "all-to-all"} & set(kinds), kinds
+    biggest = max(c.bytes for c in analysis.collectives if c.kind == "all-reduce")
+    smallest_block = min(c.bytes for c in analysis.collectives if c.kind == "collective-permute")
+    assert biggest < smallest_block, (biggest, smallest_block)
