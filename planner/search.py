@@ -29,7 +29,7 @@ from planner.costs import (
     step_cost,
 )
 
-MEMORY_BUCKETS = 64  # resolution of the DP's activation-memory axis
+MEMORY_BUCKETS = 256  # resolution of the DP's activation-memory axis (budget / 256)
 SUB_BATCH_COUNTS = (2, 4)
 
 
@@ -147,7 +147,7 @@ def chain_dp(times: np.ndarray, mems: np.ndarray, edges: np.ndarray, n_layers: i
 
 def plan_layout(cfg: ModelConfig, layout: Layout, hw: Hardware, budget: float,
                 schedules: Sequence[str] = TP_SCHEDULES,
-                remats: Sequence[str] = REMATS,
+                remats: Sequence[str] = REMATS, lower_bound: float | None = None,
                 ) -> tuple[Candidate | None, dict[Strategy, Candidate]]:
     """The best per-layer chain on one layout, and the best uniform plan of each schedule (all
     under the budget). The DP runs per temporary-memory threshold, since the peak holds the
@@ -157,10 +157,6 @@ def plan_layout(cfg: ModelConfig, layout: Layout, hw: Hardware, budget: float,
     costs: dict[Strategy, LayerCost] = {s: lm.time(s) for s in strats}
     static = sum(static_memory(cfg, layout).values())
     _, head_temp = head_cost(cfg, layout, hw)
-    times = np.array([costs[s].step_s for s in strats]) * layout.microbatches
-    mems = np.array([costs[s].act_bytes for s in strats])
-    edges = np.array([[resharding_s(a, b, cfg, layout, hw) * layout.microbatches for b in strats]
-                      for a in strats])
 
     def full(chain: Sequence[Strategy]) -> Candidate:
         return Candidate(layout, tuple(chain), step_cost(cfg, layout, chain, hw, costs))
@@ -176,7 +172,20 @@ def plan_layout(cfg: ModelConfig, layout: Layout, hw: Hardware, budget: float,
     fastest = min(strats, key=lambda s: costs[s].step_s)
     if best_uniform is not None and best_uniform.strategies[0] == fastest:
         return best_uniform, uniform
+    if lower_bound is not None and cfg.n_layers * costs[fastest].step_s * layout.microbatches \
+            >= lower_bound:
+        return best_uniform, uniform  # no chain here can beat the best plan found so far
     best = best_uniform
+    # A strategy slower, heavier and with a larger working set than another is never chosen:
+    # drop it (exactness kept, the DP shrinks).
+    keep = [s for s in strats if not any(
+        o != s and costs[o].step_s <= costs[s].step_s and costs[o].act_bytes <= costs[s].act_bytes
+        and costs[o].temp_bytes <= costs[s].temp_bytes for o in strats)]
+    strats = keep
+    times = np.array([costs[s].step_s for s in strats]) * layout.microbatches
+    mems = np.array([costs[s].act_bytes for s in strats])
+    edges = np.array([[resharding_s(a, b, cfg, layout, hw) * layout.microbatches for b in strats]
+                      for a in strats])
     temps = sorted({max(costs[s].temp_bytes, head_temp) for s in strats})
     for tau in temps:
         allowed = np.array([max(costs[s].temp_bytes, head_temp) <= tau for s in strats])
@@ -214,7 +223,10 @@ def search(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int,
     baselines: dict[str, Candidate] = {}
     smallest: Candidate | None = None
     for layout in cands:
-        best, uniform = plan_layout(cfg, layout, hw, budget, schedules, remats)
+        bound = None
+        if ranked:  # only chains faster than the best so far are worth a DP
+            bound = min(c.cost.step_s for c in ranked)
+        best, uniform = plan_layout(cfg, layout, hw, budget, schedules, remats, bound)
         if best is not None:
             ranked.append(best)
         for s, c in uniform.items():

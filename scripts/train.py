@@ -21,7 +21,8 @@ def parse_args(argv=None):
     g.add_argument("--rules", default="tp", help="dp, fsdp, tp, tp_sp or fsdp_tp (default tp)")
     g.add_argument("--schedule", default="megatron", help="tensor-parallel schedule")
     g.add_argument("--sub-batches", type=int, default=2, help="oases schedules: sub-batches")
-    g.add_argument("--plan", help="a plan JSON from scripts/plan.py (not available yet)")
+    g.add_argument("--plan", help="a plan JSON from scripts/plan.py, or `auto` to plan for the "
+                   "local devices (sets mesh, rules, micro-batches and each layer's strategy)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=200, help="total optimizer steps of the run")
     g.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
@@ -54,10 +55,14 @@ def build_config(args):
     from oases_jax.errors import UserError
     from training import CheckpointConfig, OptimConfig, ParallelConfig, TrainConfig
 
-    if args.plan:
-        raise UserError("--plan needs the planner, which is not available yet; use --mesh/--rules")
     model = model_from_flags(args)
     import jax
+
+    parallel = ParallelConfig(mesh=args.mesh, rules=args.rules, schedule=args.schedule,
+                              sub_batches=args.sub_batches)
+    batch_size, microbatches, seq_len = args.batch_size, args.microbatches, args.seq_len
+    if args.plan:
+        parallel, batch_size, microbatches, seq_len = plan_config(args, model)
 
     if jax.process_count() > 1 and not (args.out_dir or (args.ckpt_dir and args.metrics_out)):
         raise UserError(
@@ -73,8 +78,7 @@ def build_config(args):
             weight_decay=args.weight_decay,
             clip_norm=args.clip_norm,
         ),
-        parallel=ParallelConfig(mesh=args.mesh, rules=args.rules, schedule=args.schedule,
-                                sub_batches=args.sub_batches),
+        parallel=parallel,
         ckpt=CheckpointConfig(
             dir=args.ckpt_dir or str(out / "ckpt"),
             every=args.ckpt_every,
@@ -83,9 +87,9 @@ def build_config(args):
         ),
         data=args.data,
         steps=args.steps,
-        batch_size=args.batch_size,
-        microbatches=args.microbatches,
-        seq_len=args.seq_len,
+        batch_size=batch_size,
+        microbatches=microbatches,
+        seq_len=seq_len,
         seed=args.seed,
         log_every=args.log_every,
         eval_every=args.eval_every,
@@ -95,6 +99,39 @@ def build_config(args):
         peak_tflops=args.peak_tflops,
         progress=not args.no_progress,
     )
+
+
+def plan_config(args, model):
+    """(ParallelConfig, batch size, micro-batches, seq len) from --plan FILE or --plan auto."""
+    import jax
+
+    from oases_jax.layer_plan import LayerSpec
+    from planner import local_cluster, make_plan
+    from planner import plan as plans
+    from planner.profile import Profile, default_profile_path
+    from training import ParallelConfig
+
+    if args.plan == "auto":
+        cluster = local_cluster(jax.devices())
+        path = default_profile_path(cluster.device, cluster.n_devices)
+        profile = Profile.load(path) if path.exists() else None
+        source = "profile" if profile else "datasheet"
+        d, _ = make_plan(model, model=args.model, cluster=cluster, global_batch=args.batch_size,
+                         seq_len=args.seq_len, profile=profile, cost_source=source)
+        plan = plans.from_json(d, "auto plan")
+        print(f"plan auto ({source} costs on {cluster.name}): mesh {plan.mesh}, "
+              f"{plan.microbatches} micro-batch(es), layers "
+              f"{', '.join(s.label() for s in plan.layers[:1])}"
+              f"{' ...' if len(set(plan.layers)) > 1 else ''}; predicted "
+              f"{d['predicted_step_s'] * 1e3:.1f} ms/step")
+    else:
+        plan = plans.load(args.plan)
+    plan.check_model(model)
+    layers = tuple(LayerSpec(schedule=s.schedule, sub_batches=s.sub_batches, remat=s.remat)
+                   for s in plan.layers)
+    parallel = ParallelConfig(mesh=plan.mesh, rules=plan.rules, schedule="megatron",
+                              layers=layers)
+    return parallel, plan.global_batch, plan.microbatches, plan.seq_len
 
 
 def main() -> int:

@@ -1,0 +1,209 @@
+"""The planner: replay and DP by hand arithmetic, cost formulas, the search's errors, plans
+end to end."""
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from models.presets import get_preset
+from oases_jax.errors import UserError
+from oases_jax.hardware import get_cluster
+from oases_jax.simulate import collective_time
+from planner import plan as plans
+from planner.costs import Hardware, LayerModel, Layout, Strategy, replay, step_cost
+from planner.search import MEMORY_BUCKETS, chain_dp, layouts, search
+from tests.scriptrun import run_script
+
+
+def test_replay_hides_comm_behind_the_compute_between_start_and_done():
+    # 2 ms compute, start a 3 ms collective, 1 ms compute, wait: 2 + max(1, 3) = 5.
+    assert replay([("c", 2), ("start", "a", 3), ("c", 1), ("done", "a")])[0] == 5
+    # Comm shorter than the window: fully hidden, 2 + 4.
+    assert replay([("c", 2), ("start", "a", 1), ("c", 4), ("done", "a")])[0] == 6
+    # Two collectives share the one comm stream: the second starts at 5, ends at 8.
+    ops = [("c", 2), ("start", "a", 3), ("start", "b", 3), ("c", 1), ("done", "b")]
+    assert replay(ops)[0] == 8
+    # Synchronous collectives (CPU): everything adds up.
+    assert replay([("c", 2), ("start", "a", 3), ("c", 1), ("done", "a")], overlap=False)[0] == 6
+
+
+def _brute(times, mems, edges, n, budget):
+    best = None
+    for chain in itertools.product(range(len(times)), repeat=n):
+        if sum(mems[list(chain)]) > budget:
+            continue
+        pairs = zip(chain, chain[1:], strict=False)
+        t = sum(times[list(chain)]) + sum(edges[a, b] for a, b in pairs)
+        best = t if best is None or t < best else best
+    return best
+
+
+def test_chain_dp_matches_brute_force_under_a_budget():
+    rng = np.random.default_rng(0)
+    times = np.array([1.0, 2.0, 3.5])
+    edges = rng.uniform(0, 0.5, (3, 3))
+    # Memories that are whole buckets: the DP is exact.
+    buckets = np.array([96.0, 64.0, 32.0])  # four layers need 128..384 of the 256 buckets
+    for budget in (3.0, 7.0, 9.0, 12.0):
+        mems = buckets * budget / MEMORY_BUCKETS
+        got = chain_dp(times, mems, edges, 4, budget)
+        best = _brute(times, mems, edges, 4, budget)
+        assert (got is None) == (best is None)
+        if best is not None:
+            assert got[0] == pytest.approx(best)
+    # Arbitrary memories: the chain always fits, and is at least as good as the best chain
+    # under a budget smaller by one bucket per layer.
+    mems = np.array([4.0, 2.0, 1.0])
+    for budget in (3.0, 7.0, 9.5, 12.0, 16.0):
+        got = chain_dp(times, mems, edges, 4, budget)
+        lower = _brute(times, mems, edges, 4, budget - 4 * budget / MEMORY_BUCKETS)
+        if got is not None:
+            assert sum(mems[got[1]]) <= budget
+        if lower is not None:
+            assert got is not None and got[0] <= lower + 1e-9
+
+
+def test_megatron_layer_collectives_by_hand():
+    """Megatron, no remat: 2 all-reduces of T*D*e bytes forward and 2 backward per layer."""
+    cfg = get_preset("gpt2-1.5b").replace(n_heads=32, head_dim=50)
+    hw = Hardware.of(get_cluster("h100:8"))
+    lay = Layout(tensor=8, global_batch=8, seq_len=1024)
+    lm = LayerModel(cfg, lay, hw)
+    cost = lm.time(Strategy(schedule="megatron"))
+    link = get_cluster("h100:8").levels[0][1]
+    one = collective_time("all-reduce", 8 * 1024 * 1600 * 4, 8, link)
+    assert cost.comm_s == pytest.approx(4 * one)
+    # The forward all-reduces are exposed: forward time = forward compute + 2 all-reduces.
+    fwd_ops = lm.layer_ops(Strategy(schedule="megatron"))["fwd"]
+    compute = sum(op[1] for op in fwd_ops if op[0] == "c")
+    assert cost.fwd_s == pytest.approx(compute + 2 * one)
+
+
+def test_oases_hides_more_than_megatron_and_remat_trades_memory():
+    cfg = get_preset("oases-h4096-l16")
+    hw = Hardware.of(get_cluster("h100-8"))
+    lay = Layout(tensor=8, global_batch=8, seq_len=1024)
+    lm = LayerModel(cfg, lay, hw)
+    meg = lm.time(Strategy(schedule="megatron"))
+    oas = lm.time(Strategy(schedule="oases", sub_batches=2))
+    assert oas.step_s - oas.compute_s < meg.step_s - meg.compute_s
+    full = lm.time(Strategy(schedule="megatron", remat="full"))
+    assert full.act_bytes < meg.act_bytes and full.step_s > meg.step_s
+    # On CPU nothing overlaps: the layer takes compute + all communication.
+    cpu = LayerModel(cfg, lay, Hardware.of(get_cluster("cpu-8"))).time(
+        Strategy(schedule="oases", sub_batches=2))
+    assert cpu.step_s == pytest.approx(cpu.compute_s + cpu.comm_s)
+
+
+def test_static_memory_by_hand():
+    cfg = get_preset("gpt2-1.5b").replace(n_heads=32, head_dim=50)
+    lay = Layout(data=2, tensor=4, global_batch=8, seq_len=1024)
+    c = step_cost(cfg, lay, [Strategy()] * cfg.n_layers, Hardware.of(get_cluster("h100:8")))
+    assert c.memory["params"] == pytest.approx(4 * cfg.param_count() / 4)
+    assert c.memory["optimizer"] == pytest.approx(2 * c.memory["params"])
+
+
+def test_layouts_respect_divisibility():
+    cfg = get_preset("gpt2-1.5b")  # 25 heads: only tensor=1 divides them on 8 devices
+    assert {lay.tensor for lay in layouts(cfg, 8, 16, 1024)} == {1}
+    got = layouts(get_preset("small"), 8, 16, 128)
+    assert all(lay.n_devices == 8 and 16 % (lay.replicas * lay.microbatches) == 0 for lay in got)
+    assert {lay.tensor for lay in got} == {1, 2, 4, 8}
+
+
+def test_search_reports_what_would_fit():
+    with pytest.raises(UserError, match="no plan fits .* use more devices"):
+        search(get_preset("opt-175b"), Hardware.of(get_cluster("h100-8")), global_batch=8,
+               seq_len=2048)
+
+
+def test_search_prefers_overlap_on_a_bandwidth_bound_cluster():
+    cfg = get_preset("oases-h4096-l16")
+    r = search(cfg, Hardware.of(get_cluster("3090-nvlink-32")), global_batch=64, seq_len=1024)
+    assert r.best.cost.step_s <= r.baselines["megatron"].cost.step_s
+    assert r.best.cost.peak_memory_bytes <= r.budget_bytes
+    assert any(s.schedule != "megatron" for s in r.best.strategies)
+
+
+def test_memory_pressure_mixes_strategies():
+    """A budget between the all-`none` and all-`full` remat footprints makes the DP remat only
+    some layers; the chain fits and beats every uniform plan that fits."""
+    cfg = get_preset("oases-h4096-l16")
+    hw = Hardware.of(get_cluster("h100-8"))
+    r0 = search(cfg, hw, global_batch=16, seq_len=1024, schedules=("megatron",))
+    r = search(cfg, hw, global_batch=16, seq_len=1024, schedules=("megatron",),
+               memory_fraction=0.5 * r0.best.cost.peak_memory_bytes / hw.cluster.device_spec
+               .memory_bytes / 0.9 * 0.9)
+    assert r.best.cost.peak_memory_bytes <= r.budget_bytes
+    assert r.best.cost.step_s >= r0.best.cost.step_s
+
+
+def test_plan_file_errors(tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        plans.load(tmp_path / "none.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(UserError, match="not valid JSON"):
+        plans.load(bad)
+    bad.write_text(json.dumps({"mesh": {"data": 8}}))
+    with pytest.raises(UserError, match="not a plan"):
+        plans.load(bad)
+    bad.write_text(json.dumps({"mesh": {"data": 8}, "microbatches": 1, "global_batch": 8,
+                               "seq_len": 32, "layers": [{"schedule": "warp"}]}))
+    with pytest.raises(UserError, match="unknown schedule 'warp'"):
+        plans.load(bad)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "nope"], "unknown model preset 'nope'"),
+    (["--cluster", "tpu-9"], "unknown cluster 'tpu-9'"),
+    (["--model", "opt-175b", "--cluster", "h100-8", "--global-batch", "8"], "no plan fits"),
+    (["--cost-source", "magic"], "unknown --cost-source 'magic'"),
+])
+def test_plan_script_errors(args, message):
+    r = run_script("plan.py", *args, timeout=120)
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and message in lines[0], r.stderr
+
+
+def test_mixed_plan_trains_like_megatron():
+    """A plan with a different strategy on each layer gives the losses of plain megatron."""
+    from oases_jax.layer_plan import LayerSpec
+    from training import ParallelConfig, TrainConfig, train
+
+    def losses(parallel):
+        cfg = TrainConfig(model=get_preset("tiny"), parallel=parallel, steps=6, batch_size=8,
+                          seq_len=32, log_every=6, eval_batches=0, progress=False)
+        return train(cfg).losses
+
+    ref = losses(ParallelConfig(mesh="data=2,tensor=4"))
+    mixed = (LayerSpec(schedule="oases", sub_batches=2, remat="save_proj"),
+             LayerSpec(schedule="collective_matmul", remat="full"))
+    got = losses(ParallelConfig(mesh="data=2,tensor=4", layers=mixed))
+    np.testing.assert_allclose([got[s] for s in ref], list(ref.values()), rtol=1e-4)
+
+
+def test_plan_then_train_end_to_end(tmp_path):
+    plan = tmp_path / "plan.json"
+    r = run_script("plan.py", "--model", "tiny", "--cluster", "cpu-8", "--global-batch", "8",
+                   "--seq-len", "32", "--explain", "--json", str(plan), timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "<- chosen" in r.stdout
+    d = json.loads(plan.read_text())
+    for key in ("mesh", "layers", "predicted_step_s", "predicted_peak_memory_bytes",
+                "baselines", "search_s"):
+        assert key in d
+    assert "megatron" in d["baselines"] and "best_uniform" in d["baselines"]
+    r = run_script("train.py", "--model", "tiny", "--plan", str(plan), "--steps", "3",
+                   "--out-dir", str(tmp_path / "run"), "--no-progress", "--eval-batches", "0",
+                   timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "loss" in r.stdout
+    r = run_script("train.py", "--model", "tiny", "--plan", "auto", "--batch-size", "8",
+                   "--seq-len", "32", "--steps", "2", "--out-dir", str(tmp_path / "auto"),
+                   "--no-progress", "--eval-batches", "0", timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "plan auto" in r.stdout
