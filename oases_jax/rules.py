@@ -186,7 +186,7 @@ def primepar(*, data: str = "data", rows: str = "tp_row", cols: str = "tp_col") 
     return ShardingRules(
         name="primepar",
         description="PrimePar: weights split over a square of devices, activations not replicated",
-        params=(("embed", rows),) + split,
+        params=(("embed", rows), ("norm", cols)) + split,  # norms: as the activations' D
         activations=(("batch", (data, rows)), ("embed", cols)) + split,
     )
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh
 
 from oases_jax import primepar, schedules
 from oases_jax.collective_matmul import all_gather_matmul, matmul_reduce_scatter
@@ -244,18 +244,16 @@ def _primepar_row(h, w, names, tp: TensorParallel) -> jax.Array:
 
 def add_bias(y: jax.Array, b: jax.Array, names: Logical) -> jax.Array:
     """y + b for a column projection's output y [B, L, *out] and its bias b [*out] named
-    `names`. Under primepar y is skewed (device (i, j) holds output block i+j), so each device
-    adds that block of b."""
+    `names`. Under primepar y is skewed (device (i, j) holds output block i+j), so the bias
+    blocks are skewed too: one small ppermute, no gather."""
     tp = _ACTIVE.get()
     if tp is None or not tp.uses_primepar or _MANUAL.get() is not None:
         return y + b
     y_spec = tp.rules.act_spec(("batch", None, *names), tp.mesh)
 
-    def local(y, b):
-        q = jax.lax.axis_size(tp.rows)
-        skew = (jax.lax.axis_index(tp.rows) + jax.lax.axis_index(tp.cols)) % q
-        n = b.shape[0] // q
-        return y + jax.lax.dynamic_slice_in_dim(b, skew * n, n, axis=0)
+    def local(y, b):  # b: block j of the bias, the same on every row
+        return y + primepar.skew(b, tp.rows, tp.cols)
 
-    return jax.shard_map(local, mesh=tp.mesh, in_specs=(y_spec, PartitionSpec()),
+    return jax.shard_map(local, mesh=tp.mesh,
+                         in_specs=(y_spec, tp.rules.param_spec(names, tp.mesh)),
                          out_specs=y_spec)(y, b)

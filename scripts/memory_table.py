@@ -1,0 +1,89 @@
+"""Per-device peak memory of whole train steps, schedules side by side, compiled for GPU targets:
+`python scripts/memory_table.py --json benchmarks/results/primepar_memory.json`.
+
+Each (model, target, schedule, mesh) is compiled in a child process (`inspect_isolated`), so the
+memory of one compile is returned before the next. Every flag is documented in docs/cli.md.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+from oases_jax.cli import Parser, add_runtime_flags, init_runtime, run_main, write_atomic
+
+# (model, overrides) and (target, [(schedule, mesh), ...]): the first schedule is the baseline.
+MODELS = {"gpt2-1.5b": ("n_heads=32", "head_dim=50"), "llama2-7b": ()}
+RUNS = {
+    "h100:4": [("megatron", "tensor=4"), ("primepar", "tp_row=2,tp_col=2")],
+    "h100:16": [("megatron", "tensor=16"), ("primepar", "tp_row=4,tp_col=4"),
+                ("megatron", "data=4,tensor=4"), ("primepar", "data=4,tp_row=2,tp_col=2")],
+}
+
+
+def parse_args(argv=None):
+    p = Parser(prog="memory_table.py", description=__doc__.splitlines()[0])
+    p.add_argument("--models", default=",".join(MODELS), help="presets, comma-separated")
+    p.add_argument("--targets", default=",".join(RUNS), help="targets, comma-separated")
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    p.add_argument("--remat", default="none", help="remat policy of every run")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--json", metavar="OUT", help="write the rows as JSON (and OUT .txt: table)")
+    add_runtime_flags(p)
+    return p.parse_args(argv)
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'model':<10} {'target':<8} {'schedule':<9} {'mesh':<24} {'peak GiB':>9} "
+            f"{'vs megatron':>11}")
+    lines = [head]
+    for r in rows:
+        peak = "failed" if r.get("peak_bytes") is None else f"{r['peak_bytes'] / 2**30:9.2f}"
+        ratio = f"{r['ratio']:11.2f}" if r.get("ratio") is not None else f"{'':>11}"
+        lines.append(f"{r['model']:<10} {r['target']:<8} {r['schedule']:<9} {r['mesh']:<24} "
+                     f"{peak:>9} {ratio}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    args = parse_args()
+    init_runtime(args)
+    from models.presets import get_preset
+    from training.compiled import CompileSpec, inspect_isolated
+    from training.config import ParallelConfig
+
+    rows = []
+    for name in args.models.split(","):
+        model = get_preset(name).with_overrides(list(MODELS.get(name, ())))
+        model = model.replace(dtype=args.dtype, remat=args.remat)
+        for target in args.targets.split(","):
+            baseline = {}
+            for schedule, mesh in RUNS[target]:
+                spec = CompileSpec(model=model, batch_size=args.batch_size, seq_len=args.seq_len,
+                                   parallel=ParallelConfig(mesh=mesh, schedule=schedule))
+                rep = inspect_isolated(spec, target, timeout_s=3000)
+                peak = rep.get("peak_memory_bytes")
+                row = {"model": name, "target": target, "schedule": schedule, "mesh": mesh,
+                       "peak_bytes": peak, "memory": rep.get("memory"), "error": rep.get("error")}
+                width = mesh.split(",")[0]  # the baseline with the same data axis
+                if schedule == "megatron":
+                    baseline[width.startswith("data")] = peak
+                ref = baseline.get(width.startswith("data"))
+                row["ratio"] = peak / ref if peak and ref and schedule != "megatron" else None
+                rows.append(row)
+                print(table([row]).splitlines()[1], flush=True)
+    text = table(rows)
+    print("\n" + text)
+    if args.json:
+        command = "python " + " ".join(sys.argv)
+        meta = {"command": command, "batch_size": args.batch_size, "seq_len": args.seq_len,
+                "dtype": args.dtype, "remat": args.remat}
+        write_atomic(args.json, json.dumps({**meta, "rows": rows}, indent=1))
+        write_atomic(str(pathlib.Path(args.json).with_suffix(".txt")), f"{command}\n\n{text}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))
