@@ -52,7 +52,9 @@ def build_config(args):
     model = model_from_flags(args)
     variants = [parse_variant(v, rules=args.rules) for v in args.variant]
     if args.schedules is not None or not variants:
-        schedules = args.schedules.split(",") if args.schedules is not None else SCHEDULES
+        # primepar needs a tp_row x tp_col square: give it as a --variant with such a mesh.
+        default = [s for s in SCHEDULES if s != "primepar"]
+        schedules = args.schedules.split(",") if args.schedules is not None else default
         variants += [
             parse_variant(f"{args.mesh}/{args.rules}/{s.strip()}", rules=args.rules)
             for s in schedules
