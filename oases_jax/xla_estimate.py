@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import pathlib
 import re
 import shutil
@@ -17,6 +16,7 @@ import warnings
 from collections.abc import Iterator
 
 from oases_jax.hlo import COLLECTIVES
+from oases_jax.xla_dump import Comp, Op, Scheduled, parse_text_proto, read_module, read_schedules
 
 # Per-compile options that make XLA write `<module>.schedule.txt` and fill each instruction's
 # `reification_cost` (the "sol" entry is what the scheduler uses). `xla_dump_to` is added per call.
@@ -26,177 +26,6 @@ _FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitca
                    "partition-id", "replica-id", "opt-barrier", "add-dependency", "domain"})
 _CONTROL = frozenset({"while", "call", "conditional"})
 MAX_OPS = 20000
-
-
-# Text-format protobuf, read generically: nested dicts whose values are lists (fields repeat).
-
-_OPEN = re.compile(r"^\s*(\w+)\s*\{\s*$")
-_FIELD = re.compile(r"^\s*(\w+)\s*:\s*(.*?)\s*$")
-_ESC = re.compile(r"\\(?:([0-7]{1,3})|x([0-9a-fA-F]{2})|(.))")
-_SIMPLE_ESC = {"n": "\n", "t": "\t", "r": "\r", '"': '"', "'": "'", "\\": "\\"}
-# The only parts of the dump read here (everything else is skipped unparsed, which keeps large
-# dumps fast): message name -> fields kept.
-_KEEP = {
-    "": {"hlo_module", "computation_schedules"},
-    "hlo_module": {"name", "entry_computation_name", "entry_computation_id", "computations",
-                   "schedule"},
-    "computations": {"name", "id", "instructions", "is_fusion_computation"},
-    "instructions": {"name", "opcode", "id", "called_computation_ids", "backend_config",
-                     "start_timestamp_cycles", "end_timestamp_cycles"},
-    "schedule": {"sequences"},
-    "sequences": {"key", "value"},
-    "value": {"instruction_ids"},
-    "computation_schedules": {"computation_id", "instructions", "scheduler_statistics",
-                              "cycles_per_microsecond"},
-    "scheduler_statistics": None,  # every field
-}
-
-
-def _unescape(text: str) -> str:
-    def sub(m):
-        if m.group(1):
-            return chr(int(m.group(1), 8))
-        if m.group(2):
-            return chr(int(m.group(2), 16))
-        return _SIMPLE_ESC.get(m.group(3), m.group(3))
-
-    return _ESC.sub(sub, text)
-
-
-def _value(text: str):
-    if text.startswith('"'):
-        return _unescape(text[1:-1])
-    try:
-        return float(text) if any(c in text for c in ".eE") else int(text)
-    except ValueError:
-        return text  # enums, true/false
-
-
-def parse_text_proto(text: str) -> dict:
-    """A text-format protobuf as nested dicts of lists, keeping only the fields in `_KEEP`."""
-    root: dict = {}
-    stack = [("", root)]
-    skip = 0
-    for line in text.splitlines():
-        if skip:
-            stripped = line.strip()
-            if stripped.endswith("{") and _OPEN.match(line):
-                skip += 1
-            elif stripped == "}":
-                skip -= 1
-            continue
-        name, node = stack[-1]
-        keep = _KEEP.get(name, set())
-        m = _OPEN.match(line)
-        if m:
-            key = m.group(1)
-            if keep is not None and key not in keep:
-                skip = 1
-                continue
-            child: dict = {}
-            node.setdefault(key, []).append(child)
-            stack.append((key, child))
-            continue
-        if line.strip() == "}":
-            stack.pop()
-            continue
-        m = _FIELD.match(line)
-        if m and (keep is None or m.group(1) in keep):
-            node.setdefault(m.group(1), []).append(_value(m.group(2)))
-    return root
-
-
-# The program as the scheduler saw it.
-
-
-@dataclasses.dataclass
-class _Op:
-    id: int
-    name: str
-    opcode: str
-    called: list[int]
-    config: dict
-
-    def cost(self, key: str = "sol") -> float | None:
-        """The `reification_cost` entry named `key`, in microseconds."""
-        for entry in self.config.get("reification_cost", []):
-            if entry.get("name") == key:
-                return float(entry.get("exec_time_us", 0.0))
-        return None
-
-
-@dataclasses.dataclass
-class _Comp:
-    id: int
-    name: str
-    ops: dict[int, _Op]
-    order: list[int]
-    is_fusion: bool
-
-
-@dataclasses.dataclass
-class _Scheduled:
-    """One computation the latency-hiding scheduler scheduled: its order, timestamps (us) and
-    statistics (wasted cycles by kind, total cycles), converted to microseconds."""
-
-    order: list[int]
-    times: dict[int, tuple[float, float]]
-    wasted_us: dict[str, float]
-    total_us: float
-
-
-def _first(d: dict, key: str, default=None):
-    return d.get(key, [default])[0]
-
-
-def _config(text: str | None) -> dict:
-    if not text or not text.startswith("{"):
-        return {}
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return {}
-
-
-def _read_module(msg: dict) -> tuple[dict[int, _Comp], int]:
-    orders = {_first(s, "key"): _first(s, "value", {}).get("instruction_ids", [])
-              for sched in msg.get("schedule", []) for s in sched.get("sequences", [])}
-    comps = {}
-    for c in msg.get("computations", []):
-        ops = {}
-        for i in c.get("instructions", []):
-            op = _Op(_first(i, "id"), _first(i, "name", ""), _first(i, "opcode", ""),
-                     list(i.get("called_computation_ids", [])),
-                     _config(_first(i, "backend_config")))
-            ops[op.id] = op
-        cid = _first(c, "id")
-        order = [i for i in orders.get(cid, []) if i in ops] or list(ops)
-        comps[cid] = _Comp(cid, _first(c, "name", ""), ops, order,
-                           bool(_first(c, "is_fusion_computation", False)))
-    entry = _first(msg, "entry_computation_id")
-    if entry is None:
-        name = _first(msg, "entry_computation_name")
-        entry = next(c.id for c in comps.values() if c.name == name)
-    return comps, entry
-
-
-def _read_schedules(msgs: list[dict]) -> dict[int, _Scheduled]:
-    out = {}
-    for s in msgs:
-        per_us = float(_first(s, "cycles_per_microsecond", 1) or 1)
-        stats = _first(s, "scheduler_statistics", {})
-        wasted = {k.removesuffix("_wasted_cycles").replace("_", "-"): float(v[0]) / per_us
-                  for k, v in stats.items()
-                  if k.endswith("_wasted_cycles") and k != "total_wasted_cycles" and v[0]}
-        order, times = [], {}
-        for i in s.get("instructions", []):
-            iid = _first(i, "id")
-            order.append(iid)
-            times[iid] = (float(_first(i, "start_timestamp_cycles", 0)) / per_us,
-                          float(_first(i, "end_timestamp_cycles", 0)) / per_us)
-        out[_first(s, "computation_id")] = _Scheduled(
-            order, times, wasted, float(_first(stats, "total_cycles", 0)) / per_us)
-    return out
 
 
 # Composition.
@@ -244,13 +73,13 @@ def _with_total(d: dict[str, float]) -> dict[str, float]:
 class _Composer:
     """Totals of computations, composed bottom-up (see `estimate_from_schedule`)."""
 
-    def __init__(self, comps: dict[int, _Comp], scheduled: dict[int, _Scheduled]):
+    def __init__(self, comps: dict[int, Comp], scheduled: dict[int, Scheduled]):
         self.comps, self.scheduled = comps, scheduled
         self.by_name = {c.name: c.id for c in comps.values()}
         self._memo: dict[int, tuple[float, dict, dict]] = {}
         self.unpriced: set[tuple[int, int]] = set()
 
-    def collective(self, op: _Op) -> tuple[str, float | None] | None:
+    def collective(self, op: Op) -> tuple[str, float | None] | None:
         """(kind, XLA's latency in us) when `op` starts or is a collective."""
         base = op.opcode.removesuffix("-start")
         if base in COLLECTIVES:
@@ -263,11 +92,11 @@ class _Composer:
                         return inner.opcode, inner.cost() or op.cost()
         return None
 
-    def trips(self, op: _Op) -> int:
+    def trips(self, op: Op) -> int:
         n = op.config.get("known_trip_count", {}).get("n")
         return int(n) if n is not None else 1
 
-    def loop_parts(self, op: _Op) -> list[tuple[int, int]]:
+    def loop_parts(self, op: Op) -> list[tuple[int, int]]:
         """(computation id, runs) of a control-flow op: a while runs its body `trips` times and
         its condition `trips + 1` times; a call runs its callee once."""
         if op.opcode == "while":
@@ -277,7 +106,7 @@ class _Composer:
             return [(c, r) for c, r in ((body, n), (cond, n + 1)) if c in self.comps]
         return [(c, 1) for c in op.called if c in self.comps]
 
-    def control_time(self, op: _Op) -> tuple[float, dict, dict]:
+    def control_time(self, op: Op) -> tuple[float, dict, dict]:
         if op.opcode == "conditional":  # the dearest branch
             parts = [self.total(c) for c in op.called if c in self.comps]
             return max(parts, key=lambda p: p[0], default=(0.0, {}, {}))
@@ -353,7 +182,7 @@ class _Composer:
                 out.append(OpTime(op.name, op.opcode, "compute", start, end))
             clock = end
 
-    def _layout_control(self, op: _Op, t0: float, out: list[OpTime], limit: int) -> None:
+    def _layout_control(self, op: Op, t0: float, out: list[OpTime], limit: int) -> None:
         if op.opcode == "conditional":
             dearest = max((c for c in op.called if c in self.comps),
                           key=lambda c: self.total(c)[0], default=None)
@@ -409,8 +238,8 @@ def estimate_from_schedule(text: str, max_ops: int = MAX_OPS) -> XlaEstimate:
     proto = parse_text_proto(text)
     if not proto.get("hlo_module"):
         raise ValueError("not a latency-hiding-schedule dump: no hlo_module")
-    comps, entry = _read_module(proto["hlo_module"][0])
-    scheduled = _read_schedules(proto.get("computation_schedules", []))
+    comps, entry = read_module(proto["hlo_module"][0])
+    scheduled = read_schedules(proto.get("computation_schedules", []))
     composer = _Composer(comps, scheduled)
     t, exposed, comm = composer.total(entry)
     per_op: list[OpTime] = []
@@ -445,8 +274,8 @@ def estimate_from_hlo_text(text: str) -> XlaEstimate:
                 body, cond = (instr.attr("body") or "").lstrip("%"), (
                     instr.attr("condition") or "").lstrip("%")
                 called = [ids[n] for n in (body, cond) if n in ids]
-            ops[j] = _Op(j, instr.name, instr.opcode, called, instr.backend_config)
-        comps[ids[name]] = _Comp(ids[name], name, ops, list(ops), False)
+            ops[j] = Op(j, instr.name, instr.opcode, called, instr.backend_config)
+        comps[ids[name]] = Comp(ids[name], name, ops, list(ops), False)
     composer = _Composer(comps, {})
     t, _, comm = composer.total(ids[module.entry])
     per_op: list[OpTime] = []
@@ -462,7 +291,7 @@ def estimate_from_hlo_text(text: str) -> XlaEstimate:
 def collective_prices(text: str) -> list[tuple[str, str, float | None]]:
     """(name, kind, XLA's time in seconds or None) of every collective in a schedule dump, as
     XLA's latency estimator prices it (the "sol" cost of the collective)."""
-    comps, _ = _read_module(parse_text_proto(text)["hlo_module"][0])
+    comps, _ = read_module(parse_text_proto(text)["hlo_module"][0])
     composer = _Composer(comps, {})
     wrapped = {c for comp in comps.values() for op in comp.ops.values()
                if op.opcode == "async-start" for c in op.called}

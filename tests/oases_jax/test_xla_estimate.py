@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from oases_jax import xla_estimate
+from oases_jax import xla_dump, xla_estimate
 from oases_jax.targets import get_target, has_gpu_aot
 from oases_jax.xla_estimate import compile_with_estimate, estimate_from_schedule, schedule_dump
 
@@ -112,7 +112,7 @@ def test_a_scheduled_computation_replaces_the_nominal_price_of_its_loop():
 
 
 def test_text_format_strings_and_skipped_fields():
-    proto = xla_estimate.parse_text_proto(
+    proto = xla_dump.parse_text_proto(
         'hlo_module {\n  name: "a\\"b\\\\c\\n"\n  device_assignment {\n    x {\n    }\n  }\n'
         '  computations {\n    id: 3\n  }\n}\n')
     (module,) = proto["hlo_module"]

@@ -1,0 +1,178 @@
+"""Read XLA's latency-hiding schedule dump (`<module>.schedule.txt`, a text protobuf): the module
+as the scheduler saw it, and each scheduled computation's timestamps and statistics."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+# Text-format protobuf, read generically: nested dicts whose values are lists (fields repeat).
+
+_OPEN = re.compile(r"^\s*(\w+)\s*\{\s*$")
+_FIELD = re.compile(r"^\s*(\w+)\s*:\s*(.*?)\s*$")
+_ESC = re.compile(r"\\(?:([0-7]{1,3})|x([0-9a-fA-F]{2})|(.))")
+_SIMPLE_ESC = {"n": "\n", "t": "\t", "r": "\r", '"': '"', "'": "'", "\\": "\\"}
+# The only parts of the dump read here (everything else is skipped unparsed, which keeps large
+# dumps fast): message name -> fields kept.
+_KEEP = {
+    "": {"hlo_module", "computation_schedules"},
+    "hlo_module": {"name", "entry_computation_name", "entry_computation_id", "computations",
+                   "schedule"},
+    "computations": {"name", "id", "instructions", "is_fusion_computation"},
+    "instructions": {"name", "opcode", "id", "called_computation_ids", "backend_config",
+                     "start_timestamp_cycles", "end_timestamp_cycles"},
+    "schedule": {"sequences"},
+    "sequences": {"key", "value"},
+    "value": {"instruction_ids"},
+    "computation_schedules": {"computation_id", "instructions", "scheduler_statistics",
+                              "cycles_per_microsecond"},
+    "scheduler_statistics": None,  # every field
+}
+
+
+def _unescape(text: str) -> str:
+    def sub(m):
+        if m.group(1):
+            return chr(int(m.group(1), 8))
+        if m.group(2):
+            return chr(int(m.group(2), 16))
+        return _SIMPLE_ESC.get(m.group(3), m.group(3))
+
+    return _ESC.sub(sub, text)
+
+
+def _value(text: str):
+    if text.startswith('"'):
+        return _unescape(text[1:-1])
+    try:
+        return float(text) if any(c in text for c in ".eE") else int(text)
+    except ValueError:
+        return text  # enums, true/false
+
+
+def parse_text_proto(text: str) -> dict:
+    """A text-format protobuf as nested dicts of lists, keeping only the fields in `_KEEP`."""
+    root: dict = {}
+    stack = [("", root)]
+    skip = 0
+    for line in text.splitlines():
+        if skip:
+            stripped = line.strip()
+            if stripped.endswith("{") and _OPEN.match(line):
+                skip += 1
+            elif stripped == "}":
+                skip -= 1
+            continue
+        name, node = stack[-1]
+        keep = _KEEP.get(name, set())
+        m = _OPEN.match(line)
+        if m:
+            key = m.group(1)
+            if keep is not None and key not in keep:
+                skip = 1
+                continue
+            child: dict = {}
+            node.setdefault(key, []).append(child)
+            stack.append((key, child))
+            continue
+        if line.strip() == "}":
+            stack.pop()
+            continue
+        m = _FIELD.match(line)
+        if m and (keep is None or m.group(1) in keep):
+            node.setdefault(m.group(1), []).append(_value(m.group(2)))
+    return root
+
+
+# The program as the scheduler saw it.
+
+
+@dataclasses.dataclass
+class Op:
+    id: int
+    name: str
+    opcode: str
+    called: list[int]
+    config: dict
+
+    def cost(self, key: str = "sol") -> float | None:
+        """The `reification_cost` entry named `key`, in microseconds."""
+        for entry in self.config.get("reification_cost", []):
+            if entry.get("name") == key:
+                return float(entry.get("exec_time_us", 0.0))
+        return None
+
+
+@dataclasses.dataclass
+class Comp:
+    id: int
+    name: str
+    ops: dict[int, Op]
+    order: list[int]
+    is_fusion: bool
+
+
+@dataclasses.dataclass
+class Scheduled:
+    """One computation the latency-hiding scheduler scheduled: its order, timestamps (us) and
+    statistics (wasted cycles by kind, total cycles), converted to microseconds."""
+
+    order: list[int]
+    times: dict[int, tuple[float, float]]
+    wasted_us: dict[str, float]
+    total_us: float
+
+
+def _first(d: dict, key: str, default=None):
+    return d.get(key, [default])[0]
+
+
+def _config(text: str | None) -> dict:
+    if not text or not text.startswith("{"):
+        return {}
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return {}
+
+
+def read_module(msg: dict) -> tuple[dict[int, Comp], int]:
+    orders = {_first(s, "key"): _first(s, "value", {}).get("instruction_ids", [])
+              for sched in msg.get("schedule", []) for s in sched.get("sequences", [])}
+    comps = {}
+    for c in msg.get("computations", []):
+        ops = {}
+        for i in c.get("instructions", []):
+            op = Op(_first(i, "id"), _first(i, "name", ""), _first(i, "opcode", ""),
+                     list(i.get("called_computation_ids", [])),
+                     _config(_first(i, "backend_config")))
+            ops[op.id] = op
+        cid = _first(c, "id")
+        order = [i for i in orders.get(cid, []) if i in ops] or list(ops)
+        comps[cid] = Comp(cid, _first(c, "name", ""), ops, order,
+                           bool(_first(c, "is_fusion_computation", False)))
+    entry = _first(msg, "entry_computation_id")
+    if entry is None:
+        name = _first(msg, "entry_computation_name")
+        entry = next(c.id for c in comps.values() if c.name == name)
+    return comps, entry
+
+
+def read_schedules(msgs: list[dict]) -> dict[int, Scheduled]:
+    out = {}
+    for s in msgs:
+        per_us = float(_first(s, "cycles_per_microsecond", 1) or 1)
+        stats = _first(s, "scheduler_statistics", {})
+        wasted = {k.removesuffix("_wasted_cycles").replace("_", "-"): float(v[0]) / per_us
+                  for k, v in stats.items()
+                  if k.endswith("_wasted_cycles") and k != "total_wasted_cycles" and v[0]}
+        order, times = [], {}
+        for i in s.get("instructions", []):
+            iid = _first(i, "id")
+            order.append(iid)
+            times[iid] = (float(_first(i, "start_timestamp_cycles", 0)) / per_us,
+                          float(_first(i, "end_timestamp_cycles", 0)) / per_us)
+        out[_first(s, "computation_id")] = Scheduled(
+            order, times, wasted, float(_first(stats, "total_cycles", 0)) / per_us)
+    return out
