@@ -49,8 +49,10 @@ GPU_OPTIONS: dict[str, dict] = {
               "xla_gpu_reduce_scatter_combine_threshold_bytes": 0},
     "oases_cm": {**_GPU_BASE, "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
                  "xla_gpu_collective_permute_combine_threshold_bytes": 0},
-    # A primepar backward step has three permutes in flight (two blocks and a partial sum).
-    "primepar": {**_GPU_BASE, "xla_gpu_experimental_parallel_collective_overlap_limit": 3},
+    # A primepar backward step has three permutes in flight (two blocks and a partial sum); the
+    # combiner would merge a step's weight shifts into one synchronous permute.
+    "primepar": {**_GPU_BASE, "xla_gpu_experimental_parallel_collective_overlap_limit": 3,
+                 "xla_gpu_collective_permute_combine_threshold_bytes": 0},
     # A threshold of 0 MiB makes XLA's windowed-einsum pass abort (a cycle found by the algebraic
     # simplifier) on the attention einsums of jax 0.12.0.1; 1 MiB still rewrites every projection.
     "xla_auto": {**_GPU_BASE, "xla_gpu_threshold_for_windowed_einsum_mib": 1,
