@@ -158,3 +158,21 @@ def test_layer_projections_use_permutes_only():
                   if c.kind == "all-reduce" and set(c.axes) != {"data"})
     largest_block = max(c.bytes for c in analysis.collectives if c.kind == "collective-permute")
     assert biggest < largest_block / 8, (biggest, largest_block)
+
+
+@pytest.mark.gpu_aot
+@pytest.mark.parametrize("n, mesh", [(4, "data=1,tp_row=2,tp_col=2"),
+                                     (16, "data=1,tp_row=4,tp_col=4")])
+def test_layer_permutes_overlap_gemms_on_h100(n, mesh):
+    """One GPT-2 1.5B-shaped layer (32 heads of 50), forward and backward, for H100s: the
+    projections' permutes are asynchronous with a GEMM in their window."""
+    from oases_jax.targets import get_target, has_gpu_aot
+    from training.compiled import CompileSpec, inspect_program
+
+    if not has_gpu_aot():
+        pytest.skip("needs the gpu-aot extra")
+    cfg = get_preset("gpt2-1.5b").replace(n_heads=32, head_dim=50, dtype="bfloat16")
+    spec = CompileSpec(model=cfg, batch_size=8, seq_len=1024, layer=True,
+                       parallel=ParallelConfig(mesh=mesh, schedule="primepar"))
+    analysis = inspect_program(spec, get_target(f"h100:{n}")).analysis
+    assert analysis.overlap_share(require="gemm", kinds=["collective-permute"]) >= 0.9
