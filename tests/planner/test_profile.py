@@ -65,7 +65,7 @@ def test_fit_parameters_are_never_negative():
     fit = Profile.from_samples([], samples, source="profile", device="cpu", n_devices=2).comm[
         ("all-reduce", 2)]
     assert fit.latency_s == 0 and fit.bytes_per_s == pytest.approx(3 / 4, rel=1e-12)
-    # Times that fall with size: no bandwidth term; latency = mean-relative fit = sum(1/t)/sum(1/t^2).
+    # Times that fall with size: no bandwidth term; latency = sum(1/t) / sum(1/t^2).
     samples = [{"kind": "all-gather", "n": 4, "bytes": b, "seconds": t}
                for b, t in ((1, 2.0), (2, 1.0))]
     fit = Profile.from_samples([], samples, source="profile", device="cpu", n_devices=4).comm[

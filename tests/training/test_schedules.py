@@ -19,7 +19,7 @@ from training.config import SCHEDULES
 
 MESHES = ("data=1,tensor=8", "data=2,tensor=4", "data=4,tensor=2")
 STEPS = 30
-# primepar needs a tp_row x tp_col square, not these meshes: tests/training/test_primepar_training.py
+# primepar needs a tp_row x tp_col square: tests/training/test_primepar_training.py
 TENSOR_SCHEDULES = tuple(s for s in SCHEDULES if s != "primepar")
 
 
