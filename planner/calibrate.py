@@ -252,7 +252,7 @@ def format_table(prof: Profile) -> str:
     meta = prof.meta
     lines = [f"calibration profile: {prof.device} x {prof.n_devices} ({prof.source}; "
              f"groups: {meta.get('groups', '?')}; jax {meta.get('jax', '?')}; medians of "
-             f"{meta.get('repeats', '?')})", ""]
+             f"{meta.get('repeats', '?')}{_load(meta)})", ""]
     comm = prof.samples.get("comm", [])
     if prof.comm:
         lines += ["collectives: time = latency + bytes / bandwidth "
@@ -277,6 +277,11 @@ def format_table(prof: Profile) -> str:
         lines += _chunk_table(own)
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _load(meta: dict) -> str:
+    load = meta.get("load_average")
+    return f"; host load {' -> '.join(f'{x:.1f}' for x in load)}" if load else ""
 
 
 def _flops(s: dict) -> float:

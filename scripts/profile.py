@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import shlex
 import sys
@@ -140,8 +141,9 @@ def main() -> int:
     meta = {"command": shlex.join(["python", *sys.argv]),
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "jax": jax.__version__, "host": platform.node(),
-            "device_kind": jax.devices()[0].device_kind}
+            "device_kind": jax.devices()[0].device_kind, "load_average": [os.getloadavg()[0]]}
     prof = calibrate(cfg, log, device=device, meta=meta)
+    prof.meta["load_average"].append(os.getloadavg()[0])  # other processes skew the figures
     if main_process:
         print(format_table(prof), end="")
         prof.save(out)
