@@ -20,8 +20,8 @@ _KEEP = {
     "hlo_module": {"name", "entry_computation_name", "entry_computation_id", "computations",
                    "schedule"},
     "computations": {"name", "id", "instructions", "is_fusion_computation"},
-    "instructions": {"name", "opcode", "id", "called_computation_ids", "backend_config",
-                     "start_timestamp_cycles", "end_timestamp_cycles"},
+    "instructions": {"name", "opcode", "id", "operand_ids", "called_computation_ids",
+                     "backend_config", "start_timestamp_cycles", "end_timestamp_cycles"},
     "schedule": {"sequences"},
     "sequences": {"key", "value"},
     "value": {"instruction_ids"},
@@ -95,6 +95,7 @@ class Op:
     opcode: str
     called: list[int]
     config: dict
+    operands: list[int] = dataclasses.field(default_factory=list)
 
     def cost(self, key: str = "sol") -> float | None:
         """The `reification_cost` entry named `key`, in microseconds."""
@@ -145,13 +146,13 @@ def read_module(msg: dict) -> tuple[dict[int, Comp], int]:
         ops = {}
         for i in c.get("instructions", []):
             op = Op(_first(i, "id"), _first(i, "name", ""), _first(i, "opcode", ""),
-                     list(i.get("called_computation_ids", [])),
-                     _config(_first(i, "backend_config")))
+                    list(i.get("called_computation_ids", [])),
+                    _config(_first(i, "backend_config")), list(i.get("operand_ids", [])))
             ops[op.id] = op
         cid = _first(c, "id")
         order = [i for i in orders.get(cid, []) if i in ops] or list(ops)
         comps[cid] = Comp(cid, _first(c, "name", ""), ops, order,
-                           bool(_first(c, "is_fusion_computation", False)))
+                          bool(_first(c, "is_fusion_computation", False)))
     entry = _first(msg, "entry_computation_id")
     if entry is None:
         name = _first(msg, "entry_computation_name")

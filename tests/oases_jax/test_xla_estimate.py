@@ -22,8 +22,9 @@ gpu = pytest.mark.skipif(not has_gpu_aot(), reason="needs the gpu-aot extra")
 US = 1e-6
 
 
-def _instr(iid, name, opcode, *, called=(), config=""):
+def _instr(iid, name, opcode, *, called=(), config="", operands=()):
     lines = [f'      name: "{name}"', f'      opcode: "{opcode}"', f"      id: {iid}"]
+    lines += [f"      operand_ids: {o}" for o in operands]
     lines += [f"      called_computation_ids: {c}" for c in called]
     if config:
         lines.append('      backend_config: "' + config.replace('"', '\\"') + '"')
@@ -56,7 +57,7 @@ def _hand_dump() -> str:
         _instr(10, "p", "parameter"),
         _instr(11, "cp-start", "async-start", called=[4]),
         _instr(12, "gemm", "fusion", called=[5], config=_sol(30)),
-        _instr(13, "cp-done", "async-done", called=[4]),
+        _instr(13, "cp-done", "async-done", called=[4], operands=[11]),
         _instr(14, "t", "tuple")])
     cond = _comp(2, "cond", [_instr(20, "p.1", "parameter"),
                              _instr(21, "cmp", "fusion", called=[5], config=_sol(0.5))])
@@ -278,3 +279,31 @@ def test_xla_timeline_is_drawn_from_a_report(tmp_path):
     assert (tmp_path / "x.png").stat().st_size > 0
     with pytest.raises(ValueError, match="GPU targets only"):
         report.xla_events({**r, "xla_estimate": None})
+
+
+def test_async_non_collective_work_is_priced_at_what_it_wraps():
+    """XLA's scheduler gives an async fusion a nominal 5000 us; it runs for its wrapped price."""
+    main = _comp(3, "main", [
+        _instr(30, "a", "parameter"),
+        _instr(31, "fusion-start", "async-start", called=[4]),
+        _instr(32, "gemm", "fusion", called=[5], config=_sol(30)),
+        _instr(33, "fusion-done", "async-done", called=[4], operands=[31]),
+        _instr(34, "cp-start", "collective-permute-start", config=_sol(40)),
+        _instr(35, "cp-done", "collective-permute-done", operands=[34])])
+    wrapped = _comp(4, "async_computation", [
+        _instr(40, "p", "parameter"), _instr(41, "slice", "fusion", called=[5], config=_sol(4))])
+    fused = _comp(5, "fused", [_instr(50, "x", "parameter")])
+    module = ('hlo_module {\n  name: "m"\n  entry_computation_name: "main"\n'
+              + fused + wrapped + main + "  entry_computation_id: 3\n}\n")
+    times = [(30, 0, 0), (31, 0, 1), (32, 1, 31), (33, 5000, 5001), (34, 5001, 5002),
+             (35, 5041, 5042)]
+    stats = {"collective_permute_wasted_cycles": 39, "total_wasted_cycles": 39,
+             "total_cycles": 5042}
+    est = estimate_from_schedule(module + _schedule(3, times, stats))
+    # start 1, GEMM 30 (covers the 4 us fusion), done 1, permute start 1, waits 39, done 1
+    assert est.step_s == pytest.approx((1 + 30 + 1 + 1 + 39 + 1) * US)
+    assert est.exposed_comm_s == pytest.approx({"collective-permute": 39 * US, "total": 39 * US})
+    assert "1 x fusion" in est.notes[0]
+    side = [o for o in est.per_op if o.stream == "async"]
+    assert [(o.name, o.start) for o in side] == [("fusion-start", 0.0)]
+    assert side[0].end == pytest.approx(4 * US)
