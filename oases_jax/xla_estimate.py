@@ -97,6 +97,7 @@ class _Composer:
         self.unpriced: set[tuple[int, int]] = set()
         self.repriced: dict[str, int] = {}  # non-collective async ops: wrapped opcode -> count
         self.gaps: dict[str, float] = {}  # replay minus XLA's statistics, us, where they differ
+        self.unknown_trips: set[str] = set()  # loops without a known trip count (run once)
 
     def collective(self, op: Op) -> tuple[str, float | None] | None:
         """(kind, XLA's latency in us) when `op` starts or is a collective."""
@@ -113,6 +114,8 @@ class _Composer:
 
     def trips(self, op: Op) -> int:
         n = op.config.get("known_trip_count", {}).get("n")
+        if n is None:
+            self.unknown_trips.add(op.name)
         return int(n) if n is not None else 1
 
     def _latency(self, comp: Comp, op: Op, done: int | None) -> float:
@@ -275,6 +278,9 @@ class _Composer:
             what = ", ".join(f"{n} x {k}" for k, n in sorted(self.repriced.items()))
             notes.append(f"asynchronous non-collective ops ({what}) priced at what they wrap, "
                          "not at the scheduler's nominal 5000 us")
+        if self.unknown_trips:
+            notes.append(f"loops without a known trip count, counted once: "
+                         f"{', '.join(sorted(self.unknown_trips))}")
         notes += [f"{name}: the replay differs from XLA's statistics by {gap:+.3f} us; the "
                   "statistics are used" for name, gap in sorted(self.gaps.items())]
         return XlaEstimate(
