@@ -1,5 +1,5 @@
 """Measure GEMM and collective costs on the local devices and write a calibration profile.
-`python scripts/profile.py` profiles 8 virtual CPU devices (about 1.5 minutes on 2 cores) and
+`python scripts/profile.py` profiles 8 virtual CPU devices (about a minute on 2 cores) and
 writes profiles/cpu-8.json, which the planner prefers over datasheet numbers.
 
 Every flag is documented in docs/cli.md.
