@@ -401,6 +401,9 @@ def read_dump(where: pathlib.Path, compiled_text: str | None = None) -> XlaEstim
     (nothing was asynchronous, so the scheduler had nothing to schedule) it is composed from
     `compiled_text`, the compiled HLO, which carries the same "sol" prices."""
     files = schedule_files(where)
+    if len(files) > 1 and compiled_text:  # the compiled module's own schedule
+        name = re.match(r"HloModule (\S+?),", compiled_text)
+        files = [f for f in files if name and f.name == f"{name.group(1)}.schedule.txt"] or files
     if len(files) > 1:
         raise ValueError(f"dump {where} holds {len(files)} schedules; compile one module per dump")
     if files:
