@@ -217,3 +217,14 @@ def test_mlp_permutes_overlap_gemms_on_h100(n, mesh_spec):
     analysis = analyze(compiled, mesh)[0]
     assert set(_communicating(analysis)) == {"collective-permute"}
     assert analysis.overlap_share(require="gemm", kinds=["collective-permute"]) >= 0.9
+
+
+def test_primepar_rules_by_hand():
+    from oases_jax.rules import get_rules
+
+    mesh, rules = make_mesh("data=2,tp_row=2,tp_col=2"), get_rules("primepar")
+    assert rules.param_spec(("embed", "heads", "head_dim"), mesh) == P("tp_row", "tp_col", None)
+    assert rules.param_spec(("mlp", "embed"), mesh) == P("tp_col", "tp_row")
+    assert rules.param_spec(("norm",), mesh) == P("tp_col")
+    assert rules.act_spec(("batch", "seq", "embed"), mesh) == X_SPEC
+    assert rules.act_spec(("batch", None, "heads", "head_dim"), mesh) == X_SPEC + (None,)

@@ -131,7 +131,7 @@ def mesh24():
 
 
 def test_rule_set_registry():
-    assert set(RULE_SETS) == {"dp", "fsdp", "tp", "tp_sp", "fsdp_tp"}
+    assert set(RULE_SETS) == {"dp", "fsdp", "tp", "tp_sp", "fsdp_tp", "primepar"}
     for name in RULE_SETS:
         assert get_rules(name).name == name
     with pytest.raises(UserError, match="unknown rule set 'zero'"):
