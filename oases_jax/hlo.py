@@ -114,13 +114,17 @@ class Instr:
 
     @functools.cached_property
     def backend_config(self) -> dict:
-        value = self.attr("backend_config")
-        if not value or not value.startswith("{"):
-            return {}
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError:
-            return {}
+        return parse_backend_config(self.attr("backend_config"))
+
+
+def parse_backend_config(text: str | None) -> dict:
+    """An instruction's JSON `backend_config` as a dict ({} when absent or not JSON)."""
+    if not text or not text.startswith("{"):
+        return {}
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return {}
 
 
 @dataclasses.dataclass

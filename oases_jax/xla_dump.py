@@ -4,8 +4,9 @@ as the scheduler saw it, and each scheduled computation's timestamps and statist
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
+
+from oases_jax.hlo import parse_backend_config
 
 # Text-format protobuf, read generically: nested dicts whose values are lists (fields repeat).
 
@@ -129,15 +130,6 @@ def _first(d: dict, key: str, default=None):
     return d.get(key, [default])[0]
 
 
-def _config(text: str | None) -> dict:
-    if not text or not text.startswith("{"):
-        return {}
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return {}
-
-
 def read_module(msg: dict) -> tuple[dict[int, Comp], int]:
     orders = {_first(s, "key"): _first(s, "value", {}).get("instruction_ids", [])
               for sched in msg.get("schedule", []) for s in sched.get("sequences", [])}
@@ -147,7 +139,8 @@ def read_module(msg: dict) -> tuple[dict[int, Comp], int]:
         for i in c.get("instructions", []):
             op = Op(_first(i, "id"), _first(i, "name", ""), _first(i, "opcode", ""),
                     list(i.get("called_computation_ids", [])),
-                    _config(_first(i, "backend_config")), list(i.get("operand_ids", [])))
+                    parse_backend_config(_first(i, "backend_config")),
+                    list(i.get("operand_ids", [])))
             ops[op.id] = op
         cid = _first(c, "id")
         order = [i for i in orders.get(cid, []) if i in ops] or list(ops)

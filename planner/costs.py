@@ -22,18 +22,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import jax.numpy as jnp
+
 from models.config import ModelConfig
-from oases_jax.hardware import ClusterSpec, LinkSpec
+from oases_jax.hardware import ClusterSpec
+from oases_jax.layer_plan import SEQUENCE_PARALLEL
 from oases_jax.simulate import collective_time
+from oases_jax.tensor_parallel import RING_SCHEDULES as RING
+from oases_jax.tensor_parallel import SUB_BATCH_SCHEDULES as SUB_BATCH
 
 # Strategies the planner chooses between, per layer.
 TP_SCHEDULES = ("megatron", "megatron_sp", "collective_matmul", "oases", "oases_cm")
-SEQUENCE_PARALLEL = ("megatron_sp", "collective_matmul", "oases_cm")
-RING = ("collective_matmul", "oases_cm")
-SUB_BATCH = ("oases", "oases_cm")
 REMATS = ("none", "save_proj", "full")
-
-ADAM_BYTES_PER_PARAM = 4 + 4 + 8  # fp32 parameter, gradient, two moments
 OPTIMIZER_PASSES = 7  # AdamW reads p, g, m, v and writes p, m, v (fp32 each)
 # A scanned layer stack stores each layer's saved activations into stacked buffers: XLA
 # initialises them, writes each layer's slice, and transposes them for the backward loop.
@@ -133,9 +133,6 @@ class Hardware:
         """A memory-bound (elementwise, reduction) op: bytes / HBM bandwidth."""
         return nbytes / self.cluster.device_spec.hbm_bytes_per_s
 
-    def link(self, group: Sequence[int]) -> LinkSpec:
-        return self.cluster.link_for(group)
-
     def comm_s(self, kind: str, nbytes: float, group: Sequence[int]) -> float:
         """One collective over the device ids `group`: the profile's fit for (kind, size) if
         present, else alpha-beta on the slowest link the group spans."""
@@ -146,7 +143,12 @@ class Hardware:
             t = self.profile.comm_time(kind, nbytes, n)
             if t is not None:
                 return t
-        return collective_time(kind, nbytes, n, self.link(group))
+        return collective_time(kind, nbytes, n, self.cluster.link_for(group))
+
+
+def elem_bytes(cfg: ModelConfig) -> int:
+    """Bytes per activation element in the compute dtype."""
+    return jnp.dtype(cfg.dtype).itemsize
 
 
 def tensor_group(layout: Layout) -> list[int]:
@@ -211,7 +213,7 @@ class LayerModel:
 
     def __init__(self, cfg: ModelConfig, layout: Layout, hw: Hardware):
         self.cfg, self.layout, self.hw = cfg, layout, hw
-        self.e = 2 if cfg.dtype == "bfloat16" else 4
+        self.e = elem_bytes(cfg)
         self.tgroup = tensor_group(layout)
         self._step_extra = 0.0
 
@@ -454,11 +456,6 @@ class LayerModel:
             temp += 2 * 2 * tok * c.d_model * e / t
         return temp
 
-    def param_count(self) -> int:
-        """Parameters of one block."""
-        c = self.cfg
-        return (c.param_count(embeddings=False) - c.d_model * (2 if c.use_bias else 1)) \
-            // c.n_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -485,7 +482,7 @@ def resharding_s(a: Strategy, b: Strategy, cfg: ModelConfig, layout: Layout,
     sa, sb = a.schedule in SEQUENCE_PARALLEL, b.schedule in SEQUENCE_PARALLEL
     if sa == sb or not sa:
         return 0.0
-    e = 2 if cfg.dtype == "bfloat16" else 4
+    e = elem_bytes(cfg)
     nbytes = layout.rows * layout.seq_len * cfg.d_model * e
     g = tensor_group(layout)
     return hw.comm_s("all-gather", nbytes, g) + hw.comm_s("reduce-scatter", nbytes, g)
@@ -524,7 +521,7 @@ def static_memory(cfg: ModelConfig, layout: Layout) -> dict[str, float]:
 def head_cost(cfg: ModelConfig, layout: Layout, hw: Hardware) -> tuple[float, float]:
     """(seconds, temp bytes) of the embedding, logits and loss for one micro-batch, forward and
     backward: 6 T D V / t FLOPs and about 4 passes over T V / t f32 logits."""
-    e = 2 if cfg.dtype == "bfloat16" else 4
+    e = elem_bytes(cfg)
     tok = layout.rows * layout.seq_len
     v = cfg.padded_vocab / layout.tensor
     flops = 6.0 * tok * cfg.d_model * v
@@ -588,11 +585,3 @@ def step_cost(cfg: ModelConfig, layout: Layout, strategies: Sequence[Strategy], 
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def layer_flops(cfg: ModelConfig, layout: Layout) -> float:
-    """Training FLOPs of the whole step per device (for MFU-style sanity checks)."""
-    return cfg.flops_per_token(layout.seq_len) * layout.global_batch * layout.seq_len \
-        / layout.n_devices
-
-

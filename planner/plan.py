@@ -66,11 +66,6 @@ class Plan:
     layers: tuple[Strategy, ...]
     raw: dict
 
-    @property
-    def uniform_schedule(self) -> str:
-        """The schedule of the first layer (the global one for code that needs one)."""
-        return self.layers[0].schedule
-
     def check_model(self, cfg: ModelConfig) -> None:
         if len(self.layers) != cfg.n_layers:
             raise UserError(

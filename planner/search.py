@@ -49,10 +49,6 @@ class Candidate:
                 runs.append([1, s])
         return f"{self.layout.label()}: " + ", ".join(f"{n} x {s.label()}" for n, s in runs)
 
-    @property
-    def uniform(self) -> bool:
-        return len(set(self.strategies)) == 1
-
 
 @dataclasses.dataclass
 class SearchResult:

@@ -55,16 +55,18 @@ def explain(result, cfg, hw) -> str:
 
     best = result.best
     lm = LayerModel(cfg, best.layout, hw)
+    costs = {s: lm.time(s) for s in strategies(best.layout)}
     chosen = set(best.strategies)
     lines = [f"layout {best.layout.label()}: per-layer candidates (one micro-batch)",
              f"{'strategy':<28} {'fwd+bwd ms':>10} {'comm ms':>9} {'saved MiB':>10} "
              f"{'temp MiB':>9}"]
-    for s in sorted(strategies(best.layout), key=lambda s: lm.time(s).step_s):
-        c = lm.time(s)
+    ranked = sorted(costs, key=lambda s: costs[s].step_s)
+    for s in ranked:
+        c = costs[s]
         mark = "  <- chosen" if s in chosen else ""
         lines.append(f"{s.label():<28} {c.step_s * 1e3:10.3f} {c.comm_s * 1e3:9.3f} "
                      f"{c.act_bytes / 2**20:10.1f} {c.temp_bytes / 2**20:9.1f}{mark}")
-    fastest = min(strategies(best.layout), key=lambda s: lm.time(s).step_s)
+    fastest = ranked[0]
     if fastest not in chosen:
         lines.append(f"the fastest layer strategy {fastest.label()} does not fit "
                      f"{result.budget_bytes / 2**30:.1f} GiB for all {cfg.n_layers} layers; the "

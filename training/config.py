@@ -6,12 +6,13 @@ import dataclasses
 
 from models.config import ModelConfig
 from oases_jax.errors import UserError
+from oases_jax.layer_plan import SEQUENCE_PARALLEL as _SEQUENCE_PARALLEL
+from oases_jax.tensor_parallel import SUB_BATCH_SCHEDULES
 
 # Tensor-parallel schedules. Each names the rule set it needs when the user asked for plain `tp`:
 # the sequence-parallel schedules shard the residual stream on `seq` between blocks.
 SCHEDULES = ("megatron", "megatron_sp", "collective_matmul", "oases", "oases_cm", "xla_auto",
              "primepar")
-_SEQUENCE_PARALLEL = ("megatron_sp", "collective_matmul", "oases_cm", "xla_auto")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -67,9 +68,9 @@ class ParallelConfig:
         if self.layers:
             import math
 
-            return math.lcm(*(s.sub_batches if s.schedule in ("oases", "oases_cm") else 1
+            return math.lcm(*(s.sub_batches if s.schedule in SUB_BATCH_SCHEDULES else 1
                               for s in self.layers))
-        return self.sub_batches if self.schedule in ("oases", "oases_cm") else 1
+        return self.sub_batches if self.schedule in SUB_BATCH_SCHEDULES else 1
 
     @property
     def sequence_parallel(self) -> bool:

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 from oases_jax.hlo import _iota_groups, _mesh_groups, parse_module
 from oases_jax.hlo_analysis import Program, analyze
 from oases_jax.targets import get_target, has_gpu_aot
+from tests.hlo_programs import ppermute_ring_matmul as _ring
 
 ROWS, COLS, OUT = 128, 256, 128  # per-device block sizes
 TARGETS = ["local", pytest.param("h100:8", marks=pytest.mark.gpu_aot)]
@@ -44,23 +45,6 @@ def test_blocking_all_reduce(target):
     assert c.bytes == ROWS * COLS * 4 and c.group_size == 4 and c.axes == ("tensor",)
     assert not c.overlapped and a.overlap_share() == 0.0
     assert a.flops == 0
-
-
-def _ring(x_blk, w_blk, n=8):
-    """All-gather matmul: x row blocks travel around the ring, each multiplied as it arrives."""
-    idx = jax.lax.axis_index("tensor")
-    perm = [(i, (i + 1) % n) for i in range(n)]
-
-    def body(i, carry):
-        x, acc = carry
-        nxt = jax.lax.ppermute(x, "tensor", perm)
-        src = (idx - i) % n
-        acc = jax.lax.dynamic_update_slice_in_dim(acc, x @ w_blk, src * x.shape[0], 0)
-        return nxt, acc
-
-    acc = jax.lax.pcast(jnp.zeros((x_blk.shape[0] * n, w_blk.shape[1]), x_blk.dtype),
-                        ("tensor",), to="varying")
-    return jax.lax.fori_loop(0, n, body, (x_blk, acc))[1]
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from oases_jax import xla_dump, xla_estimate
 from oases_jax.targets import get_target, has_gpu_aot
 from oases_jax.xla_estimate import compile_with_estimate, estimate_from_schedule, schedule_dump
+from tests.hlo_programs import ppermute_ring_matmul
 
 gpu = pytest.mark.skipif(not has_gpu_aot(), reason="needs the gpu-aot extra")
 US = 1e-6
@@ -196,19 +197,8 @@ def _all_gather_then_dot(x_blk, w_blk):
 
 
 def _ring(x_blk, w_blk, n=8):
-    """All-gather matmul as a fori_loop ring: each step's GEMM overlaps the next block's permute."""
-    idx = jax.lax.axis_index("tensor")
-    perm = [(i, (i + 1) % n) for i in range(n)]
-
-    def body(i, carry):
-        x, acc = carry
-        nxt = jax.lax.ppermute(x, "tensor", perm)
-        acc = jax.lax.dynamic_update_slice_in_dim(acc, x @ w_blk, ((idx - i) % n) * x.shape[0], 0)
-        return nxt, acc
-
-    acc = jax.lax.pcast(jnp.zeros((x_blk.shape[0] * n, w_blk.shape[1]), x_blk.dtype),
-                        ("tensor",), to="varying")
-    return jnp.tanh(jax.lax.fori_loop(0, n, body, (x_blk, acc))[1])
+    """The ring, with one more op on its result so the loop's output is consumed."""
+    return jnp.tanh(ppermute_ring_matmul(x_blk, w_blk, n))
 
 
 def _shard(f):
