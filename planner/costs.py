@@ -50,7 +50,11 @@ SCHEDULE_PASSES = {"none": 0.0, "megatron": 4.0, "oases": 22.0, "megatron_sp": 2
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Layout:
     """How the devices and the batch are split: data x fsdp x tensor = devices, and the global
-    batch into `microbatches` accumulated micro-batches of `global_batch / microbatches` rows."""
+    batch into `microbatches` accumulated micro-batches of `global_batch / microbatches` rows.
+
+    The built-in `fsdp` and `fsdp_tp` rule sets shard the parameters over every replica (the
+    mesh's `data` axis), so a layout is either replicated (`fsdp == 1`) or fully sharded
+    (`data == 1`, `fsdp` = all replicas); its mesh names the replica axis `data` either way."""
 
     data: int = 1
     fsdp: int = 1
@@ -58,6 +62,11 @@ class Layout:
     microbatches: int = 1
     global_batch: int
     seq_len: int
+
+    def __post_init__(self):
+        if self.fsdp > 1 and self.data > 1:
+            raise ValueError(f"data={self.data} x fsdp={self.fsdp}: the fsdp rule sets shard "
+                             "over all replicas; use data=1 with fsdp = the replica count")
 
     @property
     def n_devices(self) -> int:
@@ -73,7 +82,8 @@ class Layout:
         return self.global_batch // (self.replicas * self.microbatches)
 
     def mesh(self) -> dict[str, int]:
-        axes = {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+        """The training mesh: replicas on `data` (sharded or not, per `rules()`), then tensor."""
+        axes = {"data": self.replicas, "tensor": self.tensor}
         return {k: v for k, v in axes.items() if v > 1} or {"data": 1}
 
     def rules(self) -> str:
@@ -83,7 +93,8 @@ class Layout:
 
     def label(self) -> str:
         mesh = ",".join(f"{k}={v}" for k, v in self.mesh().items())
-        return mesh + (f" x{self.microbatches}mb" if self.microbatches > 1 else "")
+        return (mesh + (" fsdp" if self.fsdp > 1 else "")
+                + (f" x{self.microbatches}mb" if self.microbatches > 1 else ""))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, order=True)

@@ -62,15 +62,17 @@ class SearchResult:
 
 def layouts(cfg: ModelConfig, n_devices: int, global_batch: int, seq_len: int,
             max_microbatches: int = 8) -> list[Layout]:
-    """Every data x fsdp x tensor = n_devices with a tensor degree that divides the heads, KV
-    heads, MLP width and vocabulary, and every power-of-two micro-batch count that divides the
+    """Every replicas x tensor = n_devices with a tensor degree that divides the heads, KV
+    heads, MLP width and vocabulary, the replicas either holding whole parameters or sharding
+    them (fsdp over all replicas), and every power-of-two micro-batch count that divides the
     per-replica batch."""
     out = []
     for t in divisors(n_devices):
         if cfg.n_heads % t or cfg.kv_heads % t or cfg.ff_dim % t or cfg.padded_vocab % t:
             continue
-        for f in divisors(n_devices // t):
-            d = n_devices // t // f
+        replicas = n_devices // t
+        for f in sorted({1, replicas}):
+            d = replicas // f
             if global_batch % (d * f):
                 continue
             per_replica = global_batch // (d * f)
