@@ -134,6 +134,20 @@ def _collective_chain(kind: str, n: int, axis: str, calls: int) -> Callable:
     return chained
 
 
+def _norm_chain(calls: int) -> Callable:
+    """`calls` dependent normalisations of x [rows, width] (mean, variance, scale, shift): one
+    fused pass each that reads and writes x, as a layer's norms and residual adds do."""
+
+    def chained(x):
+        for _ in range(calls):
+            mean = x.mean(-1, keepdims=True)
+            var = jnp.square(x - mean).mean(-1, keepdims=True)
+            x = (x - mean) * lax.rsqrt(var + 1e-5) * 1.01 + 0.01
+        return x
+
+    return chained
+
+
 def _filled(shape, dtype, sharding, seed: int = 0):
     make = jax.jit(lambda key: jax.random.normal(key, shape, dtype), out_shardings=sharding)
     return make(jax.random.key(seed))
@@ -213,6 +227,24 @@ def measure_collectives(cfg: CalibrationConfig, log: Callable[[str], None]) -> l
     return samples
 
 
+def measure_memory(cfg: CalibrationConfig, log: Callable[[str], None],
+                   width: int = 256) -> list[dict]:
+    """Fused float32 normalisation passes over `cfg.sizes` bytes per device (read + written),
+    on every device at once (or one, with groups="one")."""
+    P = jax.P
+    devices = jax.devices() if cfg.groups == "all" else jax.devices()[:1]
+    mesh = make_mesh(f"data={len(devices)}", devices)
+    samples = []
+    t0 = time.perf_counter()
+    for nbytes in cfg.sizes:
+        rows = max(1, -(-nbytes // (2 * 4 * width)))
+        x = _filled((rows * len(devices), width), "float32", jax.NamedSharding(mesh, P("data")))
+        secs, calls = _time(_norm_chain, mesh, P("data"), P("data"), (x,), cfg)
+        samples.append({"bytes": 2 * 4 * rows * width, "seconds": secs, "calls": calls})
+    log(f"memory passes: {len(cfg.sizes)} sizes in {time.perf_counter() - t0:.1f} s")
+    return samples
+
+
 def check_axis_sizes(cfg: CalibrationConfig, n_devices: int) -> None:
     for n in cfg.axis_sizes:
         if n < 2 or n > n_devices or (cfg.groups == "all" and n_devices % n):
@@ -225,10 +257,11 @@ def calibrate(cfg: CalibrationConfig, log: Callable[[str], None], *, device: str
               meta: dict) -> Profile:
     check_axis_sizes(cfg, len(jax.devices()))
     gemm = measure_gemms(cfg, log)
+    memory = measure_memory(cfg, log)
     comm = measure_collectives(cfg, log)
     meta = {**meta, "groups": cfg.groups, "repeats": cfg.repeats, "warmup": cfg.warmup}
     return Profile.from_samples(gemm, comm, source="profile", device=device,
-                                n_devices=len(jax.devices()), meta=meta)
+                                n_devices=len(jax.devices()), meta=meta, memory_samples=memory)
 
 
 def local_device_name() -> str:
@@ -266,6 +299,15 @@ def format_table(prof: Profile) -> str:
             lines.append(f"{kind:<19} {n:>3} {fit.bytes_per_s / 1e9:>8.3f} "
                          f"{fit.latency_s * 1e6:>11.1f}  {sizes:<19} {100 * err:>9.1f}")
         lines.append("")
+    if prof.memory is not None:
+        own = prof.samples.get("memory", [])
+        fit = prof.memory
+        err = max((abs((fit.overhead_s + s["bytes"] / fit.bytes_per_s) / s["seconds"] - 1)
+                   for s in own), default=0.0)
+        lines += [f"memory passes (fused norm, read + write): {fit.bytes_per_s / 1e9:.3f} GB/s, "
+                  f"overhead {fit.overhead_s * 1e6:.1f} us per pass, "
+                  f"{_kib(min(s['bytes'] for s in own))}-{_kib(max(s['bytes'] for s in own))}, "
+                  f"max err {100 * err:.1f} %", ""]
     gemm = prof.samples.get("gemm", [])
     for dtype, fit in sorted(prof.gemm.items()):
         own = [s for s in gemm if s["dtype"] == dtype]

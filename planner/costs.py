@@ -20,6 +20,7 @@ collectives the alpha-beta model of `oases_jax.simulate.collective_time` (or the
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import jax.numpy as jnp
@@ -32,7 +33,8 @@ from oases_jax.tensor_parallel import RING_SCHEDULES as RING
 from oases_jax.tensor_parallel import SUB_BATCH_SCHEDULES as SUB_BATCH
 
 # Strategies the planner chooses between, per layer.
-TP_SCHEDULES = ("megatron", "megatron_sp", "collective_matmul", "oases", "oases_cm")
+TP_SCHEDULES = ("megatron", "megatron_sp", "collective_matmul", "oases", "oases_cm",
+                "primepar")  # primepar: on its own square layouts (Layout.primepar) only
 REMATS = ("none", "save_proj", "full")
 OPTIMIZER_PASSES = 7  # AdamW reads p, g, m, v and writes p, m, v (fp32 each)
 # A scanned layer stack stores each layer's saved activations into stacked buffers: XLA
@@ -54,7 +56,11 @@ class Layout:
 
     The built-in `fsdp` and `fsdp_tp` rule sets shard the parameters over every replica (the
     mesh's `data` axis), so a layout is either replicated (`fsdp == 1`) or fully sharded
-    (`data == 1`, `fsdp` = all replicas); its mesh names the replica axis `data` either way."""
+    (`data == 1`, `fsdp` = all replicas); its mesh names the replica axis `data` either way.
+
+    A `primepar` layout's tensor group is a q x q square (`tensor` = q^2, mesh axes `tp_row` and
+    `tp_col`, rules `primepar`); its parameters are stacked with one sharding, so every layer of
+    its plans runs `primepar` (`planner.primepar_cost`)."""
 
     data: int = 1
     fsdp: int = 1
@@ -62,11 +68,21 @@ class Layout:
     microbatches: int = 1
     global_batch: int
     seq_len: int
+    primepar: bool = False
 
     def __post_init__(self):
         if self.fsdp > 1 and self.data > 1:
             raise ValueError(f"data={self.data} x fsdp={self.fsdp}: the fsdp rule sets shard "
                              "over all replicas; use data=1 with fsdp = the replica count")
+        if self.primepar and (self.fsdp > 1 or self.square ** 2 != self.tensor
+                              or self.square < 2):
+            raise ValueError(f"a primepar layout needs tensor = q^2 with q >= 2 and no fsdp, "
+                             f"got tensor={self.tensor}, fsdp={self.fsdp}")
+
+    @property
+    def square(self) -> int:
+        """q, the side of a primepar layout's square (1 otherwise)."""
+        return math.isqrt(self.tensor) if self.primepar else 1
 
     @property
     def n_devices(self) -> int:
@@ -82,11 +98,16 @@ class Layout:
         return self.global_batch // (self.replicas * self.microbatches)
 
     def mesh(self) -> dict[str, int]:
-        """The training mesh: replicas on `data` (sharded or not, per `rules()`), then tensor."""
+        """The training mesh: replicas on `data` (sharded or not, per `rules()`), then tensor
+        (or primepar's square, `tp_row` x `tp_col`)."""
         axes = {"data": self.replicas, "tensor": self.tensor}
+        if self.primepar:
+            axes = {"data": self.replicas, "tp_row": self.square, "tp_col": self.square}
         return {k: v for k, v in axes.items() if v > 1} or {"data": 1}
 
     def rules(self) -> str:
+        if self.primepar:
+            return "primepar"
         if self.tensor > 1:
             return "fsdp_tp" if self.fsdp > 1 else "tp"
         return "fsdp" if self.fsdp > 1 else "dp"
@@ -141,7 +162,12 @@ class Hardware:
         return max(flops / dev.peak(dtype), nbytes / dev.hbm_bytes_per_s)
 
     def mem_s(self, nbytes: float) -> float:
-        """A memory-bound (elementwise, reduction) op: bytes / HBM bandwidth."""
+        """A memory-bound (elementwise, reduction) op: bytes / the profile's measured
+        bandwidth of fused normalisation passes if it has one, else / HBM bandwidth."""
+        if self.profile is not None:
+            t = self.profile.mem_time(nbytes)
+            if t is not None:
+                return t
         return nbytes / self.cluster.device_spec.hbm_bytes_per_s
 
     def comm_s(self, kind: str, nbytes: float, group: Sequence[int]) -> float:
@@ -277,6 +303,8 @@ class LayerModel:
         minus the row projections (minus the column ones too under ring schedules) and issues
         no collective.
         """
+        if self.layout.primepar or strategy.schedule == "primepar":
+            return self._square().layer_ops(strategy)
         sch, t = strategy.schedule, self.layout.tensor
         k = strategy.sub_batches if sch in SUB_BATCH else 1
         rows = self.layout.rows
@@ -420,6 +448,12 @@ class LayerModel:
             fwd_s=fwd[0], bwd_s=bwd[0], compute_s=fwd[1] + bwd[1], comm_s=fwd[2] + bwd[2],
             act_bytes=self.saved_bytes(strategy), temp_bytes=self.temp_bytes(strategy))
 
+    def _square(self):
+        """PrimePar's costs (`planner.primepar_cost`): its own op lists and memory."""
+        from planner.primepar_cost import Square
+
+        return Square(self)
+
     # Memory.
     def saved_bytes(self, strategy: Strategy) -> float:
         """Activations one layer keeps for its backward (one micro-batch), bytes per device.
@@ -434,6 +468,8 @@ class LayerModel:
                      (+ QKV and MLP hidden under ring schedules)
           full:      the layer input T D / s
         """
+        if self.layout.primepar or strategy.schedule == "primepar":
+            return self._square().saved_bytes(strategy)
         c, t, e = self.cfg, self.layout.tensor, self.e
         sch = strategy.schedule if t > 1 else "none"
         s = t if sch in SEQUENCE_PARALLEL else 1
@@ -455,6 +491,8 @@ class LayerModel:
         """Working set beyond the saved activations while a layer runs its backward: the
         recomputed activations (for remat) plus the f32 score and gradient buffers, and the
         ring schedules' chunk buffers (two chunks in flight)."""
+        if self.layout.primepar or strategy.schedule == "primepar":
+            return self._square().temp_bytes(strategy)
         c, t, e = self.cfg, self.layout.tensor, self.e
         tok = self.layout.rows * self.layout.seq_len
         scores = tok * self.layout.seq_len * c.n_heads / t
@@ -531,7 +569,8 @@ def static_memory(cfg: ModelConfig, layout: Layout) -> dict[str, float]:
 
 def head_cost(cfg: ModelConfig, layout: Layout, hw: Hardware) -> tuple[float, float]:
     """(seconds, temp bytes) of the embedding, logits and loss for one micro-batch, forward and
-    backward: 6 T D V / t FLOPs and about 4 passes over T V / t f32 logits."""
+    backward: 6 T D V / t FLOPs and about 4 passes over T V / t f32 logits; under primepar
+    plus the gathers and all-reduces of `planner.primepar_cost.head_extra`."""
     e = elem_bytes(cfg)
     tok = layout.rows * layout.seq_len
     v = cfg.padded_vocab / layout.tensor
@@ -539,6 +578,11 @@ def head_cost(cfg: ModelConfig, layout: Layout, hw: Hardware) -> tuple[float, fl
     nbytes = 3 * e * (tok * cfg.d_model + cfg.d_model * v + tok * v)
     logits = tok * v * 4
     t = hw.gemm_s(flops, nbytes, cfg.dtype) + hw.mem_s(4 * logits + 3 * tok * cfg.d_model * e)
+    if layout.primepar:
+        from planner.primepar_cost import head_extra
+
+        extra_s, extra_temp = head_extra(cfg, layout, hw)
+        return t + extra_s, 3 * logits + extra_temp
     return t, 3 * logits
 
 

@@ -44,13 +44,24 @@ class CommFit:
     latency_s: float
 
 
+@dataclasses.dataclass(frozen=True)
+class MemFit:
+    """One memory-bound (elementwise or row-reduction) pass: time = overhead_s + nbytes /
+    bytes_per_s, nbytes read plus written."""
+
+    bytes_per_s: float
+    overhead_s: float
+
+
 @dataclasses.dataclass
 class Profile:
     """Fitted costs of one set of devices, plus the raw samples they were fitted to.
 
     Gemm sample: {"m", "n", "k", "dtype", "chunks", "seconds"}: `chunks` calls of an
     (m/chunks) x k @ k x n GEMM took `seconds` in all. Comm sample: {"kind", "n", "bytes",
-    "seconds"}: one collective over a group of n devices.
+    "seconds"}: one collective over a group of n devices. Memory sample: {"bytes", "seconds"}:
+    one fused normalisation pass reading and writing `bytes` in all (optional: profiles made
+    before it was measured have none, and the cost model falls back to the datasheet).
     """
 
     source: str  # "profile" (measured on devices) or "xla" (XLA's estimator)
@@ -58,8 +69,9 @@ class Profile:
     n_devices: int
     gemm: dict[str, GemmFit]  # by dtype name
     comm: dict[tuple[str, int], CommFit]  # (kind, group size) -> fit
-    samples: dict  # {"gemm": [...], "comm": [...]}
+    samples: dict  # {"gemm": [...], "comm": [...], "memory": [...]}
     meta: dict  # command, date, jax version, host
+    memory: MemFit | None = None
 
     def gemm_time(self, flops: float, dtype: str, chunks: int = 1) -> float | None:
         """chunks * overhead + flops / rate: `chunks` calls of flops/chunks each; None when
@@ -80,6 +92,13 @@ class Profile:
         if fit is None:
             return None
         return fit.latency_s + nbytes / fit.bytes_per_s
+
+    def mem_time(self, nbytes: float) -> float | None:
+        """overhead + bytes / bandwidth of the memory fit; None without one. The overhead is
+        per pass; the cost model prices lumped passes, so it adds the bandwidth term only."""
+        if self.memory is None:
+            return None
+        return nbytes / self.memory.bytes_per_s
 
     def covers(self, kind: str, n: int) -> bool:
         return (kind, n) in self.comm
@@ -105,6 +124,7 @@ class Profile:
                  "latency_s": f.latency_s}
                 for (kind, n), f in sorted(self.comm.items())
             ],
+            "memory": dataclasses.asdict(self.memory) if self.memory else None,
             "samples": self.samples,
             "meta": self.meta,
         }
@@ -123,9 +143,12 @@ class Profile:
             comm = {(str(c["kind"]), int(c["n"])): CommFit(_none_to_inf(c["bytes_per_s"]),
                                                            float(c["latency_s"]))
                     for c in d["comm"]}
+            mem = d.get("memory")
+            memory = MemFit(float(mem["bytes_per_s"]), float(mem["overhead_s"])) if mem else None
             prof = cls(source=str(d["source"]), device=str(d["device"]),
                        n_devices=int(d["n_devices"]), gemm=gemm, comm=comm,
-                       samples=dict(d.get("samples") or {}), meta=dict(d.get("meta") or {}))
+                       samples=dict(d.get("samples") or {}), meta=dict(d.get("meta") or {}),
+                       memory=memory)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise UserError(f"calibration profile is malformed ({e!r}); re-run "
                             "scripts/profile.py") from None
@@ -155,15 +178,26 @@ class Profile:
     @classmethod
     def from_samples(cls, gemm_samples: Iterable[dict], comm_samples: Iterable[dict], *,
                      source: str, device: str, n_devices: int, meta: dict | None = None,
-                     ) -> Profile:
+                     memory_samples: Iterable[dict] = ()) -> Profile:
         """Least-squares fits, with non-negative parameters, minimising relative error:
 
         GEMM, per dtype over every shape and chunk count:
             seconds = chunks * overhead_s + 2 m n k / flops_per_s
         collective, per (kind, n):
             seconds = latency_s + bytes / bytes_per_s
+        memory pass (if sampled):
+            seconds = overhead_s + bytes / bytes_per_s
         """
         gemm_samples, comm_samples = list(gemm_samples), list(comm_samples)
+        memory_samples = list(memory_samples)
+        memory = None
+        if memory_samples:
+            rows = [(*_fields(s, ("bytes",), "memory"), 1.0, *_fields(s, ("seconds",), "memory"))
+                    for s in memory_samples]
+            inv_bw, overhead = _fit(rows, "memory passes")
+            if inv_bw == 0:
+                raise UserError("memory pass times do not grow with bytes; measure larger sizes")
+            memory = MemFit(bytes_per_s=1.0 / inv_bw, overhead_s=overhead)
         gemm_rows: dict[str, list] = {}
         for s in gemm_samples:
             m, n, k, chunks, secs = _fields(s, ("m", "n", "k", "chunks", "seconds"), "gemm")
@@ -189,8 +223,11 @@ class Profile:
             inv_bw, latency = _fit(rows, f"{kind} over {n} devices")
             comm[(kind, n)] = CommFit(bytes_per_s=1.0 / inv_bw if inv_bw else math.inf,
                                       latency_s=latency)
+        samples = {"gemm": gemm_samples, "comm": comm_samples}
+        if memory_samples:
+            samples["memory"] = memory_samples
         prof = cls(source=source, device=device, n_devices=n_devices, gemm=gemm, comm=comm,
-                   samples={"gemm": gemm_samples, "comm": comm_samples}, meta=dict(meta or {}))
+                   samples=samples, meta=dict(meta or {}), memory=memory)
         prof._validate()
         return prof
 
@@ -203,6 +240,11 @@ class Profile:
             if not (f.flops_per_s > 0 and math.isfinite(f.flops_per_s) and f.overhead_s >= 0):
                 raise UserError(f"GEMM fit of {dt} {f} needs a finite positive rate and a "
                                 "non-negative overhead")
+        if self.memory is not None and not (self.memory.bytes_per_s > 0
+                                            and math.isfinite(self.memory.bytes_per_s)
+                                            and self.memory.overhead_s >= 0):
+            raise UserError(f"memory fit {self.memory} needs a finite positive bandwidth and a "
+                            "non-negative overhead")
         for (kind, n), f in self.comm.items():
             if kind not in COMM_KINDS or n < 2:
                 raise UserError(f"collective fit ({kind!r}, {n}) needs a kind of "

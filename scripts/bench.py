@@ -41,6 +41,13 @@ def parse_args(argv=None):
     g.add_argument("--seed", type=int, default=0, help="seed of the parameters and batches")
     g.add_argument("--data", default="stdlib", help="stdlib, a text file or dir, or a .bin")
     g.add_argument("--json", metavar="OUT", help="also write the report as JSON")
+    g = p.add_argument_group("planner")
+    g.add_argument("--predict", metavar="SOURCE",
+                   help="also price every variant with the planner's cost model (datasheet, "
+                        "profile or xla costs) and report both rankings and their Spearman "
+                        "correlation")
+    g.add_argument("--profile", help="calibration profile for --predict profile|xla (default: "
+                                     "profiles/DEVICE-N.json)")
     add_runtime_flags(p)
     return p.parse_args(argv)
 
@@ -73,11 +80,60 @@ def build_config(args):
     )
 
 
+def add_predictions(report: dict, cfg, hw, source: str) -> None:
+    """Put the planner's predicted step time beside every measured variant, and the rank
+    correlation of the two over the variants it prices."""
+    from planner.rank import predict_step_s, spearman
+
+    rows = report["variants"]
+    for r in rows:
+        r["predicted_s"] = predict_step_s(
+            cfg.model, hw, mesh=r["mesh"], rules=r["rules"], schedule=r["schedule"],
+            sub_batches=r.get("sub_batches", 2), global_batch=cfg.batch_size,
+            seq_len=cfg.seq_len)
+    priced = [r for r in rows if r["predicted_s"] is not None]
+    rho = spearman([r["predicted_s"] for r in priced], [r["median_s"] for r in priced]) \
+        if len(priced) >= 2 else None
+    report["prediction"] = {"cost_source": source, "cluster": hw.cluster.name,
+                            "profile": getattr(hw.profile, "meta", {}).get("command"),
+                            "variants": len(priced), "spearman": rho}
+
+
+def format_predictions(report: dict) -> str:
+    from planner.rank import ranks
+
+    rows = [r for r in report["variants"] if r.get("predicted_s") is not None]
+    pred = report["prediction"]
+    if not rows:
+        return "the planner prices none of these variants (xla_auto and other axes are unmodelled)"
+    meas_rank = ranks([r["median_s"] for r in rows])
+    pred_rank = ranks([r["predicted_s"] for r in rows])
+    width = max(len(r["label"]) for r in rows)
+    lines = [f"planner ({pred['cost_source']} costs, {pred['cluster']}) against the measurement:",
+             f"{'variant':<{width}}  {'measured ms':>11}  {'rank':>4}  {'predicted ms':>12}  "
+             f"{'rank':>4}"]
+    for r, mr, pr in zip(rows, meas_rank, pred_rank, strict=True):
+        lines.append(f"{r['label']:<{width}}  {r['median_s'] * 1e3:11.2f}  {mr:4g}  "
+                     f"{r['predicted_s'] * 1e3:12.2f}  {pr:4g}")
+    rho = pred["spearman"]
+    lines.append(f"Spearman rank correlation over {len(rows)} variants: "
+                 + ("-" if rho is None else f"{rho:.3f}"))
+    return "\n".join(lines)
+
+
 def main() -> int:
     args = parse_args()
     init_runtime(args)
     cfg = build_config(args)
     import jax
+
+    hw = None
+    if args.predict is not None:  # load the costs first: a bad source fails before compiling
+        from planner import load_profile, local_cluster
+        from planner.costs import Hardware
+
+        cluster = local_cluster()
+        hw = Hardware.of(cluster, load_profile(args.predict, cluster, args.profile))
 
     from training.bench import format_table, run_bench
 
@@ -88,8 +144,12 @@ def main() -> int:
             print(msg, file=sys.stderr, flush=True)
 
     report = run_bench(cfg, log)
+    if hw is not None:
+        add_predictions(report, cfg, hw, args.predict)
     if main_process:
         print(format_table(report))
+        if hw is not None:
+            print(format_predictions(report))
         if args.json:
             report["command"] = shlex.join(["python", *sys.argv])
             write_atomic(args.json, json.dumps(report, indent=1) + "\n")

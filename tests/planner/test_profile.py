@@ -15,6 +15,7 @@ from planner.profile import (
     ROOT,
     CommFit,
     GemmFit,
+    MemFit,
     Profile,
     default_profile_path,
 )
@@ -106,6 +107,25 @@ def test_costs_by_hand_arithmetic():
     assert prof.coverage() == {"all-gather": [4], "all-reduce": [2, 4]}
 
 
+def test_memory_fit_and_its_price_by_hand():
+    # Passes of 1 MB and 4 MB taking 50 us + bytes / 2 GB/s: 0.55 ms and 2.05 ms.
+    samples = [{"bytes": 1e6, "seconds": 5.5e-4}, {"bytes": 4e6, "seconds": 2.05e-3}]
+    prof = Profile.from_samples(gemm_samples({"float32": GemmFit(2e10, 0.0)}), [],
+                                source="profile", device="cpu", n_devices=8,
+                                memory_samples=samples)
+    assert prof.memory.bytes_per_s == pytest.approx(2e9, rel=1e-9)
+    assert prof.memory.overhead_s == pytest.approx(5e-5, rel=1e-9)
+    # The cost model lumps passes, so it charges bytes / bandwidth: 10 MB -> 5 ms.
+    assert prof.mem_time(1e7) == pytest.approx(5e-3, rel=1e-9)
+    assert profile(gemm={}, comm={}).mem_time(1e7) is None
+    data = json.loads(json.dumps(prof.to_json(), allow_nan=False))
+    assert Profile.from_json(data) == prof and data["samples"]["memory"] == samples
+    with pytest.raises(UserError, match="memory pass times do not grow"):
+        Profile.from_samples([], [], source="profile", device="cpu", n_devices=8,
+                             memory_samples=[{"bytes": 1e6, "seconds": 2e-3},
+                                             {"bytes": 4e6, "seconds": 1e-3}])
+
+
 def test_json_round_trip_and_atomic_save(tmp_path):
     comm = {("all-reduce", 2): CommFit(1e9, 1e-5), ("collective-permute", 8): CommFit(math.inf, 0)}
     prof = profile(gemm={"float32": GemmFit(2e10, 5e-5)}, comm=comm,
@@ -183,6 +203,8 @@ def test_profile_script_quick_writes_a_loadable_profile(tmp_path):
     assert prof.meta["command"].startswith("python ") and "--quick" in prof.meta["command"]
     assert "collectives: time = latency + bytes / bandwidth" in r.stdout
     assert "efficiency vs 1" in r.stdout
+    assert prof.memory is not None and "memory passes (fused norm" in r.stdout
+    assert {s["bytes"] for s in prof.samples["memory"]} == {2**14, 2**15}
 
 
 @pytest.mark.parametrize("args, message", [
@@ -202,3 +224,4 @@ def test_committed_cpu_profile_covers_every_kind():
     prof = Profile.load(default_profile_path("cpu", 8))
     assert prof.coverage() == {kind: [2, 4, 8] for kind in COMM_KINDS}
     assert set(prof.gemm) == {"float32", "bfloat16"}
+    assert isinstance(prof.memory, MemFit)

@@ -161,9 +161,13 @@ def test_cli_writes_json(tmp_path):
         *("--model", "tiny", "--batch-size", "8", "--seq-len", "32", "--warmup", "1"),
         *("--rounds", "2", "--steps-per-round", "1", "--schedules", "megatron"),
         *("--mesh", "data=8", "--rules", "dp", "--data", DATA, "--json", str(out)),
+        *("--predict", "datasheet"),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
+    assert report["prediction"]["cost_source"] == "datasheet"
+    assert report["prediction"]["spearman"] is None  # one variant: nothing to correlate
+    assert report["variants"][0]["predicted_s"] > 0 and "planner (datasheet costs" in proc.stdout
     assert "bench.py" in report["command"] and "--json" in report["command"]
     (row,) = report["variants"]
     assert (row["mesh"], row["rules"], row["ratio"], len(row["samples"])) == (

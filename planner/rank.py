@@ -1,0 +1,68 @@
+"""The planner's opinion of plans that were measured: price a benchmark's variants with the cost
+model and compare the two rankings (`scripts/bench.py --predict`).
+
+A variant `MESH/RULES/SCHEDULE` is the planner's layout (`replicas x tensor`, parameters
+replicated under `dp`/`tp`/`tp_sp` or sharded under `fsdp`/`fsdp_tp`) with one strategy on every
+layer. Variants the cost model does not describe (the compiler's own `xla_auto`, meshes with
+other axes) get no prediction and stay out of the correlation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from models.config import ModelConfig
+from oases_jax.mesh import parse_mesh
+from planner.costs import TP_SCHEDULES, Hardware, Layout, Strategy, step_cost
+
+FSDP_RULES = ("fsdp", "fsdp_tp")
+
+
+def layout_of(mesh: str, rules: str, *, global_batch: int, seq_len: int) -> Layout | None:
+    """The planner layout of a resolved mesh string under `rules`; None if it has axes the
+    cost model does not price (anything but data and tensor)."""
+    spec = parse_mesh(mesh)
+    if set(spec.names) - {"data", "tensor"}:
+        return None
+    replicas, tensor = spec.size("data"), spec.size("tensor")
+    if rules in FSDP_RULES and replicas > 1:
+        return Layout(fsdp=replicas, tensor=tensor, global_batch=global_batch, seq_len=seq_len)
+    return Layout(data=replicas, tensor=tensor, global_batch=global_batch, seq_len=seq_len)
+
+
+def predict_step_s(cfg: ModelConfig, hw: Hardware, *, mesh: str, rules: str, schedule: str,
+                   sub_batches: int, global_batch: int, seq_len: int) -> float | None:
+    """Predicted seconds of one optimizer step of the variant, or None if not modelled."""
+    if schedule not in TP_SCHEDULES:
+        return None
+    layout = layout_of(mesh, rules, global_batch=global_batch, seq_len=seq_len)
+    if layout is None:
+        return None
+    k = sub_batches if schedule in ("oases", "oases_cm") else 1
+    strategy = Strategy(schedule=schedule if layout.tensor > 1 else "megatron",
+                        sub_batches=k if layout.tensor > 1 else 1, remat=cfg.remat)
+    return step_cost(cfg, layout, [strategy] * cfg.n_layers, hw).step_s
+
+
+def ranks(values: Sequence[float]) -> np.ndarray:
+    """Ranks from 1, ties sharing the mean of their ranks."""
+    v = np.asarray(values, dtype=np.float64)
+    order = np.argsort(v, kind="stable")
+    r = np.empty(len(v))
+    r[order] = np.arange(1, len(v) + 1)
+    for x in np.unique(v):
+        tie = v == x
+        r[tie] = r[tie].mean()
+    return r
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    """Spearman's rank correlation: Pearson's correlation of the tie-averaged ranks."""
+    if len(a) != len(b) or len(a) < 2:
+        raise ValueError(f"need two sequences of the same length >= 2, got {len(a)}, {len(b)}")
+    ra, rb = ranks(a), ranks(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    denom = float(np.sqrt((ra @ ra) * (rb @ rb)))
+    return float(ra @ rb / denom) if denom else float("nan")

@@ -1,0 +1,45 @@
+"""The planner against measurements: variant -> layout mapping, the rank correlation by hand."""
+
+import math
+
+import pytest
+
+from models.presets import get_preset
+from oases_jax.hardware import get_cluster
+from planner.costs import Hardware, Layout, Strategy, step_cost
+from planner.rank import layout_of, predict_step_s, ranks, spearman
+
+
+def test_spearman_by_hand():
+    # d = (0, 1, 1, 0): 1 - 6 * 2 / (4 * 15) = 0.8.
+    assert spearman([1, 2, 3, 4], [10, 30, 20, 40]) == pytest.approx(0.8)
+    assert spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert list(ranks([5.0, 1.0, 5.0, 2.0])) == [3.5, 1.0, 3.5, 2.0]  # ties share 3 and 4
+    # With ties it is Pearson's r of the ranks (1, 2.5, 2.5) and (1, 2, 3): 0.866.
+    assert spearman([1, 2, 2], [1, 2, 3]) == pytest.approx(math.sqrt(3) / 2)
+    with pytest.raises(ValueError, match="same length"):
+        spearman([1, 2], [1])
+
+
+def test_variants_map_to_layouts():
+    kw = {"global_batch": 16, "seq_len": 128}
+    assert layout_of("data=8", "dp", **kw) == Layout(data=8, **kw)
+    assert layout_of("data=8", "fsdp", **kw) == Layout(fsdp=8, **kw)
+    assert layout_of("data=2,tensor=4", "fsdp_tp", **kw) == Layout(fsdp=2, tensor=4, **kw)
+    assert layout_of("data=2,tensor=4", "tp_sp", **kw) == Layout(data=2, tensor=4, **kw)
+    assert layout_of("data=2,tp_row=2,tp_col=2", "primepar", **kw) is None
+    with pytest.raises(ValueError, match="shard over all replicas"):
+        Layout(data=2, fsdp=2, tensor=2, **kw)
+
+
+def test_prediction_is_the_step_cost_of_the_uniform_plan():
+    cfg = get_preset("small")
+    hw = Hardware.of(get_cluster("h100-8"))
+    kw = {"global_batch": 16, "seq_len": 128}
+    got = predict_step_s(cfg, hw, mesh="data=2,tensor=4", rules="tp", schedule="oases",
+                         sub_batches=2, **kw)
+    want = step_cost(cfg, Layout(data=2, tensor=4, **kw),
+                     [Strategy(schedule="oases", sub_batches=2)] * cfg.n_layers, hw).step_s
+    assert got == want
+    assert predict_step_s(cfg, hw, mesh="data=2,tensor=4", rules="tp_sp", schedule="xla_auto",
+                          sub_batches=2, **kw) is None
