@@ -66,6 +66,13 @@ class Plan:
     layers: tuple[Strategy, ...]
     raw: dict
 
+    @property
+    def schedule(self) -> str:
+        """The run's schedule (`ParallelConfig.schedule`): primepar for a primepar plan, whose
+        weights are stored in primepar's block layout; megatron otherwise (each layer then
+        runs its own entry's schedule)."""
+        return "primepar" if self.layers[0].schedule == "primepar" else "megatron"
+
     def check_model(self, cfg: ModelConfig) -> None:
         if len(self.layers) != cfg.n_layers:
             raise UserError(
@@ -99,15 +106,30 @@ def from_json(d: dict, where: str = "plan") -> Plan:
         for i, entry in enumerate(d["layers"]):
             s = Strategy(schedule=entry["schedule"], sub_batches=int(entry.get("sub_batches", 1)),
                          remat=entry.get("remat", "none"))
-            if s.schedule not in TP_SCHEDULES and s.schedule != "primepar":
+            if s.schedule not in TP_SCHEDULES:
                 raise UserError(f"{where}: layer {i} has unknown schedule {s.schedule!r}; "
                                 f"choose one of {', '.join(TP_SCHEDULES)}")
             layers.append(s)
         if not layers:
             raise UserError(f"{where}: `layers` is empty; plan again with scripts/plan.py")
+        _check_primepar(layers, d, where)
         return Plan(mesh=mesh, rules=d.get("rules", "tp"), microbatches=int(d["microbatches"]),
                     global_batch=int(d["global_batch"]), seq_len=int(d["seq_len"]),
                     layers=tuple(layers), raw=d)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise UserError(f"{where} is not a plan (missing or bad field {e}); "
                         "write it again with scripts/plan.py") from None
+
+
+def _check_primepar(layers: list[Strategy], d: dict, where: str) -> None:
+    """primepar shards every layer's parameters over its square, and stacked layers share one
+    sharding: a plan runs primepar on every layer or on none, on a tp_row x tp_col mesh."""
+    n = sum(s.schedule == "primepar" for s in layers)
+    if n and n < len(layers):
+        raise UserError(f"{where}: {n} of {len(layers)} layers run primepar; primepar stores "
+                        "every layer's weights split over its tp_row x tp_col square, so a plan "
+                        "runs it on all layers or none; plan again with scripts/plan.py")
+    if n and (d.get("rules") != "primepar" or not {"tp_row", "tp_col"} <= set(d["mesh"])):
+        raise UserError(f"{where}: primepar layers need rules 'primepar' and a mesh with tp_row "
+                        f"and tp_col, not rules {d.get('rules')!r} on {d['mesh']}; plan again "
+                        "with scripts/plan.py")

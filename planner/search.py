@@ -28,6 +28,8 @@ from planner.costs import (
     static_memory,
     step_cost,
 )
+from planner.primepar_cost import SCHEDULE as PRIMEPAR
+from planner.primepar_cost import SIDES, square_layouts
 
 MEMORY_BUCKETS = 256  # resolution of the DP's activation-memory axis (budget / 256)
 SUB_BATCH_COUNTS = (2, 4)
@@ -61,12 +63,17 @@ class SearchResult:
 
 
 def layouts(cfg: ModelConfig, n_devices: int, global_batch: int, seq_len: int,
-            max_microbatches: int = 8) -> list[Layout]:
+            max_microbatches: int = 8, schedules: Sequence[str] = TP_SCHEDULES) -> list[Layout]:
     """Every replicas x tensor = n_devices with a tensor degree that divides the heads, KV
     heads, MLP width and vocabulary, the replicas either holding whole parameters or sharding
     them (fsdp over all replicas), and every power-of-two micro-batch count that divides the
-    per-replica batch."""
+    per-replica batch; with `primepar` among `schedules`, its square layouts too
+    (`planner.primepar_cost.square_layouts`), and with it alone only those."""
     out = []
+    if PRIMEPAR in schedules:
+        out += square_layouts(cfg, n_devices, global_batch, seq_len, max_microbatches)
+        if set(schedules) == {PRIMEPAR}:
+            return out
     for t in divisors(n_devices):
         if cfg.n_heads % t or cfg.kv_heads % t or cfg.ff_dim % t or cfg.padded_vocab % t:
             continue
@@ -89,11 +96,17 @@ def strategies(layout: Layout, schedules: Sequence[str] = TP_SCHEDULES,
                remats: Sequence[str] = REMATS) -> list[Strategy]:
     """The per-layer choices valid on a layout: without tensor parallelism only the remat
     policy matters; sequence-parallel schedules need the sequence to split over the tensor axis
-    and no fsdp axis; sub-batch counts must divide the micro-batch rows."""
+    and no fsdp axis; sub-batch counts must divide the micro-batch rows. A primepar layout
+    offers primepar alone (its parameters' sharding is its own), the others never offer it."""
+    if layout.primepar:
+        return [Strategy(schedule=PRIMEPAR, remat=r) for r in remats] \
+            if PRIMEPAR in schedules else []
     if layout.tensor == 1:
         return [Strategy(schedule="megatron", remat=r) for r in remats]
     out = []
     for sch in schedules:
+        if sch == PRIMEPAR:
+            continue
         if sch in SEQUENCE_PARALLEL and (layout.seq_len % layout.tensor or layout.fsdp > 1):
             continue
         counts = [k for k in SUB_BATCH_COUNTS if layout.rows % k == 0] if sch in SUB_BATCH else [1]
@@ -152,6 +165,8 @@ def plan_layout(cfg: ModelConfig, layout: Layout, hw: Hardware, budget: float,
     largest working set of any layer in the chain."""
     lm = LayerModel(cfg, layout, hw)
     strats = strategies(layout, schedules, remats)
+    if not strats:
+        return None, {}
     costs: dict[Strategy, LayerCost] = {s: lm.time(s) for s in strats}
     static = sum(static_memory(cfg, layout).values())
     _, head_temp = head_cost(cfg, layout, hw)
@@ -211,7 +226,13 @@ def search(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int,
     if seq_len > cfg.max_seq_len:
         raise UserError(f"--seq-len {seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
     budget = memory_fraction * hw.cluster.device_spec.memory_bytes
-    cands = layouts(cfg, n, global_batch, seq_len, max_microbatches)
+    cands = layouts(cfg, n, global_batch, seq_len, max_microbatches, schedules)
+    if not cands and set(schedules) == {PRIMEPAR}:
+        raise UserError(
+            f"no primepar square fits {n} devices and --global-batch {global_batch}: it needs "
+            f"data x q x q devices with q in {SIDES} dividing the model's width, heads, MLP "
+            f"and vocabulary, and a batch divisible by data x q"
+        )
     if not cands:
         raise UserError(
             f"no mesh of {n} devices splits --global-batch {global_batch} with a tensor degree "
@@ -236,7 +257,8 @@ def search(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int,
                 baselines["best_uniform"] = c
         if best is None:
             lm = LayerModel(cfg, layout, hw)
-            probe = Strategy(schedule="megatron", remat="full")
+            probe = Strategy(schedule=PRIMEPAR if layout.primepar else "megatron",
+                             remat="full")
             c = step_cost(cfg, layout, [probe] * cfg.n_layers, hw, {probe: lm.time(probe)})
             if smallest is None or c.peak_memory_bytes < smallest.cost.peak_memory_bytes:
                 smallest = Candidate(layout, (probe,) * cfg.n_layers, c)

@@ -129,7 +129,7 @@ def plan_config(args, model):
     plan.check_model(model)
     layers = tuple(LayerSpec(schedule=s.schedule, sub_batches=s.sub_batches, remat=s.remat)
                    for s in plan.layers)
-    parallel = ParallelConfig(mesh=plan.mesh, rules=plan.rules, schedule="megatron",
+    parallel = ParallelConfig(mesh=plan.mesh, rules=plan.rules, schedule=plan.schedule,
                               layers=layers)
     return parallel, plan.global_batch, plan.microbatches, plan.seq_len
 
