@@ -32,7 +32,8 @@ def local_cluster(devices=None) -> ClusterSpec:
 
 def load_profile(source: str, cluster: ClusterSpec, path: str | None = None):
     """The calibration profile for a cost source: None for `datasheet`; for `profile` and
-    `xla`, `path` or the default profile of the cluster's device and size."""
+    `xla`, `path` or the default profile of the cluster's device and size
+    (`profiles/DEVICE-N.json`, `profiles/xla-DEVICE-N.json`)."""
     from planner.profile import Profile, default_profile_path
 
     if source not in COST_SOURCES:
@@ -40,13 +41,33 @@ def load_profile(source: str, cluster: ClusterSpec, path: str | None = None):
                         f"{', '.join(COST_SOURCES)}")
     if source == "datasheet":
         return None
-    p = path or default_profile_path(cluster.device if source == "profile"
-                                     else f"xla-{cluster.device}", cluster.n_devices)
+    if source == "xla" and path is None:
+        path = default_xla_profile(cluster)
+    p = path or default_profile_path(cluster.device, cluster.n_devices)
     prof = Profile.load(p)
     if prof.source != source:
         raise UserError(f"profile {str(p)!r} holds {prof.source!r} costs, not {source!r}; "
                         f"pass the matching --profile")
     return prof
+
+
+def default_xla_profile(cluster: ClusterSpec):
+    """`profiles/xla-DEVICE-N.json` of the cluster, or an error naming the sweep that writes it.
+    XLA's estimator prices programs compiled for a GPU target (`oases_jax.targets`)."""
+    from oases_jax.targets import GPU_FACTS
+    from planner.profile import ROOT, default_profile_path
+
+    n, dev = cluster.n_devices, cluster.device
+    if dev not in GPU_FACTS:
+        raise UserError(f"--cost-source xla on cluster {cluster.name!r}: XLA's estimator prices "
+                        f"programs compiled for {', '.join(GPU_FACTS)} GPUs, not {dev!r}; use "
+                        "--cost-source datasheet or profile, or pass an xla --profile FILE")
+    p = default_profile_path(f"xla-{dev}", n)
+    if not p.is_file():
+        raise UserError(f"--cost-source xla: no XLA profile for {cluster.name!r} ({n} x {dev}) "
+                        f"at {p.relative_to(ROOT)}; write it with `python scripts/xla_sweep.py "
+                        f"--target {dev}:{n} --out {p.relative_to(ROOT)}` or pass --profile FILE")
+    return p
 
 
 def make_plan(cfg: ModelConfig, *, model: str, cluster: ClusterSpec, global_batch: int,
@@ -64,5 +85,5 @@ def make_plan(cfg: ModelConfig, *, model: str, cluster: ClusterSpec, global_batc
                      cost_source=cost_source), result
 
 
-__all__ = ["COST_SOURCES", "ClusterSpec", "LinkSpec", "get_cluster", "load_profile",
-           "local_cluster", "make_plan"]
+__all__ = ["COST_SOURCES", "ClusterSpec", "LinkSpec", "default_xla_profile", "get_cluster",
+           "load_profile", "local_cluster", "make_plan"]

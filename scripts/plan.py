@@ -33,6 +33,10 @@ def parse_args(argv=None):
     g.add_argument("--compare", metavar="MODELS",
                    help="comma-separated presets (or `oases-family`): one row each with the "
                         "predicted speedup of the chosen plan over the best megatron plan")
+    g.add_argument("--compare-sources", metavar="A,B,...",
+                   help="comma-separated cost sources (datasheet, profile, xla): one row each "
+                        "(per --compare model) with the chosen plan, its step and exposed "
+                        "communication, and the best megatron plan under that source")
     return p.parse_args(argv)
 
 
@@ -80,31 +84,60 @@ OASES_FAMILY = ("oases-h1024-l24", "oases-h2048-l24", "oases-h3072-l24", "oases-
                 "oases-h6144-l16", "oases-h8192-l8", "oases-h12288-l4")
 
 
-def compare_table(args, cluster, profile, schedules) -> str:
-    """One row per model: the chosen plan, the best megatron plan and the predicted speedup."""
+def compare_table(args, cluster, profiles: dict, schedules) -> str:
+    """One row per model (`--compare`, else `--model`) and cost source (`profiles`: source ->
+    calibration profile): the chosen plan, the best megatron plan and the predicted speedup,
+    each under that source."""
     from models.presets import get_preset
     from oases_jax.errors import UserError
     from planner import make_plan
 
-    names = OASES_FAMILY if args.compare == "oases-family" else args.compare.split(",")
-    rows = [f"{'model':<18} {'chosen plan':<58} {'ms':>9} {'megatron plan':<34} {'ms':>9} "
-            f"{'speedup':>7}"]
-    for name in names:
-        cfg = get_preset(name.strip())
-        try:
-            _, r = make_plan(cfg, model=name, cluster=cluster, global_batch=args.global_batch,
-                             seq_len=args.seq_len or cfg.max_seq_len,
-                             memory_fraction=args.memory_fraction, profile=profile,
-                             schedules=schedules)
-        except UserError as e:
-            rows.append(f"{name:<18} infeasible: {e}")
-            continue
-        b, m = r.best, r.baselines.get("megatron")
-        rows.append(f"{name:<18} {b.summary()[:58]:<58} {b.cost.step_s * 1e3:9.1f} "
-                    f"{(m.summary() if m else '-')[:34]:<34} "
-                    f"{(m.cost.step_s * 1e3 if m else float('nan')):9.1f} "
-                    f"{(m.cost.step_s / b.cost.step_s if m else float('nan')):7.2f}")
+    if args.compare:
+        names = OASES_FAMILY if args.compare == "oases-family" else args.compare.split(",")
+        configs = [(n.strip(), get_preset(n.strip())) for n in names]
+    else:
+        configs = [(args.model, model_from_flags(args))]
+    rows = [f"{'model':<18} {'source':<9} {'chosen plan':<56} {'ms':>9} {'exposed':>8} "
+            f"{'megatron plan':<44} {'ms':>9} {'speedup':>7}"]
+    for name, cfg in configs:
+        for source, profile in profiles.items():
+            try:
+                _, r = make_plan(cfg, model=name, cluster=cluster,
+                                 global_batch=args.global_batch,
+                                 seq_len=args.seq_len or cfg.max_seq_len,
+                                 memory_fraction=args.memory_fraction, profile=profile,
+                                 cost_source=source, schedules=schedules)
+            except UserError as e:
+                rows.append(f"{name:<18} {source:<9} infeasible: {e}")
+                continue
+            b, m = r.best, r.baselines.get("megatron")
+            m_ms = m.cost.step_s * 1e3 if m else float("nan")
+            speedup = m.cost.step_s / b.cost.step_s if m else float("nan")
+            rows.append(f"{name:<18} {source:<9} {b.summary()[:56]:<56} "
+                        f"{b.cost.step_s * 1e3:9.2f} {b.cost.exposed_comm_s * 1e3:8.2f} "
+                        f"{(m.summary() if m else '-')[:44]:<44} {m_ms:9.2f} {speedup:7.2f}")
     return "\n".join(rows)
+
+
+def compare_profiles(args, cluster) -> dict:
+    """Source -> profile for `--compare-sources` (the `--cost-source` one with `--profile`, the
+    others from their default files), all loaded before any search so a bad source fails
+    first; with `--compare` alone, the `--cost-source` one."""
+    from oases_jax.errors import UserError
+    from planner import COST_SOURCES, load_profile
+
+    if not args.compare_sources:
+        return {args.cost_source: load_profile(args.cost_source, cluster, args.profile)}
+    sources = [s.strip() for s in args.compare_sources.split(",") if s.strip()]
+    if not sources or len(set(sources)) < len(sources):
+        raise UserError(f"--compare-sources {args.compare_sources!r} needs distinct cost "
+                        "sources, e.g. datasheet,xla")
+    bad = [s for s in sources if s not in COST_SOURCES]
+    if bad:
+        raise UserError(f"unknown cost source {bad[0]!r} in --compare-sources; choose from "
+                        f"{', '.join(COST_SOURCES)}")
+    return {s: load_profile(s, cluster, args.profile if s == args.cost_source else None)
+            for s in sources}
 
 
 def main() -> int:
@@ -130,6 +163,7 @@ def main() -> int:
             raise UserError(f"unknown schedule {bad[0]!r} in --schedules; choose from "
                             f"{', '.join(TP_SCHEDULES)}")
     profile = load_profile(args.cost_source, cluster, args.profile)
+    compared = compare_profiles(args, cluster) if args.compare or args.compare_sources else {}
     t0 = time.perf_counter()
     plan, result = make_plan(cfg, model=args.model, cluster=cluster,
                              global_batch=args.global_batch, seq_len=seq_len,
@@ -147,8 +181,8 @@ def main() -> int:
               f"predicted speedup {base.cost.step_s / best.cost.step_s:.2f}x")
     if args.explain:
         print(explain(result, cfg, Hardware.of(cluster, profile)))
-    if args.compare:
-        print(compare_table(args, cluster, profile, schedules))
+    if compared:
+        print(compare_table(args, cluster, compared, schedules))
     if args.json:
         save(plan, args.json)
         print(f"plan written to {args.json}")
