@@ -1,12 +1,15 @@
 """Compile a train step (or one layer) for a target and show what XLA did: collectives, overlap,
-memory, FLOPs and simulated time. `python scripts/inspect_hlo.py --model small --target h100:8`.
+memory, FLOPs and simulated time. `python scripts/inspect_hlo.py --model small --target h100:8`;
+`--plan PLAN.json` compiles the train step a plan of scripts/plan.py describes.
 
 Every flag is documented in docs/cli.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import pathlib
 import sys
@@ -14,18 +17,23 @@ import sys
 from oases_jax.cli import Parser, add_runtime_flags, init_runtime, run_main, write_atomic
 from training.flags import add_model_flags, model_from_flags
 
+DEFAULTS = {"mesh": "tensor=-1", "rules": "tp", "schedule": "megatron", "sub_batches": 2,
+            "batch_size": 8, "seq_len": None}
+
 
 def parse_args(argv=None):
     p = Parser(prog="inspect_hlo.py", description=__doc__.splitlines()[0])
     add_model_flags(p)
-    p.add_argument("--mesh", default="tensor=-1", help="mesh over the target's devices")
-    p.add_argument("--rules", default="tp")
-    p.add_argument("--schedule", default="megatron")
-    p.add_argument("--sub-batches", type=int, default=2, help="oases schedules: sub-batches")
-    p.add_argument("--plan", help="a plan JSON (not available yet)")
+    # Defaults of the flags a plan sets; None in the parser to tell them from a given value.
+    p.add_argument("--mesh", help=f"mesh over the target's devices (default {DEFAULTS['mesh']})")
+    p.add_argument("--rules", help=f"rule set (default {DEFAULTS['rules']})")
+    p.add_argument("--schedule", help=f"tensor-parallel schedule (default {DEFAULTS['schedule']})")
+    p.add_argument("--sub-batches", type=int, help="oases schedules: sub-batches (default 2)")
+    p.add_argument("--plan", help="a plan JSON from scripts/plan.py: its mesh, rules, batch, "
+                   "micro-batches and per-layer strategies")
     p.add_argument("--target", default="local", help="local, h100:N, h200:N or a100:N")
     p.add_argument("--layer", action="store_true", help="one layer's forward+backward only")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, help="global batch (default 8)")
     p.add_argument("--seq-len", type=int, help="default: the model's max_seq_len, at most 1024")
     p.add_argument("--json", metavar="OUT", help="write the report as JSON")
     p.add_argument("--timeline", metavar="OUT.png", help="draw the timeline")
@@ -52,14 +60,16 @@ def main() -> int:
     from training.compiled import MAY_ABORT, CompileSpec, inspect_isolated, inspect_program
     from training.config import ParallelConfig
 
-    if args.plan:
-        raise UserError("--plan needs the planner, which is not available yet; use --schedule")
     model = model_from_flags(args)
     target = get_target(args.target)
     if args.timeline_source == "xla" and not target.is_gpu_aot:
         raise UserError(f"--timeline-source xla needs a GPU target (--target h100:8), not "
                         f"{args.target!r}: XLA's estimate comes from its GPU scheduler")
-    seq_len = args.seq_len or min(model.max_seq_len, 1024)
+    plan = load_plan(args, model, len(target.devices)) if args.plan else None
+    for key, value in DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    seq_len = plan.seq_len if plan else args.seq_len or min(model.max_seq_len, 1024)
 
     def timeline_path(schedule: str, first: bool) -> str | None:
         if not args.timeline:
@@ -69,14 +79,17 @@ def main() -> int:
 
     def inspect(schedule: str, first: bool = True) -> dict:
         """The report of one schedule (and its timeline PNG when asked)."""
-        spec = CompileSpec(model=model, batch_size=args.batch_size, seq_len=seq_len,
-                           layer=args.layer,
-                           parallel=ParallelConfig(mesh=args.mesh, rules=args.rules,
-                                                   schedule=schedule,
-                                                   sub_batches=args.sub_batches))
+        if plan:
+            spec = plan_spec(plan, model)
+        else:
+            spec = CompileSpec(model=model, batch_size=args.batch_size, seq_len=seq_len,
+                               layer=args.layer,
+                               parallel=ParallelConfig(mesh=args.mesh, rules=args.rules,
+                                                       schedule=schedule,
+                                                       sub_batches=args.sub_batches))
         png = timeline_path(schedule, first)
         xla_png = png if args.timeline_source == "xla" else None
-        if target.is_gpu_aot and schedule in MAY_ABORT:
+        if target.is_gpu_aot and set(spec.parallel.schedules) & set(MAY_ABORT):
             r = inspect_isolated(spec, args.target, None if xla_png else png)
         else:
             ins = inspect_program(spec, target)
@@ -85,6 +98,9 @@ def main() -> int:
                 report.draw_timeline(ins.sim.events, r, png)
         if xla_png and "error" not in r:
             report.draw_timeline(None, r, xla_png, source="xla")
+        if plan:
+            r["plan"] = args.plan
+            r["planner_predicted_step_s"] = plan.raw.get("predicted_step_s")
         return r
 
     if args.diff:
@@ -107,6 +123,51 @@ def main() -> int:
             r["command"] = command
         write_atomic(args.json, json.dumps(reports[0] if len(reports) == 1 else reports, indent=1))
     return 0
+
+
+def load_plan(args, model, n_devices: int):
+    """The plan of --plan, checked against the model, the other flags and the target."""
+    from oases_jax.errors import UserError
+    from oases_jax.mesh import parse_mesh
+    from planner import plan as plans
+
+    given = [f"--{k.replace('_', '-')}" for k in DEFAULTS if getattr(args, k) is not None]
+    given += [f"--{k}" for k in ("compare", "diff", "layer") if getattr(args, k)]
+    if given:
+        raise UserError(f"--plan sets the mesh, rules, schedules, batch and sequence length; "
+                        f"drop {', '.join(given)}")
+    plan = plans.load(args.plan)
+    plan.check_model(model)
+    # The plan's prediction is only comparable on the model it was made for.
+    planned = plan.raw.get("model_config") or {}
+    for key, value in dataclasses.asdict(model).items():
+        if key not in ("remat", "scan_layers") and planned.get(key, value) != value:
+            raise UserError(f"plan {args.plan!r} was made for model {plan.raw.get('model')!r} "
+                            f"with {key}={planned[key]!r}, but --model {args.model} has "
+                            f"{key}={value!r}; pass the plan's --model and --model-set overrides")
+    need = math.prod(parse_mesh(plan.mesh).shape)
+    if need != n_devices:
+        gpu = plan.raw.get("cluster", "h100").split("-")[0].split(":")[0]
+        gpu = gpu if gpu in ("h100", "h200", "a100") else "h100"
+        fix = (f"--cpu-devices {need} (or --target {gpu}:{need})" if args.target == "local"
+               else f"--target {gpu}:{need}")
+        raise UserError(f"plan {args.plan!r} has mesh {plan.mesh} ({need} devices) but target "
+                        f"{args.target} has {n_devices}; use {fix}, or plan again for "
+                        f"{n_devices} devices")
+    return plan
+
+
+def plan_spec(plan, model):
+    """The CompileSpec of a plan's whole train step: every layer under its own strategy."""
+    from oases_jax.layer_plan import LayerSpec
+    from training.compiled import CompileSpec
+    from training.config import ParallelConfig
+
+    layers = tuple(LayerSpec(schedule=s.schedule, sub_batches=s.sub_batches, remat=s.remat)
+                   for s in plan.layers)
+    parallel = ParallelConfig(mesh=plan.mesh, rules=plan.rules, layers=layers)
+    return CompileSpec(model=model, parallel=parallel, batch_size=plan.global_batch,
+                       seq_len=plan.seq_len, microbatches=plan.microbatches)
 
 
 if __name__ == "__main__":

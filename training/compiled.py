@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,13 +23,16 @@ from models.config import ModelConfig
 from models.layers import Block
 from models.sharding import param_shardings
 from models.transformer import FAMILY_NORM, remat_policy
+from oases_jax.errors import UserError
 from oases_jax.hlo_analysis import Analysis, Program, analyze
+from oases_jax.layer_plan import LayerSpec
 from oases_jax.mesh import make_mesh
 from oases_jax.rules import constrain, get_rules, use_rules
 from oases_jax.simulate import SimResult, simulate
 from oases_jax.targets import Target
 from oases_jax.tensor_parallel import TensorParallel, use_tensor_parallel
 from oases_jax.xla_estimate import XlaEstimate, compile_with_estimate
+from training.checks import check_shapes
 from training.config import SCHEDULES, OptimConfig, ParallelConfig
 from training.optim import make_optimizer
 from training.state import build_step_fns
@@ -63,10 +67,19 @@ GPU_OPTIONS: dict[str, dict] = {
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CompileSpec:
     model: ModelConfig
-    parallel: ParallelConfig
-    batch_size: int = 8
+    parallel: ParallelConfig  # with `layers`, a plan's per-layer strategies
+    batch_size: int = 8  # global, per optimizer step
     seq_len: int = 1024
+    microbatches: int = 1  # accumulated micro-batches of batch_size / microbatches rows
     layer: bool = False  # one block's forward + backward instead of a whole train step
+
+    def __post_init__(self):
+        if self.microbatches < 1 or self.batch_size % self.microbatches:
+            raise UserError(f"batch {self.batch_size} does not split into {self.microbatches} "
+                            "micro-batches; use a divisor of the batch")
+        if self.layer and self.parallel.layers:
+            raise UserError("per-layer strategies describe a whole train step, not one layer; "
+                            "drop --layer")
 
 
 @dataclasses.dataclass
@@ -81,16 +94,19 @@ class Inspection:
     xla: XlaEstimate | None = None  # XLA's own estimate (GPU targets only)
 
     def report(self) -> dict:
-        a, sim = self.analysis, self.sim
+        a, sim, par = self.analysis, self.sim, self.spec.parallel
         return {
             "target": self.target.name,
             "cluster": self.target.cluster.name,
             "model": dataclasses.asdict(self.spec.model),
             "mesh": self.mesh,
             "rules": self.spec.parallel.rules_name,
-            "schedule": self.spec.parallel.schedule,
+            "schedule": "plan" if par.layers else par.schedule,
+            # A plan's per-layer strategies; None when every layer runs `schedule`.
+            "layers": [dataclasses.asdict(s) for s in par.layers] if par.layers else None,
             "layer": self.spec.layer,
             "batch_size": self.spec.batch_size,
+            "microbatches": self.spec.microbatches,
             "seq_len": self.spec.seq_len,
             "collectives": [c.to_json() for c in a.collectives],
             "collective_counts": a.counts_by_kind(),
@@ -110,8 +126,23 @@ class Inspection:
         }
 
 
-def compiler_options(schedule: str, target: Target) -> dict:
-    return dict(GPU_OPTIONS.get(schedule, _GPU_BASE)) if target.is_gpu_aot else {}
+def compiler_options(schedules: str | Sequence[str], target: Target) -> dict:
+    """XLA options for the schedules one program runs (a plan mixes them per layer): the union
+    of each schedule's `GPU_OPTIONS`, where they differ the value that serves them all (the most
+    collectives in flight, the lowest combine or windowed-einsum threshold). Options are
+    per-program, so a megatron layer beside an oases one also loses the combiners."""
+    if not target.is_gpu_aot:
+        return {}
+    out: dict = {}
+    for schedule in [schedules] if isinstance(schedules, str) else schedules:
+        for key, value in GPU_OPTIONS.get(schedule, _GPU_BASE).items():
+            if key not in out:
+                out[key] = value
+            elif key.endswith("_limit") or isinstance(value, bool):
+                out[key] = max(out[key], value)
+            else:
+                out[key] = min(out[key], value)
+    return out
 
 
 def _abstract(tree, shardings):
@@ -120,11 +151,16 @@ def _abstract(tree, shardings):
 
 
 def lower_train_step(spec: CompileSpec, mesh):
-    rules = get_rules(spec.parallel.rules_name)
+    par = spec.parallel
+    rules = get_rules(par.rules_name)
+    check_shapes(batch_size=spec.batch_size, microbatches=spec.microbatches,
+                 seq_len=spec.seq_len, mesh=mesh, sub_batches=par.layer_sub_batches,
+                 rules=get_rules("tp_sp") if par.sequence_parallel else rules)
     tx = make_optimizer(OptimConfig(), total_steps=1000)
     fns = build_step_fns(spec.model, tx, rules, mesh, spec.parallel.schedule,
-                         spec.parallel.sub_batches)
-    batch = jax.ShapeDtypeStruct((1, spec.batch_size, spec.seq_len + 1), jnp.int32,
+                         spec.parallel.sub_batches, layers=spec.parallel.layers)
+    m = spec.microbatches
+    batch = jax.ShapeDtypeStruct((m, spec.batch_size // m, spec.seq_len + 1), jnp.int32,
                                  sharding=fns.batch_sharding)
     with jax.set_mesh(mesh):
         return fns.step_jit.lower(fns.abstract_state, batch)
@@ -162,12 +198,17 @@ def lower_layer(spec: CompileSpec, mesh):
 
 def spec_to_json(spec: CompileSpec) -> dict:
     return {"model": dataclasses.asdict(spec.model), "parallel": dataclasses.asdict(spec.parallel),
-            "batch_size": spec.batch_size, "seq_len": spec.seq_len, "layer": spec.layer}
+            "batch_size": spec.batch_size, "seq_len": spec.seq_len,
+            "microbatches": spec.microbatches, "layer": spec.layer}
 
 
 def spec_from_json(d: dict) -> CompileSpec:
-    return CompileSpec(model=ModelConfig(**d["model"]), parallel=ParallelConfig(**d["parallel"]),
-                       batch_size=d["batch_size"], seq_len=d["seq_len"], layer=d["layer"])
+    par = dict(d["parallel"])
+    if par.get("layers") is not None:
+        par["layers"] = tuple(LayerSpec(**s) for s in par["layers"])
+    return CompileSpec(model=ModelConfig(**d["model"]), parallel=ParallelConfig(**par),
+                       batch_size=d["batch_size"], seq_len=d["seq_len"],
+                       microbatches=d.get("microbatches", 1), layer=d["layer"])
 
 
 def inspect_isolated(spec: CompileSpec, target: str, timeline: str | None = None,
@@ -185,17 +226,19 @@ def inspect_isolated(spec: CompileSpec, target: str, timeline: str | None = None
             return json.loads(out_path.read_text())
     reason = next((ln for ln in proc.stderr.splitlines() if "Check failed" in ln or "rror" in ln),
                   f"exit code {proc.returncode}")
-    return {"schedule": spec.parallel.schedule, "target": target,
+    return {"schedule": "plan" if spec.parallel.layers else spec.parallel.schedule,
+            "target": target,
             "error": f"XLA aborted the compile: {reason.strip()[:300]}"}
 
 
 def inspect_program(spec: CompileSpec, target: Target) -> Inspection:
-    if spec.parallel.schedule not in SCHEDULES:
-        raise ValueError(spec.parallel.schedule)
+    for schedule in spec.parallel.schedules:
+        if schedule not in SCHEDULES:
+            raise ValueError(schedule)
     mesh = make_mesh(spec.parallel.mesh, target.devices)
     t0 = time.perf_counter()
     lowered = lower_layer(spec, mesh) if spec.layer else lower_train_step(spec, mesh)
-    options = compiler_options(spec.parallel.schedule, target)
+    options = compiler_options(spec.parallel.schedules, target)
     xla = None
     if target.is_gpu_aot:  # the same compile also dumps XLA's schedule and its time estimates
         compiled, xla = compile_with_estimate(lowered, options)
@@ -207,7 +250,6 @@ def inspect_program(spec: CompileSpec, target: Target) -> Inspection:
     resolved = ",".join(f"{n}={s}" for n, s in axes)
     sim = simulate(program, target.cluster)
     return Inspection(spec, target, analysis, program, sim, compile_s, resolved, xla)
-
 
 
 if __name__ == "__main__":  # the child of `inspect_isolated`

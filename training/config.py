@@ -73,10 +73,15 @@ class ParallelConfig:
         return self.sub_batches if self.schedule in SUB_BATCH_SCHEDULES else 1
 
     @property
+    def schedules(self) -> tuple[str, ...]:
+        """The schedules the layers run, each once, in layer order."""
+        scheds = [s.schedule for s in self.layers] if self.layers else [self.schedule]
+        return tuple(dict.fromkeys(scheds))
+
+    @property
     def sequence_parallel(self) -> bool:
         """Some layer shards the residual stream on the sequence."""
-        scheds = [s.schedule for s in self.layers] if self.layers else [self.schedule]
-        return any(s in _SEQUENCE_PARALLEL for s in scheds)
+        return any(s in _SEQUENCE_PARALLEL for s in self.schedules)
 
     @property
     def rules_name(self) -> str:

@@ -29,9 +29,12 @@ def summary(r: dict) -> str:
     if "error" in r:
         return f"schedule {r['schedule']} on {r['target']}: FAILED: {r['error']}"
     mem = r["memory"]
+    micro = r.get("microbatches", 1)
     parts = [
         f"target {r['target']}  mesh {r['mesh']}  rules {r['rules']}  schedule {r['schedule']}"
-        f"  {'layer' if r['layer'] else 'train step'}  batch {r['batch_size']} x {r['seq_len']}",
+        f"  {'layer' if r['layer'] else 'train step'}  batch {r['batch_size']} x {r['seq_len']}"
+        + (f" in {micro} micro-batches" if micro > 1 else ""),
+        *([f"layers: {layers_label(r['layers'])}"] if r.get("layers") else []),
         "",
         collective_table(r),
         "",
@@ -44,10 +47,33 @@ def summary(r: dict) -> str:
         f"simulated on {r['cluster']}: step {_fmt_s(r['simulated_step_s'])}, compute "
         f"{_fmt_s(r['compute_s'])}, comm {_fmt_s(r['comm_s'])}, exposed comm "
         f"{_fmt_s(r['exposed_comm_s'])}",
+        *planner_lines(r),
         *xla_lines(r),
         f"compile time: {r['compile_s']:.1f} s",
     ]
     return "\n".join(parts)
+
+
+def layers_label(layers: list[dict]) -> str:
+    """Runs of equal consecutive layers: `2 x oases/2+none, 1 x megatron+full`."""
+    runs: list[list] = []
+    for s in layers:
+        sb = f"/{s['sub_batches']}" if s["sub_batches"] > 1 else ""
+        label = f"{s['schedule']}{sb}+{s['remat']}"
+        if runs and runs[-1][1] == label:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, label])
+    return ", ".join(f"{n} x {label}" for n, label in runs)
+
+
+def planner_lines(r: dict) -> list[str]:
+    """The plan's predicted step beside the simulated one (reports of --plan)."""
+    p = r.get("planner_predicted_step_s")
+    if not p:
+        return []
+    return [f"planner predicted: step {_fmt_s(p)}  (simulated / predicted "
+            f"{r['simulated_step_s'] / p:.2f}x)"]
 
 
 def _xla(r: dict) -> dict | None:

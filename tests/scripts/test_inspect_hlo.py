@@ -81,3 +81,51 @@ def test_megatron_layer_on_h100_exposes_its_communication(tmp_path):
     diff = run("--diff", f"{a},{b}")
     assert diff.returncode == 0, diff.stderr[-2000:]
     assert "all-reduce" in diff.stdout and "peak_memory_bytes" in diff.stdout
+
+
+def _write_plan(path, layers, mesh=None, **extra):
+    plan = {"model": "tiny", "cluster": "cpu-8", "global_batch": 8, "seq_len": 32,
+            "mesh": mesh or {"data": 2, "tensor": 4}, "rules": "tp", "microbatches": 2,
+            "layers": layers, "predicted_step_s": 0.0125, **extra}
+    path.write_text(json.dumps(plan))
+    return str(path)
+
+
+def test_plan_compiles_each_layer_under_its_own_strategy(tmp_path):
+    # A ring layer and an Oases layer with full remat, two micro-batches.
+    layers = [{"schedule": "collective_matmul", "sub_batches": 1, "remat": "none"},
+              {"schedule": "oases", "sub_batches": 2, "remat": "full"}]
+    out = tmp_path / "r.json"
+    proc = run("--model", "tiny", "--plan", _write_plan(tmp_path / "plan.json", layers),
+               "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert KEYS <= set(r) and r["schedule"] == "plan" and r["layers"] == layers
+    assert (r["mesh"], r["batch_size"], r["microbatches"], r["seq_len"]) == \
+        ("data=2,tensor=4", 8, 2, 32)
+    kinds = {c["kind"] for c in r["collectives"]}
+    assert {"collective-permute", "all-reduce"} <= kinds  # the ring layer and the Oases layer
+    assert r["planner_predicted_step_s"] == 0.0125 and r["simulated_step_s"] > 0
+    assert "1 x collective_matmul+none, 1 x oases/2+full" in proc.stdout
+    assert "planner predicted: step    12.500 ms" in proc.stdout
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("not json", "not valid JSON"),
+    ("mesh", "has mesh tensor=4 (4 devices) but target local has 8; use --cpu-devices 4"),
+    ("flags", "drop --mesh, --batch-size"),
+])
+def test_bad_plan(tmp_path, case, needle):
+    path = tmp_path / "plan.json"
+    flags = []
+    if case == "not json":
+        path.write_text("{nope")
+    else:
+        _write_plan(path, [{"schedule": "megatron"}] * 2,
+                    mesh={"tensor": 4} if case == "mesh" else None)
+        if case == "flags":
+            flags = ["--mesh", "tensor=8", "--batch-size", "16"]
+    proc = run("--model", "tiny", "--plan", str(path), *flags)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    errors = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
+    assert len(errors) == 1 and needle in errors[0], proc.stderr
