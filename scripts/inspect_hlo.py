@@ -144,7 +144,8 @@ def load_plan(args, model, n_devices: int):
         if key not in ("remat", "scan_layers") and planned.get(key, value) != value:
             raise UserError(f"plan {args.plan!r} was made for model {plan.raw.get('model')!r} "
                             f"with {key}={planned[key]!r}, but --model {args.model} has "
-                            f"{key}={value!r}; pass the plan's --model and --model-set overrides")
+                            f"{key}={value!r}; pass the model the plan was made for (--model, "
+                            f"--model-set, --dtype)")
     need = math.prod(parse_mesh(plan.mesh).shape)
     if need != n_devices:
         gpu = plan.raw.get("cluster", "h100").split("-")[0].split(":")[0]
