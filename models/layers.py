@@ -206,7 +206,8 @@ def _manual_layer(block: Block, x_BLD: jax.Array, ctx: tp.TensorParallel) -> jax
     def local(state, x):
         with tp.manual_region():
             ops = nnx.merge(graphdef, state)._ops()
-            return schedules.run(ctx.layer_schedule, x, ops, before_step=tp.pin_order)
+            return schedules.run(ctx.layer_schedule, x, ops, before_step=tp.pin_order,
+                                 after_step=tp.anchor)
 
     return jax.shard_map(local, mesh=ctx.mesh, in_specs=(state_specs, x_spec),
                          out_specs=x_spec)(state, x_BLD)

@@ -56,10 +56,12 @@ def sequential() -> Schedule:
 
 def run(schedule: Schedule, x_BLD: jax.Array, ops: dict[str, Callable[[jax.Array], jax.Array]],
         constrain: Callable[[jax.Array], jax.Array] = lambda x: x,
-        before_step: Callable[[jax.Array], jax.Array] = lambda x: x) -> jax.Array:
+        before_step: Callable[[jax.Array], jax.Array] = lambda x: x,
+        after_step: Callable[[jax.Array], None] = lambda x: None) -> jax.Array:
     """Execute `schedule` on x: split the batch into sub-batches, apply each residual step in
-    order, and join the sub-batches again. `before_step` sees each step's input first (the
-    manual Megatron layer uses it to pin the order of work, see `tensor_parallel.pin_order`)."""
+    order, and join the sub-batches again. `before_step` sees each step's input first and
+    `after_step` each step's output (the manual Megatron layer uses them to pin the order of
+    work, see `tensor_parallel.pin_order` and `tensor_parallel.anchor`)."""
     k, b = schedule.sub_batches, x_BLD.shape[0]
     if b % k:
         raise ValueError(f"batch of {b} does not split into {k} sub-batches")
@@ -67,7 +69,10 @@ def run(schedule: Schedule, x_BLD: jax.Array, ops: dict[str, Callable[[jax.Array
     # splitting and joining move no data between devices.
     grouped = x_BLD.reshape(b // k, k, *x_BLD.shape[1:])
     xs: list[jax.Array] = [grouped[:, j] for j in range(k)]
+    if k > 1:  # materialise the sub-batches: no later fusion may slice one out of x again
+        xs = list(jax.lax.optimization_barrier(tuple(xs)))
     for step in schedule.steps:
         x = before_step(xs[step.sub_batch])
         xs[step.sub_batch] = constrain(x + ops[step.op](x))
+        after_step(xs[step.sub_batch])
     return jnp.stack(xs, axis=1).reshape(x_BLD.shape)

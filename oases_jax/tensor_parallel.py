@@ -78,6 +78,11 @@ _MANUAL: contextvars.ContextVar[list | None] = contextvars.ContextVar(
     "oases_jax_manual_region", default=None)
 
 
+# Inside a manual region: the output of the last executed schedule step (see `anchor`).
+_ANCHOR: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar(
+    "oases_jax_anchor", default=None)
+
+
 def active() -> TensorParallel | None:
     return _ACTIVE.get()
 
@@ -100,12 +105,13 @@ def manual_region():
     """Mark code traced inside a layer's shard_map (see `TensorParallel.manual_layer`)."""
     from oases_jax.rules import suspend_rules
 
-    token = _MANUAL.set([])
+    token, anchor_token = _MANUAL.set([]), _ANCHOR.set(None)
     try:
         with suspend_rules():
             yield
     finally:
         _MANUAL.reset(token)
+        _ANCHOR.reset(anchor_token)
 
 
 def take_pending() -> list[jax.Array]:
@@ -116,6 +122,23 @@ def take_pending() -> list[jax.Array]:
     out = list(pending)
     pending.clear()
     return out
+
+
+def anchor(x: jax.Array) -> None:
+    """Record a step's output (manual regions): the next collective's result is used only after
+    it (`_after_anchor`). XLA would otherwise fuse the residual adds of two sub-batches into one
+    multi-output fusion (they share the bias), which waits for both sub-batches' all-reduces
+    and so serialises the second one behind the first."""
+    pending = _MANUAL.get()
+    if pending is not None:
+        _ANCHOR.set(x)
+
+
+def _after_anchor(y: jax.Array) -> jax.Array:
+    prev = _ANCHOR.get()
+    if prev is None:
+        return y
+    return jax.lax.optimization_barrier((prev, y))[1]
 
 
 def pin_order(x: jax.Array) -> jax.Array:
@@ -191,7 +214,7 @@ def row_parallel(h: jax.Array, w: jax.Array, names: Logical) -> jax.Array:
     if manual is not None:  # Megatron inside the layer's shard_map: local partial, then psum
         partial = jnp.einsum(f"bl{letters},{letters}d->bld", h, w)
         manual.append(partial)
-        return jax.lax.psum(partial, tp.axis)
+        return _after_anchor(jax.lax.psum(partial, tp.axis))
     if tp is None or not tp.uses_rings:
         return jnp.einsum(f"bl{letters},{letters}d->bld", h, w)
     rules, mesh = tp.rules, tp.mesh

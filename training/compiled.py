@@ -46,13 +46,18 @@ GPU_OPTIONS: dict[str, dict] = {
     "megatron": _GPU_BASE,
     "megatron_sp": _GPU_BASE,
     # Two permutes in flight at once: a backward ring step moves a block and a partial sum.
-    "collective_matmul": {**_GPU_BASE, "xla_gpu_experimental_parallel_collective_overlap_limit": 2},
+    # The dot merger would fuse GEMMs that share an operand (a ring step's two chunks, two
+    # sub-batches' projections) into one, which then waits for both inputs' collectives.
+    "collective_matmul": {**_GPU_BASE, "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
+                          "xla_disable_hlo_passes": "dot-merger"},
     # Keep each sub-batch's collective separate: XLA's combiners would merge them into one.
     "oases": {**_GPU_BASE, "xla_gpu_all_reduce_combine_threshold_bytes": 0,
               "xla_gpu_all_gather_combine_threshold_bytes": 0,
-              "xla_gpu_reduce_scatter_combine_threshold_bytes": 0},
+              "xla_gpu_reduce_scatter_combine_threshold_bytes": 0,
+              "xla_disable_hlo_passes": "dot-merger"},
     "oases_cm": {**_GPU_BASE, "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
-                 "xla_gpu_collective_permute_combine_threshold_bytes": 0},
+                 "xla_gpu_collective_permute_combine_threshold_bytes": 0,
+                 "xla_disable_hlo_passes": "dot-merger"},
     # A primepar backward step has three permutes in flight (two blocks and a partial sum); the
     # combiner would merge a step's weight shifts into one synchronous permute.
     "primepar": {**_GPU_BASE, "xla_gpu_experimental_parallel_collective_overlap_limit": 3,
@@ -130,7 +135,8 @@ def compiler_options(schedules: str | Sequence[str], target: Target) -> dict:
     """XLA options for the schedules one program runs (a plan mixes them per layer): the union
     of each schedule's `GPU_OPTIONS`, where they differ the value that serves them all (the most
     collectives in flight, the lowest combine or windowed-einsum threshold). Options are
-    per-program, so a megatron layer beside an oases one also loses the combiners."""
+    per-program, so a megatron layer beside an oases one also loses the combiners; disabled
+    passes are the union of the lists."""
     if not target.is_gpu_aot:
         return {}
     out: dict = {}
@@ -138,6 +144,10 @@ def compiler_options(schedules: str | Sequence[str], target: Target) -> dict:
         for key, value in GPU_OPTIONS.get(schedule, _GPU_BASE).items():
             if key not in out:
                 out[key] = value
+            elif key == "xla_disable_hlo_passes":  # comma-separated pass names: their union
+                names = out[key].split(",") + [n for n in value.split(",")
+                                                if n not in out[key].split(",")]
+                out[key] = ",".join(names)
             elif key.endswith("_limit") or isinstance(value, bool):
                 out[key] = max(out[key], value)
             else:

@@ -25,10 +25,18 @@ def test_mixed_schedules_get_the_union_of_their_gpu_options():
         "xla_gpu_all_gather_combine_threshold_bytes": 0,
         "xla_gpu_reduce_scatter_combine_threshold_bytes": 0,
         "xla_gpu_collective_permute_combine_threshold_bytes": 0,
+        "xla_disable_hlo_passes": "dot-merger",
     }
     assert compiler_options("oases", GPU) == GPU_OPTIONS["oases"]
     local = Target("local", (), get_cluster("cpu-8"), is_gpu_aot=False)
     assert compiler_options(("oases", "collective_matmul"), local) == {}
+
+
+def test_disabled_passes_are_joined(monkeypatch):
+    monkeypatch.setitem(GPU_OPTIONS, "extra",
+                        {"xla_disable_hlo_passes": "all-gather-combiner,dot-merger"})
+    opts = compiler_options(("oases", "extra"), GPU)
+    assert opts["xla_disable_hlo_passes"] == "dot-merger,all-gather-combiner"
 
 
 def test_a_plan_spec_survives_json():

@@ -118,39 +118,43 @@ def test_recomputation_is_communication_free(schedule):
     assert sum(full.values()) > sum(plain.values())
 
 
-@pytest.mark.gpu_aot
-@pytest.mark.parametrize(
-    "model, overrides, seq",
-    [("small", {}, 256), ("gpt2-1.5b", {"n_heads": 32, "head_dim": 50}, 1024)],
-)
-def test_collective_matmul_layer_overlaps_on_h100(model, overrides, seq):
-    """One layer forward+backward for 8 H100s with tensor=8: at least 90% of the tensor-parallel
-    bytes move in async collectives with a GEMM inside their window."""
+_H100_SHAPES = {"small": ({}, 256), "gpt2-1.5b": ({"n_heads": 32, "head_dim": 50}, 1024)}
+
+
+def _h100_layer(model, schedule):
     from oases_jax.targets import get_target, has_gpu_aot
     from training.compiled import CompileSpec, inspect_program
 
     if not has_gpu_aot():
         pytest.skip("needs the gpu-aot extra")
-    cfg = get_preset(model).replace(**overrides)
-    spec = CompileSpec(
-        model=cfg,
-        batch_size=8,
-        seq_len=seq,
-        layer=True,
-        parallel=ParallelConfig(mesh="tensor=8", schedule="collective_matmul"),
-    )
-    analysis = inspect_program(spec, get_target("h100:8")).analysis
+    overrides, seq = _H100_SHAPES[model]
+    spec = CompileSpec(model=get_preset(model).replace(**overrides), batch_size=8, seq_len=seq,
+                       layer=True, parallel=ParallelConfig(mesh="tensor=8", schedule=schedule))
+    return inspect_program(spec, get_target("h100:8")).analysis
+
+
+_OASES_CM_SMALL = pytest.mark.xfail(strict=True, reason=(
+    "small: 0.757. The last ring step of each matmul-reduce-scatter is peeled out of the loop "
+    "and its permute has no GEMM left to hide behind; gpt2-1.5b's longer GEMMs cover it"))
+
+
+@pytest.mark.gpu_aot
+@pytest.mark.parametrize("model, schedule", [
+    pytest.param(model, schedule, id=f"{schedule}-{model}",
+                 marks=_OASES_CM_SMALL if (model, schedule) == ("small", "oases_cm") else ())
+    for schedule in ("collective_matmul", "oases", "oases_cm") for model in _H100_SHAPES
+])
+def test_overlapped_layer_hides_collectives_on_h100(model, schedule):
+    """One layer forward+backward for 8 H100s with tensor=8: at least 90% of the tensor-parallel
+    bytes move in async collectives with a GEMM inside their window."""
+    analysis = _h100_layer(model, schedule)
     assert analysis.overlap_share(require="gemm", axes=["tensor"]) >= 0.9
-    megatron = inspect_program(
-        CompileSpec(
-            model=cfg,
-            batch_size=8,
-            seq_len=seq,
-            layer=True,
-            parallel=ParallelConfig(mesh="tensor=8", schedule="megatron"),
-        ),
-        get_target("h100:8"),
-    ).analysis
+
+
+@pytest.mark.gpu_aot
+@pytest.mark.parametrize("model", list(_H100_SHAPES))
+def test_megatron_layer_overlaps_little_on_h100(model):
     # Megatron's forward all-reduces wait for their projection; only backward ones can overlap
     # the independent weight-gradient GEMMs that XLA schedules beside them.
-    assert megatron.overlap_share(require="gemm", axes=["tensor"]) <= 0.5
+    analysis = _h100_layer(model, "megatron")
+    assert analysis.overlap_share(require="gemm", axes=["tensor"]) <= 0.5
