@@ -40,6 +40,9 @@ class CalibrationConfig:
     groups: str = "all"
     min_program_s: float = 5e-3  # chained calls add at least this much to a program
     max_calls: int = 64
+    # Bytes per device of the memory passes; larger than collectives', since below ~1 MiB a
+    # pass costs its launch overhead and the fit cannot see the bandwidth.
+    memory_sizes: tuple[int, ...] = (2**20, 2**22, 2**24, 2**26)
 
     def __post_init__(self):
         if self.groups not in GROUPS:
@@ -229,19 +232,20 @@ def measure_collectives(cfg: CalibrationConfig, log: Callable[[str], None]) -> l
 
 def measure_memory(cfg: CalibrationConfig, log: Callable[[str], None],
                    width: int = 256) -> list[dict]:
-    """Fused float32 normalisation passes over `cfg.sizes` bytes per device (read + written),
+    """Fused float32 normalisation passes over `cfg.memory_sizes` bytes per device (read +
+    written),
     on every device at once (or one, with groups="one")."""
     P = jax.P
     devices = jax.devices() if cfg.groups == "all" else jax.devices()[:1]
     mesh = make_mesh(f"data={len(devices)}", devices)
     samples = []
     t0 = time.perf_counter()
-    for nbytes in cfg.sizes:
+    for nbytes in cfg.memory_sizes:
         rows = max(1, -(-nbytes // (2 * 4 * width)))
         x = _filled((rows * len(devices), width), "float32", jax.NamedSharding(mesh, P("data")))
         secs, calls = _time(_norm_chain, mesh, P("data"), P("data"), (x,), cfg)
         samples.append({"bytes": 2 * 4 * rows * width, "seconds": secs, "calls": calls})
-    log(f"memory passes: {len(cfg.sizes)} sizes in {time.perf_counter() - t0:.1f} s")
+    log(f"memory passes: {len(cfg.memory_sizes)} sizes in {time.perf_counter() - t0:.1f} s")
     return samples
 
 

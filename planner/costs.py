@@ -36,6 +36,10 @@ from oases_jax.tensor_parallel import SUB_BATCH_SCHEDULES as SUB_BATCH
 TP_SCHEDULES = ("megatron", "megatron_sp", "collective_matmul", "oases", "oases_cm",
                 "primepar")  # primepar: on its own square layouts (Layout.primepar) only
 REMATS = ("none", "save_proj", "full")
+# Passes over the f32 logits of a micro-batch, forward and backward, counted in the compiled
+# GPU loss (gpt2-1.5b shape, h100:8): the max, the exponentials and their sum, the label pick,
+# the softmax's recomputation, its gradient and the casts around them.
+LOGIT_PASSES = 9
 OPTIMIZER_PASSES = 7  # AdamW reads p, g, m, v and writes p, m, v (fp32 each)
 # A scanned layer stack stores each layer's saved activations into stacked buffers: XLA
 # initialises them, writes each layer's slice, and transposes them for the backward loop.
@@ -569,21 +573,37 @@ def static_memory(cfg: ModelConfig, layout: Layout) -> dict[str, float]:
 
 def head_cost(cfg: ModelConfig, layout: Layout, hw: Hardware) -> tuple[float, float]:
     """(seconds, temp bytes) of the embedding, logits and loss for one micro-batch, forward and
-    backward: 6 T D V / t FLOPs and about 4 passes over T V / t f32 logits; under primepar
-    plus the gathers and all-reduces of `planner.primepar_cost.head_extra`."""
+    backward: 6 T D V / t FLOPs and `LOGIT_PASSES` passes over T V / t f32 logits; with a
+    vocabulary split over t devices plus `head_tensor_comm_s`; under primepar instead the
+    gathers and all-reduces of `planner.primepar_cost.head_extra`."""
     e = elem_bytes(cfg)
     tok = layout.rows * layout.seq_len
     v = cfg.padded_vocab / layout.tensor
     flops = 6.0 * tok * cfg.d_model * v
     nbytes = 3 * e * (tok * cfg.d_model + cfg.d_model * v + tok * v)
     logits = tok * v * 4
-    t = hw.gemm_s(flops, nbytes, cfg.dtype) + hw.mem_s(4 * logits + 3 * tok * cfg.d_model * e)
+    t = hw.gemm_s(flops, nbytes, cfg.dtype) \
+        + hw.mem_s(LOGIT_PASSES * logits + 3 * tok * cfg.d_model * e)
     if layout.primepar:
         from planner.primepar_cost import head_extra
 
         extra_s, extra_temp = head_extra(cfg, layout, hw)
         return t + extra_s, 3 * logits + extra_temp
-    return t, 3 * logits
+    return t + head_tensor_comm_s(cfg, layout, hw), 3 * logits
+
+
+def head_tensor_comm_s(cfg: ModelConfig, layout: Layout, hw: Hardware) -> float:
+    """The vocabulary-parallel head's collectives over the tensor group, all exposed (nothing
+    independent runs beside them): the embedding lookup's all-reduce of T D activations and,
+    in the backward, the all-reduce of the hidden state's gradient from the tied logits
+    projection; the cross-entropy's three all-reduces of T f32 values (max, sum of
+    exponentials, the label's logit)."""
+    if layout.tensor == 1 or layout.primepar:
+        return 0.0
+    tok = layout.rows * layout.seq_len
+    g = tensor_group(layout)
+    return 2 * hw.comm_s("all-reduce", tok * cfg.d_model * elem_bytes(cfg), g) \
+        + 3 * hw.comm_s("all-reduce", tok * 4, g)
 
 
 def step_cost(cfg: ModelConfig, layout: Layout, strategies: Sequence[Strategy], hw: Hardware,

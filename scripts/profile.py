@@ -19,9 +19,10 @@ from oases_jax.cli import Parser, add_runtime_flags, init_runtime, run_main
 KIB = 2**10
 # Defaults of the flags that --quick changes: a seconds-long smoke run for tests.
 FULL = {"tokens": 512, "square_sizes": (128, 256, 512), "dtypes": ("float32", "bfloat16"),
-        "max_bytes": 4 * 2**20, "repeats": 10, "warmup": 2, "projections": True}
+        "max_bytes": 4 * 2**20, "memory_sizes": (2**20, 2**22, 2**24, 2**26), "repeats": 10,
+        "warmup": 2, "projections": True}
 QUICK = {"tokens": 128, "square_sizes": (128, 256), "dtypes": ("float32",), "max_bytes": 32 * KIB,
-         "repeats": 3, "warmup": 1, "projections": False}
+         "memory_sizes": (2**18, 2**20, 2**22), "repeats": 3, "warmup": 1, "projections": False}
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -75,6 +76,9 @@ def parse_args(argv=None):
     g.add_argument("--min-bytes", type=_bytes, default=16 * KIB,
                    help="smallest collective size, doubled up to --max-bytes (default 16K)")
     g.add_argument("--max-bytes", type=_bytes, help="largest collective size (default 4M)")
+    g.add_argument("--memory-sizes", type=lambda t: tuple(_bytes(v) for v in t.split(",")),
+                   metavar="A,B,...",
+                   help="bytes per device of the memory passes (default 1M,4M,16M,64M)")
     g = p.add_argument_group("measurement")
     g.add_argument("--groups", choices=("all", "one"), default="all",
                    help="all: every device busy at once, as in a training step (default); "
@@ -84,7 +88,8 @@ def parse_args(argv=None):
     g.add_argument("--min-program-ms", type=float, default=5.0,
                    help="chain calls until they add this much to a program (default 5)")
     g.add_argument("--quick", action="store_true",
-                   help="a seconds-long smoke run: tiny shapes, float32, 16K-32K, 3 repeats")
+                   help="a seconds-long smoke run: tiny shapes, float32, 16K-32K collectives, "
+                   "256K-4M memory passes, 3 repeats")
     g.add_argument("--out", help="profile JSON (default profiles/DEVICE-N.json in the repository)")
     add_runtime_flags(p)
     return p.parse_args(argv)
@@ -114,6 +119,7 @@ def build_config(args, n_devices: int):
         kinds=args.kinds or COMM_KINDS,
         axis_sizes=args.axis_sizes or default_axis_sizes(n_devices),
         sizes=byte_sizes(args.min_bytes, args.max_bytes or max(base["max_bytes"], args.min_bytes)),
+        memory_sizes=args.memory_sizes or base["memory_sizes"],
         repeats=args.repeats if args.repeats is not None else base["repeats"],
         warmup=args.warmup if args.warmup is not None else base["warmup"],
         groups=args.groups,

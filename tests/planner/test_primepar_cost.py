@@ -7,7 +7,16 @@ from models.config import ModelConfig
 from oases_jax.errors import UserError
 from oases_jax.hardware import ClusterSpec, LinkSpec
 from planner import plan as plans
-from planner.costs import Hardware, LayerModel, Layout, Strategy, head_cost, replay, step_cost
+from planner.costs import (
+    Hardware,
+    LayerModel,
+    Layout,
+    Strategy,
+    head_cost,
+    head_tensor_comm_s,
+    replay,
+    step_cost,
+)
 from planner.primepar_cost import Square
 from planner.search import layouts, search, strategies
 
@@ -109,7 +118,9 @@ def test_head_collectives_by_hand():
     # all-gather costs (1/2) S / B + a = 9.192 us, an all-reduce 2 (1/2) S / B + 2 a = 18.384.
     for sync, extra in ((False, 9.192 + 18.384 + 9.192), (True, 2 * (9.192 + 18.384) + 9.192)):
         hw = Hardware(CLUSTER, None, async_collectives=not sync)
-        got = head_cost(CFG, LAYOUT, hw)[0] - head_cost(CFG, plain, hw)[0]
+        # The plain layout's own vocabulary-parallel all-reduces are not primepar's.
+        plain_s = head_cost(CFG, plain, hw)[0] - head_tensor_comm_s(CFG, plain, hw)
+        got = head_cost(CFG, LAYOUT, hw)[0] - plain_s
         assert got == pytest.approx(extra * US)
     assert head_cost(CFG, LAYOUT, Hardware(CLUSTER))[1] \
         == head_cost(CFG, plain, Hardware(CLUSTER))[1] + 2 * 16384
@@ -180,3 +191,14 @@ def test_primepar_plan_then_train(tmp_path):
                    timeout=300)
     assert r.returncode == 0, r.stderr
     assert "loss" in r.stdout
+
+
+def test_vocab_parallel_head_collectives_by_hand():
+    # tensor=4 (not primepar): two all-reduces of T D e = 32768 B, each 2 (3/4) S / B + 6 a =
+    # 55.152 us, and three of T 4 = 512 B, each 0.768 + 6 = 6.768 us.
+    plain = Layout(tensor=4, global_batch=8, seq_len=16)
+    hw = Hardware(CLUSTER)
+    assert head_tensor_comm_s(CFG, plain, hw) == pytest.approx((2 * 55.152 + 3 * 6.768) * US)
+    assert head_tensor_comm_s(CFG, LAYOUT, hw) == 0.0  # primepar's are in head_extra
+    one = Layout(global_batch=8, seq_len=16)
+    assert head_tensor_comm_s(CFG, one, hw) == 0.0
