@@ -10,6 +10,10 @@ from oases_jax.errors import UserError
 FAMILIES = ("gpt2", "llama")
 DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "save_proj", "save_dots")
+# Attention kernels: `xla` materialises the scores (einsums and a softmax); `cudnn` is cuDNN's
+# fused flash attention (GPUs, bfloat16, head_dim a multiple of 8 up to 128); `auto` takes cudnn
+# where it applies on a real GPU backend and xla everywhere else (CPUs, deviceless GPU targets).
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -36,6 +40,7 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype; parameters are always float32
     remat: str = "none"
     scan_layers: bool = True
+    attention: str = "auto"  # one of ATTENTION_IMPLS
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -44,6 +49,9 @@ class ModelConfig:
             raise UserError(f"dtype {self.dtype!r} is unknown; use one of {DTYPES}")
         if self.remat not in REMAT_POLICIES:
             raise UserError(f"remat policy {self.remat!r} is unknown; use one of {REMAT_POLICIES}")
+        if self.attention not in ATTENTION_IMPLS:
+            raise UserError(f"attention {self.attention!r} is unknown; use one of "
+                            f"{ATTENTION_IMPLS}")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise UserError(f"model {name}={getattr(self, name)} must be positive")

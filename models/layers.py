@@ -12,6 +12,7 @@ from jax.ad_checkpoint import checkpoint_name
 from models.config import ModelConfig
 from oases_jax import schedules
 from oases_jax import tensor_parallel as tp
+from oases_jax.errors import UserError
 from oases_jax.rules import constrain
 
 # Names of the activations a remat policy may save (see `models.transformer.remat_policy`).
@@ -83,6 +84,37 @@ def rope(x_BLHK: jax.Array, theta: float) -> jax.Array:
     return (x * cos + rotated * sin).astype(x_BLHK.dtype)
 
 
+def attention_impl(cfg: ModelConfig, q_BLHK: jax.Array) -> str:
+    """The kernel `cfg.attention` resolves to for these queries (see models.config). cuDNN's
+    kernel needs the library at trace time, so compiles for GPU targets without a GPU use xla."""
+    k, on_gpu = q_BLHK.shape[-1], jax.default_backend() == "gpu"
+    fits = q_BLHK.dtype in (jnp.bfloat16, jnp.float16) and k % 8 == 0 and k <= 128
+    if cfg.attention == "cudnn" and not (on_gpu and fits):
+        raise UserError(
+            f"attention=cudnn needs a GPU backend (found {jax.default_backend()}) and bf16 "
+            f"queries with head_dim a multiple of 8 up to 128 (got {q_BLHK.dtype}, {k}); use "
+            "--model-set attention=auto or attention=xla")
+    if cfg.attention != "auto":
+        return cfg.attention
+    return "cudnn" if fits and on_gpu else "xla"
+
+
+def _xla_attention(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array) -> jax.Array:
+    """Causal attention with the scores materialised in float32."""
+    b, length, h, k = q_BLHK.shape
+    g = k_BLGK.shape[2]
+    q_BLGRK = q_BLHK.reshape(b, length, g, h // g, k)
+    scores = jnp.einsum(
+        "blgrk,bmgk->bgrlm", q_BLGRK, k_BLGK, preferred_element_type=jnp.float32
+    )
+    scores = scores / math.sqrt(k)
+    causal_LM = jnp.tril(jnp.ones((length, length), dtype=bool))
+    scores = jnp.where(causal_LM, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q_BLHK.dtype)
+    o_BLGRK = jnp.einsum("bgrlm,bmgk->blgrk", probs, v_BLGK)
+    return o_BLGRK.reshape(b, length, h, k)
+
+
 class Attention(nnx.Module):
     """Causal self-attention with grouped-query heads (G KV heads shared by H/G query heads)."""
 
@@ -117,18 +149,11 @@ class Attention(nnx.Module):
         q_BLHK = constrain(q_BLHK, ("batch", None, "heads", "head_dim"))
         k_BLGK = constrain(k_BLGK, ("batch", None, "kv_heads", "head_dim"))
         v_BLGK = constrain(v_BLGK, ("batch", None, "kv_heads", "head_dim"))
-        b, length, h, k = q_BLHK.shape
-        g = k_BLGK.shape[2]
-        q_BLGRK = q_BLHK.reshape(b, length, g, h // g, k)
-        scores = jnp.einsum(
-            "blgrk,bmgk->bgrlm", q_BLGRK, k_BLGK, preferred_element_type=jnp.float32
-        )
-        scores = scores / math.sqrt(k)
-        causal_LM = jnp.tril(jnp.ones((length, length), dtype=bool))
-        scores = jnp.where(causal_LM, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-        o_BLGRK = jnp.einsum("bgrlm,bmgk->blgrk", probs, v_BLGK)
-        o_BLHK = o_BLGRK.reshape(b, length, h, k)
+        if attention_impl(cfg, q_BLHK) == "cudnn":
+            o_BLHK = jax.nn.dot_product_attention(
+                q_BLHK, k_BLGK, v_BLGK, is_causal=True, implementation="cudnn")
+        else:
+            o_BLHK = _xla_attention(q_BLHK, k_BLGK, v_BLGK)
         out_BLD = tp.row_parallel(o_BLHK, _cast(self.wo, dt), ("heads", "head_dim", "embed"))
         if cfg.use_bias:
             out_BLD += _cast(self.bo, dt)

@@ -67,12 +67,20 @@ class CalibrationConfig:
             raise UserError(f"collective sizes {self.sizes} must be positive")
 
 
-def projection_shapes(model: ModelConfig, tokens: int) -> list[tuple[int, int, int]]:
+def projection_shapes(model: ModelConfig, tokens: int,
+                      tensor: int = 1) -> list[tuple[int, int, int]]:
     """The distinct (m, k, n) of a layer's projections on `tokens` rows: Q, K/V, output, MLP
-    in (and gate) and out, unsharded."""
+    in (and gate) and out, as one device holds them under `tensor`-way Megatron parallelism
+    (column-parallel n / tensor, row-parallel k / tensor; tensor=1 is unsharded)."""
     d, hk, gk, f = model.d_model, model.n_heads * model.k_dim, model.kv_heads * model.k_dim, \
         model.ff_dim
-    shapes = [(tokens, d, hk), (tokens, d, gk), (tokens, hk, d), (tokens, d, f), (tokens, f, d)]
+    for name, size in (("heads x head_dim", hk), ("kv_heads x head_dim", gk), ("d_ff", f)):
+        if size % tensor:
+            raise UserError(f"--tensor {tensor} does not divide the model's {name} ({size}); "
+                            "pick a tensor degree that divides it")
+    t = tensor
+    shapes = [(tokens, d, hk // t), (tokens, d, gk // t), (tokens, hk // t, d),
+              (tokens, d, f // t), (tokens, f // t, d)]
     return list(dict.fromkeys(shapes))
 
 
@@ -139,10 +147,14 @@ def _collective_chain(kind: str, n: int, axis: str, calls: int) -> Callable:
 
 def _norm_chain(calls: int) -> Callable:
     """`calls` dependent normalisations of x [rows, width] (mean, variance, scale, shift): one
-    fused pass each that reads and writes x, as a layer's norms and residual adds do."""
+    fused pass each that reads and writes x, as a layer's norms and residual adds do. The
+    barrier between passes keeps XLA's GPU fusion from running the whole chain as one kernel
+    that reads x once (row-wise passes chain without a grid-wide dependency)."""
 
     def chained(x):
-        for _ in range(calls):
+        for i in range(calls):
+            if i:
+                x = lax.optimization_barrier(x)
             mean = x.mean(-1, keepdims=True)
             var = jnp.square(x - mean).mean(-1, keepdims=True)
             x = (x - mean) * lax.rsqrt(var + 1e-5) * 1.01 + 0.01

@@ -61,6 +61,9 @@ def parse_args(argv=None):
     g.add_argument("--model-set", action="append", default=[], metavar="KEY=VALUE",
                    help="override one ModelConfig field of --model (repeatable)")
     g.add_argument("--tokens", type=int, help="rows m of the projection GEMMs (default 512)")
+    g.add_argument("--tensor", type=int, default=1,
+                   help="measure the projections as one device of a T-way Megatron split holds "
+                   "them: column-parallel n / T, row-parallel k / T (default 1: unsharded)")
     g.add_argument("--square-sizes", type=_ints, metavar="A,B,...",
                    help="square GEMMs m=k=n also measured (default 128,256,512)")
     g.add_argument("--chunks", type=_ints, default=(1, 2, 4, 8), metavar="A,B,...",
@@ -110,7 +113,8 @@ def build_config(args, n_devices: int):
     squares = args.square_sizes if args.square_sizes is not None else base["square_sizes"]
     shapes = []
     if base["projections"] or args.tokens is not None:
-        shapes += projection_shapes(get_preset(args.model).with_overrides(args.model_set), tokens)
+        model = get_preset(args.model).with_overrides(args.model_set)
+        shapes += projection_shapes(model, tokens, args.tensor)
     shapes += [(s, s, s) for s in squares]
     return CalibrationConfig(
         gemm_shapes=tuple(dict.fromkeys(shapes)),

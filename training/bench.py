@@ -21,6 +21,7 @@ from training.checks import check_shapes
 from training.compiled import GPU_OPTIONS
 from training.config import OptimConfig, ParallelConfig
 from training.data import BatchSampler, load_corpus
+from training.metrics import peak_flops_per_device
 from training.optim import make_optimizer
 from training.state import TrainState, build_step_fns, new_state
 
@@ -233,6 +234,8 @@ def time_rounds(variants: list[Variant], rounds: int, steps_per_round: int) -> l
 def summarize(cfg: BenchConfig, variants: list[Variant], samples: list[list[float]]) -> dict:
     """The report as plain, JSON-ready data; `ratio` is each median over the first variant's."""
     base = statistics.median(samples[0])
+    peak = peak_flops_per_device(cfg.model.dtype, None)
+    flops_per_step = cfg.model.flops_per_token(cfg.seq_len) * cfg.tokens_per_step
     rows = []
     for v, s in zip(variants, samples, strict=True):
         median = statistics.median(s)
@@ -246,6 +249,8 @@ def summarize(cfg: BenchConfig, variants: list[Variant], samples: list[list[floa
                 "min_s": min(s),
                 "max_s": max(s),
                 "tokens_per_s": cfg.tokens_per_step / median,
+                "tflops_per_device": flops_per_step / median / jax.device_count() / 1e12,
+                "mfu": flops_per_step / median / jax.device_count() / peak if peak else None,
                 "ratio": median / base,
                 "compile_s": v.compile_s,
                 "samples": list(s),
@@ -287,6 +292,7 @@ def format_table(report: dict) -> str:
         "min ms",
         "max ms",
         "tokens/s",
+        "MFU",
         "ratio",
     )
     rows = [
@@ -300,6 +306,7 @@ def format_table(report: dict) -> str:
             f"{r['min_s'] * 1e3:.2f}",
             f"{r['max_s'] * 1e3:.2f}",
             f"{r['tokens_per_s']:,.0f}",
+            "-" if r.get("mfu") is None else f"{r['mfu']:.1%}",
             f"{r['ratio']:.3f}",
         )
         for r in report["variants"]

@@ -56,8 +56,12 @@ def _meta(cfg: TrainConfig, step: int) -> dict:
     }
 
 
+# Model fields that change how a step runs, not what it computes: a run may resume with others.
+RUNTIME_FIELDS = ("remat", "scan_layers", "dtype", "attention")
+
+
 def _check_resumable(meta: dict, cfg: TrainConfig) -> None:
-    saved = {k: v for k, v in meta["model"].items() if k not in ("remat", "scan_layers", "dtype")}
+    saved = {k: v for k, v in meta["model"].items() if k not in RUNTIME_FIELDS}
     wanted = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k in saved}
     if saved != wanted:
         diff = sorted(k for k in saved if saved[k] != wanted.get(k))

@@ -12,11 +12,13 @@ from oases_jax import hardware
 
 
 def peak_flops_per_device(dtype: str, peak_tflops: float | None) -> float | None:
-    """Per-device peak FLOP/s: the flag if given, else the datasheet of the detected device."""
+    """Per-device peak FLOP/s: the flag if given, else the datasheet of the detected accelerator.
+    None for CPUs, whose hardware-table entry is a planning figure rather than a peak."""
     if peak_tflops is not None:
         return peak_tflops * 1e12
-    spec = hardware.detect(jax.devices()[0].device_kind)
-    return spec.peak(dtype) if spec else None
+    device = jax.devices()[0]
+    spec = None if device.platform == "cpu" else hardware.detect(device.device_kind)
+    return spec.peak(dtype) if spec and dtype in spec.peak_flops else None
 
 
 def throughput(

@@ -133,3 +133,29 @@ def test_loss_matches_plain_reference():
         [jax.nn.log_softmax(logits[b, t, :6])[targets[b, t]] for b in range(2) for t in range(3)]
     )
     np.testing.assert_allclose(cross_entropy(logits, targets, vocab_size=6), ref, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny-llama"])
+def test_attention_matches_jax_reference(name):
+    """The materialised-score attention (`attention=xla`, what CPUs and deviceless GPU targets
+    run) equals JAX's own dot_product_attention, grouped KV heads included."""
+    from models.layers import _xla_attention
+
+    cfg = get_preset(name)
+    h, g, k = cfg.n_heads, cfg.kv_heads, cfg.k_dim
+    q, kk, v = (jax.random.normal(jax.random.key(i), (2, 16, n, k))
+                for i, n in enumerate((h, g, g)))
+    want = jax.nn.dot_product_attention(q, kk, v, is_causal=True, implementation="xla")
+    np.testing.assert_allclose(_xla_attention(q, kk, v), want, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_choice():
+    from models.layers import attention_impl
+    from oases_jax.errors import UserError
+
+    q = jnp.zeros((1, 8, 4, 64), jnp.bfloat16)
+    assert attention_impl(get_preset("tiny"), q) == "xla"  # auto, on CPU
+    with pytest.raises(UserError, match="attention=cudnn needs a GPU backend"):
+        attention_impl(get_preset("tiny").replace(attention="cudnn"), q)
+    with pytest.raises(Exception, match="attention 'flash' is unknown"):
+        get_preset("tiny").replace(attention="flash")

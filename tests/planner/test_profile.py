@@ -171,6 +171,12 @@ def test_default_path_and_measurement_sizes():
     # small: Q/K/V and output 256x256, MLP 256x1024 and 1024x256.
     assert projection_shapes(get_preset("small"), 512) == [
         (512, 256, 256), (512, 256, 1024), (512, 1024, 256)]
+    # One device of tensor=4: Q/K/V and MLP-in columns / 4, output and MLP-out rows / 4.
+    # Q/K/V 256 -> 64 columns; output 64 rows; MLP in 1024 -> 256 columns; MLP out 256 rows.
+    assert projection_shapes(get_preset("small"), 512, tensor=4) == [
+        (512, 256, 64), (512, 64, 256), (512, 256, 256)]
+    with pytest.raises(UserError, match="--tensor 3 does not divide"):
+        projection_shapes(get_preset("small"), 512, tensor=3)
 
 
 def test_measured_programs_run_every_call_in_a_chain():
@@ -225,3 +231,21 @@ def test_committed_cpu_profile_covers_every_kind():
     assert prof.coverage() == {kind: [2, 4, 8] for kind in COMM_KINDS}
     assert set(prof.gemm) == {"float32", "bfloat16"}
     assert isinstance(prof.memory, MemFit)
+
+
+@pytest.mark.gpu_aot
+def test_memory_chain_is_one_kernel_per_pass_on_gpu():
+    """XLA's GPU fusion runs a chain of row-wise norms as one kernel that reads x once (a
+    calibration measured 16 TB/s on an H100); the chain must keep one fusion per pass."""
+    from oases_jax.targets import get_target, has_gpu_aot
+    from planner.calibrate import _norm_chain
+
+    if not has_gpu_aot():
+        pytest.skip("needs the gpu-aot extra")
+    devices = get_target("h100:1").devices
+    mesh = jax.sharding.Mesh(devices, ("data",))
+    x = jax.ShapeDtypeStruct((4096, 256), "float32", sharding=jax.NamedSharding(mesh, jax.P()))
+    for calls in (1, 4):
+        hlo = jax.jit(_norm_chain(calls)).lower(x).compile().as_text()
+        entry = hlo[hlo.index("ENTRY"):]
+        assert entry.count(" fusion(") == calls

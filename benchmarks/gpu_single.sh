@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Measurements that need one real GPU: the GEMM calibration profile (whole and chunked GEMMs, at
+# the unsharded and tensor=8 per-device projection shapes) and single-GPU train-step throughput
+# and MFU, with the planner's datasheet prediction beside each measured step.
+#   bash benchmarks/gpu_single.sh OUT_DIR [PART...]
+# PARTs (default all): profile profile_t8 gpt2_full gpt2_save_proj llama_l8.
+# Runs from the repository root with the machine's own jax (no install: PYTHONPATH=.).
+# Each step is independent: one that fails is logged and the rest still run.
+set -u
+out=${1:?usage: bash benchmarks/gpu_single.sh OUT_DIR [PART...]}
+shift
+parts=" ${*:-profile profile_t8 gpt2_full gpt2_save_proj llama_l8} "
+want() { [[ $parts == *" $1 "* ]]; }
+mkdir -p "$out"
+export PYTHONPATH=. PYTHONUNBUFFERED=1 JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}
+export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
+tag=$(python3 -c "import jax; print(jax.devices()[0].device_kind.split()[1].lower())")
+
+step() {  # step NAME CMD...: run CMD, keep its stdout, put its stderr in the log
+  echo "== $1: ${*:2}" | tee -a "$out/log.txt"
+  local t0=$SECONDS
+  "${@:2}" > "$out/$1.txt" 2>> "$out/log.txt" || echo "!! $1 failed (rc $?)" | tee -a "$out/log.txt"
+  echo "== $1 took $((SECONDS - t0)) s" | tee -a "$out/log.txt"
+}
+
+{ nvidia-smi -L; python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax',
+  flax.__version__, 'optax', optax.__version__, jax.devices())"; } | tee "$out/env.txt"
+
+want profile && step "profile_${tag}-1_gpt2-1.5b" python3 scripts/profile.py --model gpt2-1.5b --tokens 8192 \
+  --square-sizes 1024,2048,4096,8192 --dtypes bfloat16,float32 --memory-sizes 16M,64M,256M,1G \
+  --out "$out/profile_${tag}-1_gpt2-1.5b.json"
+want profile_t8 && step "profile_${tag}-1_gpt2-1.5b_t8" python3 scripts/profile.py --model gpt2-1.5b --tokens 8192 \
+  --tensor 8 --square-sizes 1024 --dtypes bfloat16,float32 --memory-sizes 16M,256M \
+  --out "$out/profile_${tag}-1_gpt2-1.5b_t8.json"
+for remat in full save_proj; do
+  want "gpt2_$remat" && step "bench_gpt2-1.5b_${tag}x1_${remat}" python3 scripts/bench.py --model gpt2-1.5b \
+    --dtype bfloat16 --remat "$remat" --batch-size 8 --seq-len 1024 --rounds 5 --warmup 2 \
+    --variant megatron:data=1/tp/megatron --variant oases-k2:data=1/tp/oases \
+    --predict datasheet --json "$out/bench_gpt2-1.5b_${tag}x1_${remat}.json"
+done
+want llama_l8 && step "bench_llama2-7b-l8_${tag}x1_full" python3 scripts/bench.py --model llama2-7b \
+  --model-set n_layers=8 --dtype bfloat16 --remat full --batch-size 8 --seq-len 1024 --rounds 5 \
+  --warmup 2 --variant megatron:data=1/tp/megatron --variant oases-k2:data=1/tp/oases \
+  --predict datasheet --json "$out/bench_llama2-7b-l8_${tag}x1_full.json"
