@@ -68,6 +68,14 @@ class ModelConfig:
         if self.family == "llama" and self.k_dim % 2:
             raise UserError(f"RoPE needs an even head_dim, got {self.k_dim}")
 
+    def flash_attention(self, *, on_gpu: bool) -> bool:
+        """Whether attention runs cuDNN's fused kernel (no scores in memory) on such a device:
+        `cudnn`, or `auto` on a GPU with bf16 compute and head_dim a multiple of 8 up to 128."""
+        if self.attention != "auto":
+            return self.attention == "cudnn"
+        k = self.k_dim
+        return on_gpu and self.dtype == "bfloat16" and k % 8 == 0 and k <= 128
+
     # Derived values.
     @property
     def kv_heads(self) -> int:

@@ -85,8 +85,9 @@ def rope(x_BLHK: jax.Array, theta: float) -> jax.Array:
 
 
 def attention_impl(cfg: ModelConfig, q_BLHK: jax.Array) -> str:
-    """The kernel `cfg.attention` resolves to for these queries (see models.config). cuDNN's
-    kernel needs the library at trace time, so compiles for GPU targets without a GPU use xla."""
+    """The kernel `cfg.attention` resolves to for these queries (`ModelConfig.flash_attention`).
+    cuDNN's kernel needs the library at trace time, so compiles for GPU targets without a GPU
+    use xla."""
     k, on_gpu = q_BLHK.shape[-1], jax.default_backend() == "gpu"
     fits = q_BLHK.dtype in (jnp.bfloat16, jnp.float16) and k % 8 == 0 and k <= 128
     if cfg.attention == "cudnn" and not (on_gpu and fits):
@@ -94,9 +95,7 @@ def attention_impl(cfg: ModelConfig, q_BLHK: jax.Array) -> str:
             f"attention=cudnn needs a GPU backend (found {jax.default_backend()}) and bf16 "
             f"queries with head_dim a multiple of 8 up to 128 (got {q_BLHK.dtype}, {k}); use "
             "--model-set attention=auto or attention=xla")
-    if cfg.attention != "auto":
-        return cfg.attention
-    return "cudnn" if fits and on_gpu else "xla"
+    return "cudnn" if fits and cfg.flash_attention(on_gpu=on_gpu) else "xla"
 
 
 def _xla_attention(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array) -> jax.Array:

@@ -17,6 +17,8 @@ class DeviceSpec:
     peak_flops: dict[str, float]  # by compute dtype
     hbm_bytes_per_s: float
     memory_bytes: float
+    # cuDNN's fused (flash) attention runs here: NVIDIA compute capability 8.0 and newer.
+    fused_attention: bool = False
 
     def peak(self, dtype: str) -> float:
         if dtype not in self.peak_flops:
@@ -37,6 +39,7 @@ DEVICES: dict[str, DeviceSpec] = {
             hbm_bytes_per_s=3.35e12,
             memory_bytes=80 * 2**30,
             peak_flops={"bfloat16": 989 * _T, "float32": 494 * _T},
+            fused_attention=True,
         ),  # fp32 via TF32
         DeviceSpec(
             name="h200",
@@ -44,6 +47,7 @@ DEVICES: dict[str, DeviceSpec] = {
             hbm_bytes_per_s=4.8e12,
             memory_bytes=141 * _G,
             peak_flops={"bfloat16": 989 * _T, "float32": 494 * _T},
+            fused_attention=True,
         ),
         DeviceSpec(
             name="a100",
@@ -51,6 +55,7 @@ DEVICES: dict[str, DeviceSpec] = {
             hbm_bytes_per_s=2.04e12,
             memory_bytes=80 * 2**30,
             peak_flops={"bfloat16": 312 * _T, "float32": 156 * _T},
+            fused_attention=True,
         ),
         DeviceSpec(
             name="v100",
@@ -65,6 +70,7 @@ DEVICES: dict[str, DeviceSpec] = {
             hbm_bytes_per_s=0.936e12,
             memory_bytes=24 * 2**30,
             peak_flops={"bfloat16": 71 * _T, "float32": 35.6 * _T},
+            fused_attention=True,
         ),
     )
 }
@@ -127,11 +133,28 @@ class ClusterSpec:
         return self.levels[-1][1]
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        """The cluster and its device's datasheet (`device_spec`), so that a copy can describe
+        a device this module does not know."""
+        return {**dataclasses.asdict(self), "device_spec": dataclasses.asdict(self.device_spec)}
 
     @classmethod
     def from_json(cls, data: dict) -> ClusterSpec:
+        """Inverse of `to_json`. A `device_spec` whose name is not built in registers that
+        device; `device_spec` may be left out for a built-in device."""
         try:
+            if "device_spec" in data:
+                spec = data["device_spec"]
+                spec = DeviceSpec(**{**spec, "match": tuple(spec.get("match", ()))})
+                if spec.name != data["device"]:
+                    raise ValueError(f"device_spec names {spec.name!r}, device {data['device']!r}")
+                if spec.name not in DEVICES:
+                    DEVICES[spec.name] = spec
+                elif DEVICES[spec.name] != spec:
+                    raise ValueError(f"device {spec.name!r} is built in with other numbers; "
+                                     "give your device another name")
+            elif data["device"] not in DEVICES:
+                raise ValueError(f"device {data['device']!r} is not built in and the file has "
+                                 "no device_spec")
             levels = tuple((int(s), LinkSpec(**link)) for s, link in data["levels"])
             return cls(name=data["name"], device=data["device"], n_devices=int(data["n_devices"]),
                        levels=levels)

@@ -256,6 +256,8 @@ class LayerModel:
         self.cfg, self.layout, self.hw = cfg, layout, hw
         self.e = elem_bytes(cfg)
         self.tgroup = tensor_group(layout)
+        # cuDNN's fused attention keeps the scores on chip: no softmax passes, nothing saved.
+        self.flash = cfg.flash_attention(on_gpu=hw.cluster.device_spec.fused_attention)
         self._step_extra = 0.0
 
     # Work.
@@ -265,6 +267,7 @@ class LayerModel:
         With T = rows * seq tokens, t = tensor degree and e bytes per element:
           QKV  2 T D (H + 2G) K / t FLOPs     out proj   2 T H K D / t
           attn 4 T L H K / t FLOPs (scores + PV) and T L H / t (4 + 4 + e) bytes of softmax
+               (no softmax bytes under fused flash attention, `ModelConfig.flash_attention`)
           MLP  2 T D F (2 or 3) / t FLOPs and an activation pass of T F / t (2 or 3) e bytes
           norm + residual  5 T D e / s bytes (s = t under sequence parallelism)
         """
@@ -284,7 +287,7 @@ class LayerModel:
             pre=pre,
             col=gemm(tok, d, (h + 2 * g) * k / t),
             core=gemm(rows * h / t * seq, k, seq) + gemm(rows * h / t * seq, seq, k)
-            + hw.mem_s(tok * seq * h / t * (8 + e)),
+            + (0.0 if self.flash else hw.mem_s(tok * seq * h / t * (8 + e))),
             row=gemm(tok, h * k / t, d),
             col_bytes=tok * d * e,
         )
@@ -467,7 +470,7 @@ class LayerModel:
                      attention output T H K / t, probabilities T L H / t, MLP hidden
                      (2 or 3) T F / t, all at e bytes, plus three f32 copies of the scores
                      T L H / t (the scores, their masked form and the softmax, as XLA keeps
-                     them)
+                     them); under flash attention neither, but f32 softmax statistics T H / t
           save_proj: the layer input T D / s and the four saved projections 4 T D / s
                      (+ QKV and MLP hidden under ring schedules)
           full:      the layer input T D / s
@@ -487,14 +490,16 @@ class LayerModel:
         if strategy.remat == "save_proj":
             extra = (qkv + hidden / gated * (gated - 1)) if sch in RING else 0.0
             return (tok * d / s + 4 * tok * d / s + extra) * e
+        base = (2 * tok * d / s + 2 * tok * d + qkv + tok * h * k / t + hidden) * e
+        if self.flash:
+            return base + 4 * tok * h / t
         scores = tok * self.layout.seq_len * h / t
-        return (2 * tok * d / s + 2 * tok * d + qkv + tok * h * k / t + scores + hidden) * e \
-            + 3 * 4 * scores
+        return base + scores * e + 3 * 4 * scores
 
     def temp_bytes(self, strategy: Strategy) -> float:
         """Working set beyond the saved activations while a layer runs its backward: the
-        recomputed activations (for remat) plus the f32 score and gradient buffers, and the
-        ring schedules' chunk buffers (two chunks in flight)."""
+        recomputed activations (for remat) plus the f32 score and gradient buffers (none under
+        flash attention), and the ring schedules' chunk buffers (two chunks in flight)."""
         if self.layout.primepar or strategy.schedule == "primepar":
             return self._square().temp_bytes(strategy)
         c, t, e = self.cfg, self.layout.tensor, self.e
@@ -502,7 +507,7 @@ class LayerModel:
         scores = tok * self.layout.seq_len * c.n_heads / t
         k = strategy.sub_batches if strategy.schedule in SUB_BATCH else 1
         full = self.saved_bytes(dataclasses.replace(strategy, remat="none"))
-        temp = 2 * 4 * scores / k
+        temp = 0.0 if self.flash else 2 * 4 * scores / k
         if strategy.remat != "none":
             temp += full
         if strategy.schedule in RING and t > 1:

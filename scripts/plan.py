@@ -29,6 +29,8 @@ def parse_args(argv=None):
     g = p.add_argument_group("output")
     g.add_argument("--top", type=int, default=10, help="rows of the ranked table")
     g.add_argument("--json", metavar="OUT", help="write the best plan here")
+    g.add_argument("--save-cluster", metavar="OUT",
+                   help="write --cluster as a cluster JSON to edit into your own, and exit")
     g.add_argument("--explain", action="store_true", help="why each layer got its strategy")
     g.add_argument("--compare", metavar="MODELS",
                    help="comma-separated presets (or `oases-family`): one row each with the "
@@ -150,8 +152,16 @@ def main() -> int:
     from planner.costs import TP_SCHEDULES, Hardware
     from planner.plan import save
 
-    cfg = model_from_flags(args)
     cluster = get_cluster(args.cluster)
+    if args.save_cluster:
+        import json
+
+        from oases_jax.cli import write_atomic
+
+        write_atomic(args.save_cluster, json.dumps(cluster.to_json(), indent=1) + "\n")
+        print(f"cluster {cluster.name} written to {args.save_cluster}")
+        return 0
+    cfg = model_from_flags(args)
     seq_len = args.seq_len or cfg.max_seq_len
     if args.global_batch <= 0:
         raise UserError(f"--global-batch {args.global_batch} must be positive")

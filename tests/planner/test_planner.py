@@ -97,6 +97,53 @@ def test_oases_hides_more_than_megatron_and_remat_trades_memory():
     assert cpu.step_s == pytest.approx(cpu.compute_s + cpu.comm_s)
 
 
+def test_flash_attention_drops_the_softmax_traffic_by_hand():
+    """On a GPU, bf16 attention under `auto` is cuDNN's fused kernel: the forward loses the
+    softmax's T L H / t (4 + 4 + e) bytes and the saved activations the scores (T L H / t at e
+    bytes plus three f32 copies) for f32 statistics T H / t; CPUs and fp32 keep the scores."""
+    cfg = get_preset("oases-h4096-l16").replace(dtype="bfloat16")
+    hw = Hardware.of(get_cluster("h100-8"))
+    lay = Layout(tensor=8, global_batch=8, seq_len=1024)
+    flash, xla = LayerModel(cfg, lay, hw), LayerModel(cfg.replace(attention="xla"), lay, hw)
+    assert flash.flash and not xla.flash
+    t, tok, h, e = 8, 8 * 1024, cfg.n_heads, 2
+    scores = tok * 1024 * h / t
+    meg = Strategy(schedule="megatron")
+    gap = xla.sublayers(8, meg)["attn"].core - flash.sublayers(8, meg)["attn"].core
+    assert gap == pytest.approx(scores * (8 + e) / hw.cluster.device_spec.hbm_bytes_per_s)
+    saved = xla.saved_bytes(meg) - flash.saved_bytes(meg)
+    assert saved == pytest.approx(scores * e + 3 * 4 * scores - 4 * tok * h / t)
+    assert not LayerModel(cfg, lay, Hardware.of(get_cluster("cpu-8"))).flash
+    assert not LayerModel(cfg, lay, Hardware.of(get_cluster("v100-32"))).flash  # sm70
+    assert not LayerModel(cfg.replace(dtype="float32"), lay, hw).flash
+
+
+def test_cluster_json_round_trip_and_own_device(tmp_path):
+    """A saved cluster loads back equal; a file may describe a device that is not built in."""
+    from oases_jax.hardware import DEVICES, ClusterSpec
+
+    c = get_cluster("3090-nvlink-32")
+    assert ClusterSpec.from_json(json.loads(json.dumps(c.to_json()))) == c
+    data = get_cluster("h100-8").to_json()
+    data["device_spec"].update(name="x9-test", match=["X9"], hbm_bytes_per_s=5e12)
+    data.update(name="x9-8", device="x9-test")
+    out = tmp_path / "x9.json"
+    out.write_text(json.dumps(data))
+    try:
+        x9 = get_cluster(str(out))
+        assert x9.device_spec.hbm_bytes_per_s == 5e12 and x9.device_spec.match == ("X9",)
+        step = step_cost(get_preset("small"), Layout(tensor=8, global_batch=8, seq_len=128),
+                         [Strategy()] * 4, Hardware.of(x9)).step_s
+        assert step > 0
+    finally:
+        DEVICES.pop("x9-test", None)
+    data["device_spec"].update(name="h100")
+    data["device"] = "h100"
+    out.write_text(json.dumps(data))
+    with pytest.raises(UserError, match="built in with other numbers"):
+        get_cluster(str(out))
+
+
 def test_static_memory_by_hand():
     cfg = get_preset("gpt2-1.5b").replace(n_heads=32, head_dim=50)
     lay = Layout(data=2, tensor=4, global_batch=8, seq_len=1024)
