@@ -5,11 +5,12 @@ each sub-batch ends in a tensor-parallel collective; ordering the work as
 
     attn(0) attn(1) ... attn(k-1)  mlp(0) mlp(1) ... mlp(k-1)
 
-lets the collective of sub-batch b run while sub-batch b+1 computes (and, across the boundary,
-mlp(k-1)'s collective run while the next layer's attn(0) computes). The backward pass is the
+lets the collective of sub-batch b run while sub-batch b+1 computes. The backward pass is the
 same order reversed, so there too one sub-batch's collective overlaps another's compute.
-`run` is the one executor; XLA's scheduler keeps the collectives asynchronous because the
-sub-batches share no data.
+`run` executes one layer (split, steps, join); `run_pipelined` executes one layer of a stack
+whose sub-batches stay split between layers and whose last step's collective (mlp(k-1)'s) is
+left pending for the next layer, which completes it while its attn(0) .. attn(k-2) compute.
+XLA's scheduler keeps the collectives asynchronous because the sub-batches share no data.
 """
 
 from __future__ import annotations

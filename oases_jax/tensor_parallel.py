@@ -67,7 +67,7 @@ class TensorParallel:
     def pipelined_stack(self) -> bool:
         """Oases with all-reduces and at least two sub-batches: a scanned stack of layers runs
         in one shard_map, each layer leaving its last all-reduce pending for the next layer's
-        first sub-batch to hide (see `models.transformer.Transformer._pipelined_layers`)."""
+        first sub-batch to hide (see `models.layers.pipelined_layers`)."""
         return self.manual_layer and self.schedule == "oases" and self.sub_batches > 1
 
     @property
