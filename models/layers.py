@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -173,7 +174,7 @@ class MLP(nnx.Module):
             self.b_in = param(rngs, (f,), ("mlp",), std=None)
             self.b_out = param(rngs, (d,), ("embed",), std=None)
 
-    def __call__(self, x_BLD: jax.Array) -> jax.Array:
+    def _hidden(self, x_BLD: jax.Array) -> jax.Array:
         cfg, dt = self.cfg, x_BLD.dtype
         x_BLD = checkpoint_name(x_BLD, "mlp_in")
         weights = [_cast(self.w_in, dt)] + ([_cast(self.w_gate, dt)] if cfg.gated_mlp else [])
@@ -185,11 +186,33 @@ class MLP(nnx.Module):
             h_BLF = jax.nn.silu(gate[0]) * h_BLF
         else:
             h_BLF = jax.nn.gelu(h_BLF, approximate=True)
-        h_BLF = constrain(h_BLF, ("batch", None, "mlp"))
-        out_BLD = tp.row_parallel(h_BLF, _cast(self.w_out, dt), ("mlp", "embed"))
-        if cfg.use_bias:
-            out_BLD += _cast(self.b_out, dt)
+        return constrain(h_BLF, ("batch", None, "mlp"))
+
+    def _bias_out(self, dt) -> jax.Array | None:
+        return _cast(self.b_out, dt) if self.cfg.use_bias else None
+
+    @staticmethod
+    def _finish(out_BLD: jax.Array, bias: jax.Array | None) -> jax.Array:
+        if bias is not None:
+            out_BLD += bias
         return checkpoint_name(out_BLD, "mlp_out")
+
+    def __call__(self, x_BLD: jax.Array) -> jax.Array:
+        out_BLD = tp.row_parallel(self._hidden(x_BLD), _cast(self.w_out, x_BLD.dtype),
+                                  ("mlp", "embed"))
+        return self._finish(out_BLD, self._bias_out(x_BLD.dtype))
+
+    def deferred(self, x_BLD: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """Inside a manual region: the MLP up to its all-reduce, as (partial sum, output bias)
+        for `complete` (a pipelined stack completes it in the next layer)."""
+        partial = tp.row_partial(self._hidden(x_BLD), _cast(self.w_out, x_BLD.dtype))
+        return partial, self._bias_out(x_BLD.dtype)
+
+    @staticmethod
+    def complete(pending: tuple[jax.Array, jax.Array | None]) -> jax.Array:
+        """The MLP's output from `deferred`'s state: all-reduce, bias, named for remat."""
+        partial, bias = pending
+        return MLP._finish(tp.complete_partial(partial), bias)
 
 
 class Block(nnx.Module):
@@ -205,6 +228,10 @@ class Block(nnx.Module):
         return {"attn": lambda x: self.attn(self.norm1(x)),
                 "mlp": lambda x: self.mlp(self.norm2(x))}
 
+    def _deferred(self, x_BLD: jax.Array):
+        """The last step of the Oases schedule (an MLP) up to its all-reduce (`MLP.deferred`)."""
+        return self.mlp.deferred(self.norm2(x_BLD))
+
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
         # The order of work (one pass, or Oases sub-batches) comes from the active schedule.
         ctx = tp.active()
@@ -214,17 +241,25 @@ class Block(nnx.Module):
                              constrain=lambda x: constrain(x, ("batch", "seq", "embed")))
 
 
+def _local_specs(state, ctx: tp.TensorParallel, stacked: bool = False):
+    """Per-variable PartitionSpecs of a block's state (`stacked`: with a leading layers axis,
+    unsharded) for the layer's shard_map."""
+    lead = (None,) if stacked else ()
+
+    def spec(v: nnx.Variable):
+        names = tuple(v.get_metadata().get("out_sharding") or ())
+        ndim = v.get_value().ndim - len(lead)
+        names = names[len(names) - ndim:]  # drop a stacked `layers` name
+        return jax.sharding.PartitionSpec(*lead, *ctx.rules.param_spec(names, ctx.mesh))
+
+    return jax.tree.map(spec, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
 def _manual_layer(block: Block, x_BLD: jax.Array, ctx: tp.TensorParallel) -> jax.Array:
     """The whole layer inside one shard_map: per-device shapes, explicit collectives, and the
     sub-batch executor free to order one sub-batch's collective against another's compute."""
     graphdef, state = nnx.split(block)
-
-    def spec(v: nnx.Variable):
-        names = tuple(v.get_metadata().get("out_sharding") or ())
-        names = names[len(names) - v.get_value().ndim:]  # drop a stacked `layers` name
-        return ctx.rules.param_spec(names, ctx.mesh)
-
-    state_specs = jax.tree.map(spec, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    state_specs = _local_specs(state, ctx)
     x_spec = ctx.rules.act_spec(("batch", "seq", "embed"), ctx.mesh)
 
     def local(state, x):
@@ -235,3 +270,54 @@ def _manual_layer(block: Block, x_BLD: jax.Array, ctx: tp.TensorParallel) -> jax
 
     return jax.shard_map(local, mesh=ctx.mesh, in_specs=(state_specs, x_spec),
                          out_specs=x_spec)(state, x_BLD)
+
+
+def _zero_pending(x_sub: jax.Array, layer_state, ctx: tp.TensorParallel):
+    """`MLP.deferred`'s state with nothing in it: a zero partial sum, varying over the tensor
+    axis like a real one (check_vma), and a zero output bias where the model has one."""
+    partial = jax.lax.pcast(jnp.zeros_like(x_sub), (ctx.axis,), to="varying")
+    has_bias = "b_out" in layer_state["mlp"]
+    return partial, (jnp.zeros(x_sub.shape[-1:], x_sub.dtype) if has_bias else None)
+
+
+def pipelined_layers(graphdef, stacked, x_BLD: jax.Array, ctx: tp.TensorParallel,
+                     wrap: Callable[[Callable, bool], Callable], scan: bool) -> jax.Array:
+    """A stack of Oases layers (`ctx.pipelined_stack`) in one shard_map, software-pipelined:
+    the sub-batches stay split from the first layer to the last, and each layer leaves its last
+    step's all-reduce (mlp of the last sub-batch) pending; the next layer issues it while its
+    first sub-batch's attention computes (`schedules.run_pipelined`). The last one completes
+    after the stack. `wrap(layer, in_scan)` applies the remat policy to one layer's function;
+    `scan` runs the layers under one `lax.scan` (else a Python loop)."""
+    schedule = ctx.layer_schedule
+    x_spec = ctx.rules.act_spec(("batch", "seq", "embed"), ctx.mesh)
+
+    def layer(carry, layer_state):
+        xs, pending = carry
+        with tp.manual_region():  # a fresh order-pinning state for each traced layer
+            block = nnx.merge(graphdef, layer_state)
+            carry = schedules.run_pipelined(
+                schedule, xs, pending, block._ops(), block._deferred, MLP.complete,
+                before_step=tp.pin_order, after_step=tp.anchor)
+            tp.take_pending()
+        return carry, None
+
+    def local(stacked, x):
+        n = jax.tree.leaves(stacked)[0].shape[0]
+        at = lambda i: jax.tree.map(lambda a: a[i], stacked)  # noqa: E731
+        with tp.manual_region():
+            xs = schedules.split(schedule, x)
+            if scan:
+                # Layer 0 gets an all-zero pending step (its all-reduce adds nothing), so the
+                # carry keeps one structure and one scan runs every layer: no peeled first
+                # layer, no sliced copy of the stacked parameters.
+                carry = (xs, _zero_pending(xs[schedule.steps[-1].sub_batch], at(0), ctx))
+                carry, _ = jax.lax.scan(wrap(layer, True), carry, stacked)
+            else:
+                carry = (xs, None)
+                for i in range(n):
+                    carry, _ = wrap(layer, False)(carry, at(i))
+            xs, pending = carry
+            return schedules.join(schedules.finish_pending(schedule, xs, pending, MLP.complete))
+
+    return jax.shard_map(local, mesh=ctx.mesh, in_specs=(_local_specs(stacked, ctx, True), x_spec),
+                         out_specs=x_spec)(stacked, x_BLD)

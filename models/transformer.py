@@ -14,7 +14,7 @@ from flax import nnx
 
 from models import gpt2, llama
 from models.config import ModelConfig
-from models.layers import RING_SAVE_NAMES, SAVE_NAMES, Block, param
+from models.layers import RING_SAVE_NAMES, SAVE_NAMES, Block, param, pipelined_layers
 from oases_jax import layer_plan
 from oases_jax import tensor_parallel as tp
 from oases_jax.rules import constrain, use_rules
@@ -88,8 +88,16 @@ class Transformer(nnx.Module):
             return nnx.merge(graphdef, layer_state)(x_BLD), None
 
         policy = remat_policy(remat, tp.uses_rings())
-        if remat != "none":
-            layer = jax.checkpoint(layer, policy=policy, prevent_cse=not self.cfg.scan_layers)
+
+        def wrap(f, in_scan: bool):
+            if remat == "none":
+                return f
+            return jax.checkpoint(f, policy=policy, prevent_cse=not in_scan)
+
+        ctx = tp.active()
+        if ctx is not None and ctx.pipelined_stack:
+            return pipelined_layers(graphdef, stacked, x_BLD, ctx, wrap, self.cfg.scan_layers)
+        layer = wrap(layer, self.cfg.scan_layers)
         if self.cfg.scan_layers:
             x_BLD, _ = jax.lax.scan(layer, x_BLD, stacked)
         else:

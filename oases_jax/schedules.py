@@ -5,17 +5,19 @@ each sub-batch ends in a tensor-parallel collective; ordering the work as
 
     attn(0) attn(1) ... attn(k-1)  mlp(0) mlp(1) ... mlp(k-1)
 
-lets the collective of sub-batch b run while sub-batch b+1 computes (and, across the boundary,
-mlp(k-1)'s collective run while the next layer's attn(0) computes). The backward pass is the
+lets the collective of sub-batch b run while sub-batch b+1 computes. The backward pass is the
 same order reversed, so there too one sub-batch's collective overlaps another's compute.
-`run` is the one executor; XLA's scheduler keeps the collectives asynchronous because the
-sub-batches share no data.
+`run` executes one layer (split, steps, join); `run_pipelined` executes one layer of a stack
+whose sub-batches stay split between layers and whose last step's collective (mlp(k-1)'s) is
+left pending for the next layer, which completes it while its attn(0) .. attn(k-2) compute.
+XLA's scheduler keeps the collectives asynchronous because the sub-batches share no data.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +56,25 @@ def sequential() -> Schedule:
     return Schedule(1, (Step("attn", 0), Step("mlp", 0)))
 
 
+def split(schedule: Schedule, x_BLD: jax.Array) -> tuple[jax.Array, ...]:
+    """The k sub-batches of x. Sub-batch j takes rows j, j+k, j+2k, ...: every data shard keeps
+    its own rows, so splitting and joining move no data between devices."""
+    k, b = schedule.sub_batches, x_BLD.shape[0]
+    if b % k:
+        raise ValueError(f"batch of {b} does not split into {k} sub-batches")
+    grouped = x_BLD.reshape(b // k, k, *x_BLD.shape[1:])
+    xs = tuple(grouped[:, j] for j in range(k))
+    if k > 1:  # materialise the sub-batches: no later fusion may slice one out of x again
+        xs = tuple(jax.lax.optimization_barrier(xs))
+    return xs
+
+
+def join(xs: Sequence[jax.Array]) -> jax.Array:
+    """The inverse of `split`."""
+    stacked = jnp.stack(xs, axis=1)
+    return stacked.reshape(-1, *stacked.shape[2:])
+
+
 def run(schedule: Schedule, x_BLD: jax.Array, ops: dict[str, Callable[[jax.Array], jax.Array]],
         constrain: Callable[[jax.Array], jax.Array] = lambda x: x,
         before_step: Callable[[jax.Array], jax.Array] = lambda x: x,
@@ -62,17 +83,46 @@ def run(schedule: Schedule, x_BLD: jax.Array, ops: dict[str, Callable[[jax.Array
     order, and join the sub-batches again. `before_step` sees each step's input first and
     `after_step` each step's output (the manual Megatron layer uses them to pin the order of
     work, see `tensor_parallel.pin_order` and `tensor_parallel.anchor`)."""
-    k, b = schedule.sub_batches, x_BLD.shape[0]
-    if b % k:
-        raise ValueError(f"batch of {b} does not split into {k} sub-batches")
-    # Sub-batch j takes rows j, j+k, j+2k, ...: every data shard keeps its own rows, so
-    # splitting and joining move no data between devices.
-    grouped = x_BLD.reshape(b // k, k, *x_BLD.shape[1:])
-    xs: list[jax.Array] = [grouped[:, j] for j in range(k)]
-    if k > 1:  # materialise the sub-batches: no later fusion may slice one out of x again
-        xs = list(jax.lax.optimization_barrier(tuple(xs)))
+    xs = list(split(schedule, x_BLD))
     for step in schedule.steps:
         x = before_step(xs[step.sub_batch])
         xs[step.sub_batch] = constrain(x + ops[step.op](x))
         after_step(xs[step.sub_batch])
-    return jnp.stack(xs, axis=1).reshape(x_BLD.shape)
+    return join(xs)
+
+
+def run_pipelined(schedule: Schedule, xs: Sequence[jax.Array], pending: Any,
+                  ops: dict[str, Callable[[jax.Array], jax.Array]],
+                  defer: Callable[[jax.Array], Any], complete: Callable[[Any], jax.Array],
+                  before_step: Callable[[jax.Array], jax.Array] = lambda x: x,
+                  after_step: Callable[[jax.Array], None] = lambda x: None,
+                  ) -> tuple[tuple[jax.Array, ...], Any]:
+    """One layer of a software-pipelined stack, on sub-batches `xs` that stay split between
+    layers. The schedule's last step (its sub-batch `s`) is left unfinished: `defer(x)` returns
+    its pre-collective state (`pending`) and xs[s] stays that step's input, so the true xs[s] is
+    xs[s] + complete(pending). A layer given the previous layer's `pending` completes it just
+    before its first step on sub-batch s: the collective runs while the steps before that
+    (attn(0) .. attn(s-1) under `oases`) compute. Finish the stack with `finish_pending`."""
+    xs = list(xs)
+    last = schedule.steps[-1]
+    new_pending = None
+    for i, step in enumerate(schedule.steps):
+        if pending is not None and step.sub_batch == last.sub_batch:
+            xs[last.sub_batch] = xs[last.sub_batch] + complete(pending)
+            pending = None
+        x = before_step(xs[step.sub_batch])
+        if i == len(schedule.steps) - 1:
+            xs[step.sub_batch], new_pending = x, defer(x)
+        else:
+            xs[step.sub_batch] = x + ops[step.op](x)
+            after_step(xs[step.sub_batch])
+    return tuple(xs), new_pending
+
+
+def finish_pending(schedule: Schedule, xs: Sequence[jax.Array], pending: Any,
+                   complete: Callable[[Any], jax.Array]) -> tuple[jax.Array, ...]:
+    """Complete the step `run_pipelined` left pending (at the end of a stack)."""
+    xs = list(xs)
+    s = schedule.steps[-1].sub_batch
+    xs[s] = xs[s] + complete(pending)
+    return tuple(xs)

@@ -64,6 +64,13 @@ class TensorParallel:
         return self.schedule in SUB_BATCH_SCHEDULES and self.mesh.shape.get(self.axis, 1) > 1
 
     @property
+    def pipelined_stack(self) -> bool:
+        """Oases with all-reduces and at least two sub-batches: a scanned stack of layers runs
+        in one shard_map, each layer leaving its last all-reduce pending for the next layer's
+        first sub-batch to hide (see `models.layers.pipelined_layers`)."""
+        return self.manual_layer and self.schedule == "oases" and self.sub_batches > 1
+
+    @property
     def layer_schedule(self) -> schedules.Schedule:
         if self.schedule in SUB_BATCH_SCHEDULES:
             return schedules.oases(self.sub_batches)
@@ -196,6 +203,20 @@ def _gather_local(x, ws, axis: str, bidirectional: bool) -> tuple[jax.Array, ...
     cuts = [sum(f.shape[1] for f in flat[: i + 1]) for i in range(len(flat) - 1)]
     parts = jnp.split(y, cuts, axis=-1)
     return tuple(p.reshape(*p.shape[:2], *w.shape[1:]) for p, w in zip(parts, ws, strict=True))
+
+
+def row_partial(h: jax.Array, w: jax.Array) -> jax.Array:
+    """Inside a manual region: this device's partial sum of h @ w, its all-reduce left to
+    `complete_partial` (a pipelined stack issues it in the next layer)."""
+    letters = "ijkm"[: w.ndim - 1]
+    return jnp.einsum(f"bl{letters},{letters}d->bld", h, w)
+
+
+def complete_partial(partial: jax.Array) -> jax.Array:
+    """The all-reduce of a `row_partial`. Not tied to the last step's output (`anchor`): the
+    pipelined stack completes it while other sub-batches' steps run, and a tie to one of them
+    would serialise that step's own all-reduce behind it."""
+    return jax.lax.psum(partial, _ACTIVE.get().axis)
 
 
 def row_parallel(h: jax.Array, w: jax.Array, names: Logical) -> jax.Array:

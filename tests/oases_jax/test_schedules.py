@@ -46,3 +46,24 @@ def test_sub_batches_take_strided_rows():
 def test_batch_must_split():
     with pytest.raises(ValueError, match="does not split into 3"):
         schedules.run(schedules.oases(3), jnp.ones((4, 2, 2)), {"attn": abs, "mlp": abs})
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_pipelined_stack_equals_layer_by_layer(k):
+    """Three layers with the sub-batches kept split and each layer's last step left pending
+    for the next (`run_pipelined`) compute what three `run` calls compute."""
+    x = jax.random.normal(jax.random.key(0), (8, 5, 3))
+    layers = [{"attn": lambda x, s=s: jnp.tanh(x) * s, "mlp": lambda x, s=s: x**2 / (4 + s)}
+              for s in (1.0, 2.0, 3.0)]
+    s = schedules.oases(k)
+    want = x
+    for ops in layers:
+        want = schedules.run(s, want, ops)
+    xs, pending = schedules.split(s, x), None
+    for ops in layers:
+        xs, pending = schedules.run_pipelined(
+            s, xs, pending, ops, defer=lambda x, ops=ops: ("owed", ops["mlp"](x)),
+            complete=lambda p: p[1])
+        assert pending[0] == "owed"
+    got = schedules.join(schedules.finish_pending(s, xs, pending, complete=lambda p: p[1]))
+    np.testing.assert_allclose(got, want, rtol=1e-6)
