@@ -41,7 +41,7 @@ def device_events(trace_dir: str) -> list[dict]:
 
 
 def main() -> int:
-    args = parse_args([a for a in sys.argv[1:]])
+    args = parse_args()
     import jax
 
     from training.bench import prepare, warm_up

@@ -68,13 +68,18 @@ class ModelConfig:
         if self.family == "llama" and self.k_dim % 2:
             raise UserError(f"RoPE needs an even head_dim, got {self.k_dim}")
 
+    @property
+    def fused_attention_fits(self) -> bool:
+        """cuDNN's fused attention takes this model: bf16 compute, head_dim a multiple of 8 up
+        to 128."""
+        return self.dtype == "bfloat16" and self.k_dim % 8 == 0 and self.k_dim <= 128
+
     def flash_attention(self, *, on_gpu: bool) -> bool:
         """Whether attention runs cuDNN's fused kernel (no scores in memory) on such a device:
-        `cudnn`, or `auto` on a GPU with bf16 compute and head_dim a multiple of 8 up to 128."""
+        `cudnn`, or `auto` on a GPU where it fits (`fused_attention_fits`)."""
         if self.attention != "auto":
             return self.attention == "cudnn"
-        k = self.k_dim
-        return on_gpu and self.dtype == "bfloat16" and k % 8 == 0 and k <= 128
+        return on_gpu and self.fused_attention_fits
 
     # Derived values.
     @property

@@ -85,18 +85,17 @@ def rope(x_BLHK: jax.Array, theta: float) -> jax.Array:
     return (x * cos + rotated * sin).astype(x_BLHK.dtype)
 
 
-def attention_impl(cfg: ModelConfig, q_BLHK: jax.Array) -> str:
-    """The kernel `cfg.attention` resolves to for these queries (`ModelConfig.flash_attention`).
-    cuDNN's kernel needs the library at trace time, so compiles for GPU targets without a GPU
-    use xla."""
-    k, on_gpu = q_BLHK.shape[-1], jax.default_backend() == "gpu"
-    fits = q_BLHK.dtype in (jnp.bfloat16, jnp.float16) and k % 8 == 0 and k <= 128
-    if cfg.attention == "cudnn" and not (on_gpu and fits):
+def attention_impl(cfg: ModelConfig) -> str:
+    """The kernel `cfg.attention` resolves to on the backend at hand
+    (`ModelConfig.flash_attention`). cuDNN's kernel needs the library at trace time, so
+    compiles for GPU targets without a GPU use xla."""
+    on_gpu = jax.default_backend() == "gpu"
+    if cfg.attention == "cudnn" and not (on_gpu and cfg.fused_attention_fits):
         raise UserError(
             f"attention=cudnn needs a GPU backend (found {jax.default_backend()}) and bf16 "
-            f"queries with head_dim a multiple of 8 up to 128 (got {q_BLHK.dtype}, {k}); use "
-            "--model-set attention=auto or attention=xla")
-    return "cudnn" if fits and cfg.flash_attention(on_gpu=on_gpu) else "xla"
+            f"compute with head_dim a multiple of 8 up to 128 (got {cfg.dtype}, {cfg.k_dim}); "
+            "use --model-set attention=auto or attention=xla")
+    return "cudnn" if cfg.flash_attention(on_gpu=on_gpu) else "xla"
 
 
 def _xla_attention(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array) -> jax.Array:
@@ -149,7 +148,7 @@ class Attention(nnx.Module):
         q_BLHK = constrain(q_BLHK, ("batch", None, "heads", "head_dim"))
         k_BLGK = constrain(k_BLGK, ("batch", None, "kv_heads", "head_dim"))
         v_BLGK = constrain(v_BLGK, ("batch", None, "kv_heads", "head_dim"))
-        if attention_impl(cfg, q_BLHK) == "cudnn":
+        if attention_impl(cfg) == "cudnn":
             o_BLHK = jax.nn.dot_product_attention(
                 q_BLHK, k_BLGK, v_BLGK, is_causal=True, implementation="cudnn")
         else:
@@ -250,7 +249,7 @@ def _local_specs(state, ctx: tp.TensorParallel, stacked: bool = False):
         names = tuple(v.get_metadata().get("out_sharding") or ())
         ndim = v.get_value().ndim - len(lead)
         names = names[len(names) - ndim:]  # drop a stacked `layers` name
-        return jax.sharding.PartitionSpec(*lead, *ctx.rules.param_spec(names, ctx.mesh))
+        return jax.P(*lead, *ctx.rules.param_spec(names, ctx.mesh))
 
     return jax.tree.map(spec, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
 

@@ -108,8 +108,7 @@ def run_pipelined(schedule: Schedule, xs: Sequence[jax.Array], pending: Any,
     new_pending = None
     for i, step in enumerate(schedule.steps):
         if pending is not None and step.sub_batch == last.sub_batch:
-            xs[last.sub_batch] = xs[last.sub_batch] + complete(pending)
-            pending = None
+            xs, pending = list(finish_pending(schedule, xs, pending, complete)), None
         x = before_step(xs[step.sub_batch])
         if i == len(schedule.steps) - 1:
             xs[step.sub_batch], new_pending = x, defer(x)

@@ -233,7 +233,7 @@ def row_parallel(h: jax.Array, w: jax.Array, names: Logical) -> jax.Array:
         return matmul_reduce_scatter(h.reshape(*h.shape[:2], -1), _flat(w, n_in), tp.axis,
                                      bidirectional)
     if manual is not None:  # Megatron inside the layer's shard_map: local partial, then psum
-        partial = jnp.einsum(f"bl{letters},{letters}d->bld", h, w)
+        partial = row_partial(h, w)
         manual.append(partial)
         return _after_anchor(jax.lax.psum(partial, tp.axis))
     if tp is None or not tp.uses_rings:

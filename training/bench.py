@@ -21,7 +21,7 @@ from training.checks import check_shapes
 from training.compiled import GPU_OPTIONS
 from training.config import OptimConfig, ParallelConfig
 from training.data import BatchSampler, load_corpus
-from training.metrics import peak_flops_per_device
+from training.metrics import peak_flops_per_device, throughput
 from training.optim import make_optimizer
 from training.state import TrainState, build_step_fns, new_state
 
@@ -235,10 +235,11 @@ def summarize(cfg: BenchConfig, variants: list[Variant], samples: list[list[floa
     """The report as plain, JSON-ready data; `ratio` is each median over the first variant's."""
     base = statistics.median(samples[0])
     peak = peak_flops_per_device(cfg.model.dtype, None)
-    flops_per_step = cfg.model.flops_per_token(cfg.seq_len) * cfg.tokens_per_step
     rows = []
     for v, s in zip(variants, samples, strict=True):
         median = statistics.median(s)
+        rate = throughput(cfg.model, tokens=cfg.tokens_per_step, seconds=median,
+                          seq_len=cfg.seq_len, n_devices=jax.device_count(), peak=peak)
         rows.append(
             {
                 "label": v.spec.label,
@@ -248,9 +249,7 @@ def summarize(cfg: BenchConfig, variants: list[Variant], samples: list[list[floa
                 "median_s": median,
                 "min_s": min(s),
                 "max_s": max(s),
-                "tokens_per_s": cfg.tokens_per_step / median,
-                "tflops_per_device": flops_per_step / median / jax.device_count() / 1e12,
-                "mfu": flops_per_step / median / jax.device_count() / peak if peak else None,
+                **rate,  # tokens_per_s, tflops_per_device, mfu
                 "ratio": median / base,
                 "compile_s": v.compile_s,
                 "samples": list(s),
