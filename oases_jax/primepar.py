@@ -28,6 +28,10 @@ Both weight gradients end in W's stored block, so the optimizer update is purely
 Every step's transfers are issued before its matmuls, which never wait on them; each step's
 matmul operands are pinned behind the previous step's products (`optimization_barrier`), so XLA
 neither merges the per-step GEMMs into one nor runs them ahead of the transfers they should hide.
+Three more fences keep every transfer beside a GEMM in XLA's GPU schedule (measured on the
+compiled H100 program, docs/parallelism.md): a column step's partial sum leaves after that step's
+W block has arrived; the row forward's saved X block is paired with its output; and a backward
+hands dX on only with dW's last partial sum arrived.
 Formulas, the 2x2 worked example and the costs: docs/parallelism.md, "PrimePar".
 """
 
@@ -97,7 +101,9 @@ def _column_forward(x, w, rows, cols):
     acc, done, w_t = None, [], w
     for t in range(q):
         w_next = _shift(w_t, rows, q, +1) if t < q - 1 else None  # W[j, i+j-2-t] from above
-        acc_in = _shift(acc, cols, q, +1) if t else None  # partial of Y[i, i+j-1-t] from the left
+        # The partial of Y[i, i+j-1-t] from the left. It leaves once this step's W block is in:
+        # unfenced, XLA's scheduler opened its window first and ran the W shift synchronously.
+        acc_in = _shift(_after([w_t], acc)[0], cols, q, +1) if t else None
         x_t, w_p = _after(done, x, w_t)
         p = _mm(x_t, w_p)
         acc, done, w_t = (p if t == 0 else acc_in + p), [p], w_next
@@ -136,6 +142,7 @@ def _column_bwd(rows, cols, res, dy):
     dy_last, w_own = _after(done, dy_prev, w)
     px = _mm_t(dy_last, w_own)  # dY[i, i+j-1] W[j, i+j-1]^T with the stored block
     dx = px if dx is None else dx + px
+    (dx,) = _after([acc_w], dx)  # dX leaves with dW complete (see _row_bwd)
     return reduce_to_match(dx, x).astype(x.dtype), reduce_to_match(acc_w, w).astype(w.dtype)
 
 
@@ -168,7 +175,11 @@ def row_matmul(x: jax.Array, w: jax.Array, rows: str, cols: str) -> jax.Array:
 
 def _row_fwd(x, w, rows, cols):
     y, x_last = _row_forward(x, w, rows, cols)
-    return y, (x_last, w)  # the last X block, X[i, i+j-1], is where the weight gradient starts
+    # The last X block, X[i, i+j-1], is where the weight gradient starts. It is saved after the
+    # forward's products: a scan stores residuals with an asynchronous copy that XLA starts as
+    # early as it can, and that copy would pull the X shift's end ahead of the GEMM it hides.
+    y, x_last = lax.optimization_barrier((y, x_last))  # both used: XLA keeps the pairing
+    return y, (x_last, w)
 
 
 def _row_bwd(rows, cols, res, dy):
@@ -195,6 +206,9 @@ def _row_bwd(rows, cols, res, dy):
     dy_p, w_p = _after(done, dy, w)
     px = _mm_t(dy_p, w_p)
     acc_x = px if accx_in is None else accx_in + px
+    # dX leaves once dW's last partial sum has arrived. Else XLA defers every projection's last
+    # dW transfer to the end of the backward, where they queue behind each other with no GEMM.
+    (acc_x,) = _after([acc_w], acc_x)
     return reduce_to_match(acc_x, x_t).astype(x_t.dtype), reduce_to_match(acc_w, w).astype(w.dtype)
 
 

@@ -197,15 +197,9 @@ def _communicating(analysis) -> dict[str, int]:
     return counts
 
 
-# Known gap (q = 2, measured share 0.79): XLA's scheduler runs one of the two transfers of each
-# projection's first forward step synchronously (the MLP-in weight shift, the MLP-out X shift).
-_Q2_GAP = pytest.mark.xfail(strict=True, reason="q=2: two forward permutes scheduled sync")
-
-
 @pytest.mark.gpu_aot
 @pytest.mark.skipif(not has_gpu_aot(), reason="needs the gpu-aot extra")
-@pytest.mark.parametrize("n, mesh_spec", [pytest.param(4, "data=1,tp_row=2,tp_col=2",
-                                                       marks=_Q2_GAP),
+@pytest.mark.parametrize("n, mesh_spec", [(4, "data=1,tp_row=2,tp_col=2"),
                                          (16, "data=1,tp_row=4,tp_col=4")])
 def test_mlp_permutes_overlap_gemms_on_h100(n, mesh_spec):
     """The MLP compiled for H100s: every permute is asynchronous with a GEMM in its window."""
