@@ -183,7 +183,7 @@ def test_train_step_permutes_overlap_gemms_on_h100():
     """A whole train step (4 GPT-2 1.5B-shaped layers in a scan, embedding, head, AdamW) on a
     2x2 square of H100s: the permutes keep a GEMM in their window. The step adds what
     a lone layer lacks: scan residual saves (asynchronous copies XLA starts early) and layers
-    queueing their weight-gradient transfers at the end of the backward (measured 0.80 before
+    queueing their weight-gradient transfers at the end of the backward (measured 0.77 before
     the fences of `oases_jax.primepar`, 0.98 with them)."""
     from oases_jax.targets import get_target, has_gpu_aot
     from training.compiled import CompileSpec, inspect_program
