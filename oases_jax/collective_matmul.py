@@ -65,28 +65,23 @@ def ring(axis: str, n: int, *, gathered: Sequence[tuple[jax.Array, int]] = (),
         return [lax.ppermute(v, axis, _shift(axis, n, s))
                 for v, (_, s) in zip(values, lanes, strict=True)]
 
-    # Scattered lanes are software-pipelined: the partial a step adds was computed during the
-    # previous step's transfer, so no matmul waits on a transfer of its own step.
+    # A scattered lane's step adds a partial computed during that step's own transfer, so every
+    # transfer, the last one included, has a GEMM beside it. The partial is fenced: XLA would
+    # otherwise fuse the add of the arriving sum into the GEMM, which would then wait for it.
     accs = [p(chunk(s, 0)) for p, s in scattered]
     if n == 1:
         return fold(carry, xs, 0), accs
-    ready = [p(chunk(s, 1)) for p, s in scattered]
 
     def body(i, state):
-        xs, accs, ready, carry = state
+        xs, accs, carry = state
         xs_next, accs_in = permute(xs, gathered), permute(accs, scattered)
         carry = fold(carry, xs, i - 1)
-        ready_next = [p(chunk(s, i + 1)) for p, s in scattered]
-        accs = [a + r for a, r in zip(accs_in, ready, strict=True)]
-        return xs_next, accs, ready_next, carry
+        parts = [lax.optimization_barrier(p(chunk(s, i))) for p, s in scattered]
+        accs = [a + r for a, r in zip(accs_in, parts, strict=True)]
+        return xs_next, accs, carry
 
-    # Steps 1 .. n-2 in the loop; the last step needs no next partial.
-    xs, accs, ready, carry = lax.fori_loop(1, n - 1, body, (xs, accs, ready, carry))
-    xs_next, accs_in = permute(xs, gathered), permute(accs, scattered)
-    carry = fold(carry, xs, n - 2)
-    accs = [a + r for a, r in zip(accs_in, ready, strict=True)]
-    carry = fold(carry, xs_next, n - 1)
-    return carry, accs
+    xs, accs, carry = lax.fori_loop(1, n, body, (xs, accs, carry))
+    return fold(carry, xs, n - 1), accs
 
 
 def _lanes(x: jax.Array, bidirectional: bool):

@@ -55,7 +55,9 @@ GPU_OPTIONS: dict[str, dict] = {
               "xla_gpu_all_gather_combine_threshold_bytes": 0,
               "xla_gpu_reduce_scatter_combine_threshold_bytes": 0,
               "xla_disable_hlo_passes": "dot-merger"},
-    "oases_cm": {**_GPU_BASE, "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
+    # Three in flight: a backward ring step of one sub-batch moves a block and a partial sum
+    # while the other sub-batch's last transfer is still out (2 left one of them with no GEMM).
+    "oases_cm": {**_GPU_BASE, "xla_gpu_experimental_parallel_collective_overlap_limit": 3,
                  "xla_gpu_collective_permute_combine_threshold_bytes": 0,
                  "xla_disable_hlo_passes": "dot-merger"},
     # A primepar backward step has three permutes in flight (two blocks and a partial sum); the

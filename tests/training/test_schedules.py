@@ -133,15 +133,9 @@ def _h100_layer(model, schedule):
     return inspect_program(spec, get_target("h100:8")).analysis
 
 
-_OASES_CM_SMALL = pytest.mark.xfail(strict=True, reason=(
-    "small: 0.757. The last ring step of each matmul-reduce-scatter is peeled out of the loop "
-    "and its permute has no GEMM left to hide behind; gpt2-1.5b's longer GEMMs cover it"))
-
-
 @pytest.mark.gpu_aot
 @pytest.mark.parametrize("model, schedule", [
-    pytest.param(model, schedule, id=f"{schedule}-{model}",
-                 marks=_OASES_CM_SMALL if (model, schedule) == ("small", "oases_cm") else ())
+    pytest.param(model, schedule, id=f"{schedule}-{model}")
     for schedule in ("collective_matmul", "oases", "oases_cm") for model in _H100_SHAPES
 ])
 def test_overlapped_layer_hides_collectives_on_h100(model, schedule):
