@@ -55,8 +55,8 @@ GPU_OPTIONS: dict[str, dict] = {
               "xla_gpu_all_gather_combine_threshold_bytes": 0,
               "xla_gpu_reduce_scatter_combine_threshold_bytes": 0,
               "xla_disable_hlo_passes": "dot-merger"},
-    # Three in flight: a backward ring step of one sub-batch moves a block and a partial sum
-    # while the other sub-batch's last transfer is still out (2 left one of them with no GEMM).
+    # Three in flight: a bidirectional backward ring step moves four halves (two of the block,
+    # two of the partial sum); with 2, two of them had no GEMM on `small` (share 0.80).
     "oases_cm": {**_GPU_BASE, "xla_gpu_experimental_parallel_collective_overlap_limit": 3,
                  "xla_gpu_collective_permute_combine_threshold_bytes": 0,
                  "xla_disable_hlo_passes": "dot-merger"},
