@@ -120,6 +120,9 @@ class Inspection:
             "collective_bytes": a.collective_bytes(),
             "overlap_share": a.overlap_share(),
             "gemm_overlap_share": a.overlap_share(require="gemm"),
+            "gemm_overlap_share_by_kind": {
+                kind: a.overlap_share(require="gemm", kinds=[kind])
+                for kind in sorted(a.counts_by_kind())},
             "peak_memory_bytes": a.peak_memory_bytes,
             "memory": a.memory,
             "flops": a.flops,

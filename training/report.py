@@ -40,6 +40,7 @@ def summary(r: dict) -> str:
         "",
         f"overlap share (bytes with compute in window): {r['overlap_share']:.3f}"
         f"   with a GEMM in window: {r['gemm_overlap_share']:.3f}",
+        *by_kind_line(r),
         f"memory per device: peak {mem.get('peak_bytes', 0) / MIB:.1f} MiB = arguments "
         f"{mem.get('argument', 0) / MIB:.1f} + outputs {mem.get('output', 0) / MIB:.1f} - aliased "
         f"{mem.get('alias', 0) / MIB:.1f} + temporaries {mem.get('temp', 0) / MIB:.1f}",
@@ -52,6 +53,15 @@ def summary(r: dict) -> str:
         f"compile time: {r['compile_s']:.1f} s",
     ]
     return "\n".join(parts)
+
+
+def by_kind_line(r: dict) -> list[str]:
+    """The GEMM-in-window share of each collective kind, when there is more than one kind."""
+    shares = r.get("gemm_overlap_share_by_kind") or {}
+    if len(shares) < 2:
+        return []
+    return ["  with a GEMM in window, by kind: "
+            + ", ".join(f"{kind} {share:.3f}" for kind, share in shares.items())]
 
 
 def layers_label(layers: list[dict]) -> str:
