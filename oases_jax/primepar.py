@@ -28,10 +28,11 @@ Both weight gradients end in W's stored block, so the optimizer update is purely
 Every step's transfers are issued before its matmuls, which never wait on them; each step's
 matmul operands are pinned behind the previous step's products (`optimization_barrier`), so XLA
 neither merges the per-step GEMMs into one nor runs them ahead of the transfers they should hide.
-Three more fences keep every transfer beside a GEMM in XLA's GPU schedule (measured on the
-compiled H100 program, docs/parallelism.md): a column step's partial sum leaves after that step's
-W block has arrived; the row forward's saved X block is paired with its output; and a backward
-hands dX on only with dW's last partial sum arrived.
+Four more fences keep every transfer beside a GEMM in XLA's GPU schedule (measured on the
+compiled H100 program, docs/parallelism.md): a step passes its blocks on only after the previous
+step's products (so for q > 2 the chained shifts of one lane take one GEMM window each); a column
+step's partial sum leaves after that step's W block has arrived; the row forward's saved X block
+is paired with its output; and a backward hands dX on only with dW's last partial sum arrived.
 Formulas, the 2x2 worked example and the costs: docs/parallelism.md, "PrimePar".
 """
 
@@ -100,11 +101,11 @@ def _column_forward(x, w, rows, cols):
     q = lax.axis_size(rows)
     acc, done, w_t = None, [], w
     for t in range(q):
-        w_next = _shift(w_t, rows, q, +1) if t < q - 1 else None  # W[j, i+j-2-t] from above
+        x_t, w_p = _after(done, x, w_t)
+        w_next = _shift(w_p, rows, q, +1) if t < q - 1 else None  # W[j, i+j-2-t] from above
         # The partial of Y[i, i+j-1-t] from the left. It leaves once this step's W block is in:
         # unfenced, XLA's scheduler opened its window first and ran the W shift synchronously.
         acc_in = _shift(_after([w_t], acc)[0], cols, q, +1) if t else None
-        x_t, w_p = _after(done, x, w_t)
         p = _mm(x_t, w_p)
         acc, done, w_t = (p if t == 0 else acc_in + p), [p], w_next
     return acc
@@ -131,14 +132,13 @@ def _column_bwd(rows, cols, res, dy):
     acc_w = _wgrad(x, dy)
     done, dy_prev, dx = [acc_w], dy, None
     for t in range(1, q):
-        dy_t, w_t = dy_next, w_next
+        x_p, dy_prev_p, w_p, dy_p = _after(done, x, dy_prev, w_next, dy_next)
         if t < q - 1:
-            dy_next, w_next = _shift(dy_t, cols, q, -1), _shift(w_t, rows, q, -1)
+            dy_next, w_next = _shift(dy_p, cols, q, -1), _shift(w_p, rows, q, -1)
         acc_in = _shift(acc_w, rows, q, -1)
-        x_p, dy_prev_p, w_p, dy_p = _after(done, x, dy_prev, w_t, dy_t)
         px, pw = _mm_t(dy_prev_p, w_p), _wgrad(x_p, dy_p)  # dY_{t-1} W_t^T; X^T dY_t
         dx = px if dx is None else dx + px
-        acc_w, done, dy_prev = acc_in + pw, [px, pw], dy_t
+        acc_w, done, dy_prev = acc_in + pw, [px, pw], dy_p
     dy_last, w_own = _after(done, dy_prev, w)
     px = _mm_t(dy_last, w_own)  # dY[i, i+j-1] W[j, i+j-1]^T with the stored block
     dx = px if dx is None else dx + px
@@ -156,9 +156,9 @@ def _row_forward(x, w, rows, cols):
     q = lax.axis_size(rows)
     y, done = None, []
     for t in range(q):
-        if t < q - 1:  # X[i, i+j+t+1] from the right, W[i+j+t+1, j] from below
-            x_next, w_next = _shift(x, cols, q, -1), _shift(w, rows, q, -1)
         x_p, w_p = _after(done, x, w)
+        if t < q - 1:  # X[i, i+j+t+1] from the right, W[i+j+t+1, j] from below
+            x_next, w_next = _shift(x_p, cols, q, -1), _shift(w_p, rows, q, -1)
         p = _mm(x_p, w_p)
         y, done = (p if y is None else y + p), [p]
         if t < q - 1:
@@ -193,12 +193,11 @@ def _row_bwd(rows, cols, res, dy):
     acc_w = _wgrad(x_t, dy)
     done, acc_x = [acc_w], None
     for t in range(1, q):
-        w_t, x_t = w_next, x_next
+        dy_p, w_p, x_p = _after(done, dy, w_next, x_next)
         if t < q - 1:
-            w_next, x_next = _shift(w_t, rows, q, +1), _shift(x_t, cols, q, +1)
+            w_next, x_next = _shift(w_p, rows, q, +1), _shift(x_p, cols, q, +1)
         accw_in = _shift(acc_w, rows, q, +1)
         accx_in = _shift(acc_x, cols, q, +1) if t >= 2 else None
-        dy_p, w_p, x_p = _after(done, dy, w_t, x_t)
         px, pw = _mm_t(dy_p, w_p), _wgrad(x_p, dy_p)  # dY W_{t-1}^T; X_t^T dY
         acc_x = px if accx_in is None else accx_in + px
         acc_w, done = accw_in + pw, [px, pw]
