@@ -206,8 +206,9 @@ def _gather_local(x, ws, axis: str, bidirectional: bool) -> tuple[jax.Array, ...
 
 
 def row_partial(h: jax.Array, w: jax.Array) -> jax.Array:
-    """Inside a manual region: this device's partial sum of h @ w, its all-reduce left to
-    `complete_partial` (a pipelined stack issues it in the next layer)."""
+    """h [B, L, *in] @ w [*in, D] on the blocks at hand. Inside a manual region it is this
+    device's partial sum, its all-reduce left to `complete_partial` (a pipelined stack issues
+    it in the next layer)."""
     letters = "ijkm"[: w.ndim - 1]
     return jnp.einsum(f"bl{letters},{letters}d->bld", h, w)
 
@@ -224,7 +225,6 @@ def row_parallel(h: jax.Array, w: jax.Array, names: Logical) -> jax.Array:
     schedule the result is reduce-scattered onto the sequence by a ring."""
     tp = _ACTIVE.get()
     n_in = w.ndim - 1
-    letters = "ijkm"[:n_in]
     manual = _MANUAL.get()
     if tp is not None and tp.uses_primepar and manual is None:
         return _primepar_row(h, w, names, tp)
@@ -237,7 +237,7 @@ def row_parallel(h: jax.Array, w: jax.Array, names: Logical) -> jax.Array:
         manual.append(partial)
         return _after_anchor(jax.lax.psum(partial, tp.axis))
     if tp is None or not tp.uses_rings:
-        return jnp.einsum(f"bl{letters},{letters}d->bld", h, w)
+        return row_partial(h, w)  # the whole product: GSPMD inserts any collective
     rules, mesh = tp.rules, tp.mesh
     h_spec = rules.act_spec(("batch", None, *names[:-1]), mesh)
     out_spec = rules.act_spec(("batch", "seq", "embed"), mesh)
