@@ -44,7 +44,7 @@ def main() -> int:
     args = parse_args()
     import jax
 
-    from training.bench import prepare, warm_up
+    from tools.bench import prepare, warm_up
 
     cfg = build_config(args)
     (variant,) = prepare(cfg, lambda m: print(m, file=sys.stderr))[:1]

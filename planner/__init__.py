@@ -5,8 +5,8 @@
 from __future__ import annotations
 
 from models.config import ModelConfig
+from oases_jax.analysis.hardware import CLUSTERS, ClusterSpec, LinkSpec, detect, get_cluster
 from oases_jax.errors import UserError
-from oases_jax.hardware import CLUSTERS, ClusterSpec, LinkSpec, detect, get_cluster
 
 COST_SOURCES = ("datasheet", "profile", "xla")
 
@@ -53,8 +53,8 @@ def load_profile(source: str, cluster: ClusterSpec, path: str | None = None):
 
 def default_xla_profile(cluster: ClusterSpec):
     """`profiles/xla-DEVICE-N.json` of the cluster, or an error naming the sweep that writes it.
-    XLA's estimator prices programs compiled for a GPU target (`oases_jax.targets`)."""
-    from oases_jax.targets import GPU_FACTS
+    XLA's estimator prices programs compiled for a GPU target (`oases_jax.analysis.targets`)."""
+    from oases_jax.analysis.targets import GPU_FACTS
     from planner.profile import ROOT, default_profile_path
 
     n, dev = cluster.n_devices, cluster.device

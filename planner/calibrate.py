@@ -281,9 +281,9 @@ def calibrate(cfg: CalibrationConfig, log: Callable[[str], None], *, device: str
 
 
 def local_device_name() -> str:
-    """The oases_jax.hardware name of the local devices ("cpu", "h100", ...), or else their
+    """The oases_jax.analysis.hardware name of the local devices ("cpu", "h100", ...), or else their
     device kind as a slug."""
-    from oases_jax.hardware import detect
+    from oases_jax.analysis.hardware import detect
 
     dev = jax.devices()[0]
     if dev.platform == "cpu":

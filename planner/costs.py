@@ -2,7 +2,7 @@
 seconds and bytes per device.
 
 Every time comes out of one replay rule, the same as the inspection simulator's
-(`oases_jax.simulate`): work is a list of ops on two streams, compute and communication.
+(`oases_jax.analysis.simulate`): work is a list of ops on two streams, compute and communication.
 
     compute c:   runs on the compute stream
     start i, m:  collective i (m seconds) starts when the compute stream has issued it and the
@@ -14,7 +14,7 @@ stage of an overlapped schedule costs max(compute, comm). Each strategy below wr
 forward, backward and recomputation as such a list (`layer_ops`), in the order our
 implementation issues them; `replay` prices it. Compute ops cost the roofline
 max(FLOPs / peak, bytes / HBM bandwidth) (or a calibration profile's fitted GEMM time), and
-collectives the alpha-beta model of `oases_jax.simulate.collective_time` (or the profile's fit).
+collectives the alpha-beta model of `oases_jax.analysis.simulate.collective_time` (or the profile's fit).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from collections.abc import Sequence
 import jax.numpy as jnp
 
 from models.config import ModelConfig
-from oases_jax.hardware import ClusterSpec
+from oases_jax.analysis.hardware import ClusterSpec
+from oases_jax.analysis.simulate import collective_time
 from oases_jax.layer_plan import SEQUENCE_PARALLEL
-from oases_jax.simulate import collective_time
 from oases_jax.tensor_parallel import RING_SCHEDULES as RING
 from oases_jax.tensor_parallel import SUB_BATCH_SCHEDULES as SUB_BATCH
 

@@ -37,7 +37,7 @@ class GemmFit:
 @dataclasses.dataclass(frozen=True)
 class CommFit:
     """One collective call: time = latency_s + nbytes / bytes_per_s (bytes as in
-    `oases_jax.simulate.collective_time`). bytes_per_s is inf when the measured times did not
+    `oases_jax.analysis.simulate.collective_time`). bytes_per_s is inf when the measured times did not
     grow with size."""
 
     bytes_per_s: float
@@ -65,7 +65,7 @@ class Profile:
     """
 
     source: str  # "profile" (measured on devices) or "xla" (XLA's estimator)
-    device: str  # an oases_jax.hardware device name, e.g. "cpu", "h100"
+    device: str  # an oases_jax.analysis.hardware device name, e.g. "cpu", "h100"
     n_devices: int
     gemm: dict[str, GemmFit]  # by dtype name
     comm: dict[tuple[str, int], CommFit]  # (kind, group size) -> fit

@@ -53,7 +53,7 @@ def parse_args(argv=None):
 
 
 def build_config(args):
-    from training.bench import BenchConfig, parse_variant
+    from tools.bench import BenchConfig, parse_variant
     from training.config import SCHEDULES
 
     model = model_from_flags(args)
@@ -135,7 +135,7 @@ def main() -> int:
         cluster = local_cluster()
         hw = Hardware.of(cluster, load_profile(args.predict, cluster, args.profile))
 
-    from training.bench import format_table, run_bench
+    from tools.bench import format_table, run_bench
 
     main_process = jax.process_index() == 0
 

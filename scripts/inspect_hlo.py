@@ -54,10 +54,10 @@ def main() -> int:
 
         jax.config.update("jax_platforms", "cpu")
     init_runtime(args)
+    from oases_jax.analysis.targets import get_target
     from oases_jax.errors import UserError
-    from oases_jax.targets import get_target
-    from training import report
-    from training.compiled import MAY_ABORT, CompileSpec, inspect_isolated, inspect_program
+    from tools import report
+    from tools.inspection import MAY_ABORT, CompileSpec, inspect_isolated, inspect_program
     from training.config import ParallelConfig
 
     model = model_from_flags(args)
@@ -161,7 +161,7 @@ def load_plan(args, model, n_devices: int):
 def plan_spec(plan, model):
     """The CompileSpec of a plan's whole train step: every layer under its own strategy."""
     from oases_jax.layer_plan import LayerSpec
-    from training.compiled import CompileSpec
+    from tools.inspection import CompileSpec
     from training.config import ParallelConfig
 
     layers = tuple(LayerSpec(schedule=s.schedule, sub_batches=s.sub_batches, remat=s.remat)

@@ -51,7 +51,7 @@ def main() -> int:
     args = parse_args()
     init_runtime(args)
     from models.presets import get_preset
-    from training.compiled import CompileSpec, inspect_isolated
+    from tools.inspection import CompileSpec, inspect_isolated
     from training.config import ParallelConfig
 
     rows = []

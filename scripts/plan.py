@@ -146,8 +146,8 @@ def main() -> int:
     args = parse_args()
     import time
 
+    from oases_jax.analysis.hardware import get_cluster
     from oases_jax.errors import UserError
-    from oases_jax.hardware import get_cluster
     from planner import load_profile, make_plan
     from planner.costs import TP_SCHEDULES, Hardware
     from planner.plan import save

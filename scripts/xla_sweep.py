@@ -37,9 +37,9 @@ def main() -> int:
     init_runtime(args)
     import jax
 
-    from oases_jax import xla_sweep
+    from oases_jax.analysis import xla_sweep
+    from oases_jax.analysis.targets import get_target
     from oases_jax.errors import UserError
-    from oases_jax.targets import get_target
 
     target = get_target(args.target)
     if not target.is_gpu_aot:

@@ -15,10 +15,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from oases_jax import primepar
+from oases_jax.analysis.program import analyze
+from oases_jax.analysis.targets import get_target, has_gpu_aot
 from oases_jax.errors import UserError
-from oases_jax.hlo_analysis import analyze
 from oases_jax.mesh import make_mesh
-from oases_jax.targets import get_target, has_gpu_aot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # 8 devices: the 2x2 square beside data=2, with the data axis outside, inside and between.
@@ -203,7 +203,7 @@ def _communicating(analysis) -> dict[str, int]:
                                          (16, "data=1,tp_row=4,tp_col=4")])
 def test_mlp_permutes_overlap_gemms_on_h100(n, mesh_spec):
     """The MLP compiled for H100s: every permute is asynchronous with a GEMM in its window."""
-    from training.compiled import GPU_OPTIONS
+    from tools.inspection import GPU_OPTIONS
 
     mesh = make_mesh(mesh_spec, get_target(f"h100:{n}").devices)
     compiled = _mlp_program(mesh, (8, 1024, 1600, 6400), jnp.bfloat16).compile(

@@ -5,9 +5,9 @@
 import pytest
 
 from models.presets import get_preset
-from oases_jax.hardware import get_cluster
+from oases_jax.analysis.hardware import get_cluster
+from oases_jax.analysis.targets import has_gpu_aot
 from oases_jax.layer_plan import LayerSpec
-from oases_jax.targets import has_gpu_aot
 from planner.costs import Hardware, Layout, Strategy, step_cost
 
 pytestmark = [pytest.mark.gpu_aot,
@@ -33,8 +33,8 @@ PLANS = [
 
 
 def _simulated_step_s(strategies) -> float:
-    from oases_jax.targets import get_target
-    from training.compiled import CompileSpec, inspect_program
+    from oases_jax.analysis.targets import get_target
+    from tools.inspection import CompileSpec, inspect_program
     from training.config import ParallelConfig
 
     layers = tuple(LayerSpec(schedule=s.schedule, sub_batches=s.sub_batches, remat=s.remat)

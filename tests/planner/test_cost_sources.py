@@ -8,8 +8,8 @@ import re
 import pytest
 
 from models.presets import get_preset
+from oases_jax.analysis.hardware import get_cluster
 from oases_jax.errors import UserError
-from oases_jax.hardware import get_cluster
 from planner import default_xla_profile, load_profile
 from planner.costs import Hardware, LayerModel, Layout, Strategy
 from planner.profile import ROOT

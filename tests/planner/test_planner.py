@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from models.presets import get_preset
+from oases_jax.analysis.hardware import get_cluster
+from oases_jax.analysis.simulate import collective_time
 from oases_jax.errors import UserError
-from oases_jax.hardware import get_cluster
-from oases_jax.simulate import collective_time
 from planner import plan as plans
 from planner.costs import Hardware, LayerModel, Layout, Strategy, replay, step_cost
 from planner.search import MEMORY_BUCKETS, chain_dp, layouts, search
@@ -120,7 +120,7 @@ def test_flash_attention_drops_the_softmax_traffic_by_hand():
 
 def test_cluster_json_round_trip_and_own_device(tmp_path):
     """A saved cluster loads back equal; a file may describe a device that is not built in."""
-    from oases_jax.hardware import DEVICES, ClusterSpec
+    from oases_jax.analysis.hardware import DEVICES, ClusterSpec
 
     c = get_cluster("3090-nvlink-32")
     assert ClusterSpec.from_json(json.loads(json.dumps(c.to_json()))) == c

@@ -4,8 +4,8 @@ counts of docs/parallelism.md for q = 4, and what the search and plans do with i
 import pytest
 
 from models.config import ModelConfig
+from oases_jax.analysis.hardware import ClusterSpec, LinkSpec
 from oases_jax.errors import UserError
-from oases_jax.hardware import ClusterSpec, LinkSpec
 from planner import plan as plans
 from planner.costs import (
     Hardware,
@@ -145,7 +145,7 @@ def test_primepar_only_on_its_layouts():
 
 def test_search_offers_primepar_layouts_and_plans_round_trip():
     from models.presets import get_preset
-    from oases_jax.hardware import get_cluster
+    from oases_jax.analysis.hardware import get_cluster
 
     cfg = get_preset("small")
     found = layouts(cfg, 8, 16, 128)

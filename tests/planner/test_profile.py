@@ -237,7 +237,7 @@ def test_committed_cpu_profile_covers_every_kind():
 def test_memory_chain_is_one_kernel_per_pass_on_gpu():
     """XLA's GPU fusion runs a chain of row-wise norms as one kernel that reads x once (a
     calibration measured 16 TB/s on an H100); the chain must keep one fusion per pass."""
-    from oases_jax.targets import get_target, has_gpu_aot
+    from oases_jax.analysis.targets import get_target, has_gpu_aot
     from planner.calibrate import _norm_chain
 
     if not has_gpu_aot():

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from models.presets import get_preset
-from oases_jax.hardware import get_cluster
+from oases_jax.analysis.hardware import get_cluster
 from planner.costs import Hardware, Layout, Strategy, step_cost
 from planner.rank import layout_of, predict_step_s, ranks, spearman
 

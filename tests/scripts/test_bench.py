@@ -1,4 +1,4 @@
-"""training.bench and scripts/bench.py: variant parsing, the round-robin timing on real train
+"""tools.bench and scripts/bench.py: variant parsing, the round-robin timing on real train
 steps, the report's structure and ratios, and the command line (JSON output, bad input)."""
 
 import json
@@ -12,7 +12,7 @@ import pytest
 from models import get_preset
 from oases_jax.errors import UserError
 from tests.scriptrun import run_script
-from training.bench import (
+from tools.bench import (
     BenchConfig,
     VariantSpec,
     format_table,

@@ -136,8 +136,8 @@ def test_train_script(tmp_path):
 
 
 def _layer(target_devices, mesh_spec, schedule="primepar", **overrides):
-    from oases_jax.hlo_analysis import analyze
-    from training.compiled import CompileSpec, lower_layer
+    from oases_jax.analysis.program import analyze
+    from tools.inspection import CompileSpec, lower_layer
 
     cfg = get_preset("tiny").replace(**overrides)
     spec = CompileSpec(model=cfg, parallel=ParallelConfig(mesh=mesh_spec, schedule=schedule),
@@ -166,8 +166,8 @@ def test_layer_projections_use_permutes_only():
 def test_layer_permutes_overlap_gemms_on_h100(n, mesh):
     """One GPT-2 1.5B-shaped layer (32 heads of 50), forward and backward, for H100s: the
     projections' permutes are asynchronous with a GEMM in their window."""
-    from oases_jax.targets import get_target, has_gpu_aot
-    from training.compiled import CompileSpec, inspect_program
+    from oases_jax.analysis.targets import get_target, has_gpu_aot
+    from tools.inspection import CompileSpec, inspect_program
 
     if not has_gpu_aot():
         pytest.skip("needs the gpu-aot extra")
@@ -187,8 +187,8 @@ def test_train_step_permutes_overlap_gemms_on_h100(n, mesh):
     lacks: scan residual saves (asynchronous copies XLA starts early) and layers queueing their
     weight-gradient transfers at the end of the backward (measured 0.77 / 0.78 for q = 2 / 4
     before the fences of `oases_jax.primepar`, 0.98 / 0.98 with them)."""
-    from oases_jax.targets import get_target, has_gpu_aot
-    from training.compiled import CompileSpec, inspect_program
+    from oases_jax.analysis.targets import get_target, has_gpu_aot
+    from tools.inspection import CompileSpec, inspect_program
 
     if not has_gpu_aot():
         pytest.skip("needs the gpu-aot extra")

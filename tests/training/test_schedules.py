@@ -91,8 +91,8 @@ def test_training_matches_megatron(megatron_losses, schedule, mesh):
 
 
 def _layer_collectives(schedule, remat):
-    from oases_jax.hlo_analysis import analyze
-    from training.compiled import CompileSpec, lower_layer
+    from oases_jax.analysis.program import analyze
+    from tools.inspection import CompileSpec, lower_layer
 
     cfg = get_preset("tiny").replace(remat=remat)
     mesh = make_mesh("data=2,tensor=4")
@@ -122,8 +122,8 @@ _H100_SHAPES = {"small": ({}, 256), "gpt2-1.5b": ({"n_heads": 32, "head_dim": 50
 
 
 def _h100_layer(model, schedule):
-    from oases_jax.targets import get_target, has_gpu_aot
-    from training.compiled import CompileSpec, inspect_program
+    from oases_jax.analysis.targets import get_target, has_gpu_aot
+    from tools.inspection import CompileSpec, inspect_program
 
     if not has_gpu_aot():
         pytest.skip("needs the gpu-aot extra")
@@ -198,8 +198,8 @@ def test_pipelined_stack_recomputation_is_communication_free():
     """The whole train step of a pipelined `oases` stack: `save_proj` remat issues exactly the
     collectives of no remat (the pending all-reduce's result is saved in the next layer), full
     remat issues more."""
-    from oases_jax.hlo_analysis import analyze
-    from training.compiled import CompileSpec, lower_train_step
+    from oases_jax.analysis.program import analyze
+    from tools.inspection import CompileSpec, lower_train_step
 
     mesh = make_mesh("data=2,tensor=4")
 
@@ -221,8 +221,8 @@ def test_oases_train_step_overlaps_across_layers_on_h100():
     GEMM left to hide behind (share 0.611); the pipelined stack issues it beside the next
     layer's attn(0) (0.702; the rest is the embedding's and the head's all-reduces, the one
     completed after the stack, and attn(k-1)'s, which XLA closes before mlp(0)'s GEMMs)."""
-    from oases_jax.targets import get_target, has_gpu_aot
-    from training.compiled import CompileSpec, inspect_program
+    from oases_jax.analysis.targets import get_target, has_gpu_aot
+    from tools.inspection import CompileSpec, inspect_program
 
     if not has_gpu_aot():
         pytest.skip("needs the gpu-aot extra")

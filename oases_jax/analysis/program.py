@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from oases_jax.hlo import (
+from oases_jax.analysis.hlo import (
     COLLECTIVES,
     Computation,
     HloModule,

@@ -17,8 +17,8 @@ from models.sharding import init_sharded
 from oases_jax.errors import UserError
 from oases_jax.mesh import make_mesh, parse_mesh
 from oases_jax.rules import get_rules
+from tools.inspection import GPU_OPTIONS
 from training.checks import check_shapes
-from training.compiled import GPU_OPTIONS
 from training.config import OptimConfig, ParallelConfig
 from training.data import BatchSampler, load_corpus
 from training.metrics import peak_flops_per_device, throughput
@@ -163,7 +163,7 @@ class Variant:
 
 
 def compiler_options(schedule: str, platform: str) -> dict:
-    """The schedule's XLA options on a real GPU (the same ones `training.compiled` uses for GPU
+    """The schedule's XLA options on a real GPU (the same ones `tools.inspection` uses for GPU
     targets); none elsewhere, where the schedules differ only in their rule set."""
     return dict(GPU_OPTIONS.get(schedule, {})) if platform == "gpu" else {}
 

@@ -23,15 +23,15 @@ from models.config import ModelConfig
 from models.layers import Block
 from models.sharding import param_shardings
 from models.transformer import FAMILY_NORM, remat_policy
+from oases_jax.analysis.program import Analysis, Program, analyze
+from oases_jax.analysis.simulate import SimResult, simulate
+from oases_jax.analysis.targets import Target
+from oases_jax.analysis.xla_estimate import XlaEstimate, compile_with_estimate
 from oases_jax.errors import UserError
-from oases_jax.hlo_analysis import Analysis, Program, analyze
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.mesh import make_mesh
 from oases_jax.rules import constrain, get_rules, use_rules
-from oases_jax.simulate import SimResult, simulate
-from oases_jax.targets import Target
 from oases_jax.tensor_parallel import TensorParallel, use_tensor_parallel
-from oases_jax.xla_estimate import XlaEstimate, compile_with_estimate
 from training.checks import check_shapes
 from training.config import SCHEDULES, OptimConfig, ParallelConfig
 from training.optim import make_optimizer
@@ -233,7 +233,7 @@ def inspect_isolated(spec: CompileSpec, target: str, timeline: str | None = None
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = pathlib.Path(tmp, "spec.json"), pathlib.Path(tmp, "report.json")
         spec_path.write_text(json.dumps(spec_to_json(spec)))
-        cmd = [sys.executable, "-m", "training.compiled", str(spec_path), target, str(out_path),
+        cmd = [sys.executable, "-m", "tools.inspection", str(spec_path), target, str(out_path),
                timeline or ""]
         env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
@@ -268,13 +268,13 @@ def inspect_program(spec: CompileSpec, target: Target) -> Inspection:
 
 
 if __name__ == "__main__":  # the child of `inspect_isolated`
-    from oases_jax.targets import get_target
+    from oases_jax.analysis.targets import get_target
 
     spec_file, target_name, out_file, timeline_file = sys.argv[1:5]
     ins = inspect_program(spec_from_json(json.loads(pathlib.Path(spec_file).read_text())),
                           get_target(target_name))
     pathlib.Path(out_file).write_text(json.dumps(ins.report()))
     if timeline_file:
-        from training.report import draw_timeline
+        from tools.report import draw_timeline
 
         draw_timeline(ins.sim.events, ins.report(), timeline_file)

@@ -2,9 +2,9 @@
 
 import pytest
 
-from oases_jax.hardware import LinkSpec, get_cluster
-from oases_jax.hlo_analysis import Program
-from oases_jax.simulate import Simulator, collective_time
+from oases_jax.analysis.hardware import LinkSpec, get_cluster
+from oases_jax.analysis.program import Program
+from oases_jax.analysis.simulate import Simulator, collective_time
 
 HEAD = "HloModule m\n\n%add (a: f32[], b: f32[]) -> f32[] {\n  %a = f32[] parameter(0)\n" \
        "  %b = f32[] parameter(1)\n  ROOT %s = f32[] add(%a, %b)\n}\n\n"

@@ -14,9 +14,13 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from oases_jax import xla_dump, xla_estimate
-from oases_jax.targets import get_target, has_gpu_aot
-from oases_jax.xla_estimate import compile_with_estimate, estimate_from_schedule, schedule_dump
+from oases_jax.analysis import xla_dump, xla_estimate
+from oases_jax.analysis.targets import get_target, has_gpu_aot
+from oases_jax.analysis.xla_estimate import (
+    compile_with_estimate,
+    estimate_from_schedule,
+    schedule_dump,
+)
 from tests.hlo_programs import ppermute_ring_matmul
 
 gpu = pytest.mark.skipif(not has_gpu_aot(), reason="needs the gpu-aot extra")
@@ -259,7 +263,7 @@ def test_ring_loop_hides_part_of_each_permute_and_composes_by_hand():
 
 def test_xla_timeline_is_drawn_from_a_report(tmp_path):
     pytest.importorskip("matplotlib")
-    from training import report
+    from tools import report
 
     est = estimate_from_schedule(_hand_dump())
     r = {"schedule": "ring", "target": "h100:8", "xla_estimate": est.to_json()}

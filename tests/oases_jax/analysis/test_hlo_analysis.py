@@ -9,9 +9,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from oases_jax.hlo import _iota_groups, _mesh_groups, parse_module
-from oases_jax.hlo_analysis import Program, analyze
-from oases_jax.targets import get_target, has_gpu_aot
+from oases_jax.analysis.hlo import _iota_groups, _mesh_groups, parse_module
+from oases_jax.analysis.program import Program, analyze
+from oases_jax.analysis.targets import get_target, has_gpu_aot
 from tests.hlo_programs import ppermute_ring_matmul as _ring
 
 ROWS, COLS, OUT = 128, 256, 128  # per-device block sizes

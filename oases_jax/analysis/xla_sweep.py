@@ -2,7 +2,7 @@
 GEMMs over a range of sizes, each priced by XLA, returned as calibration-profile samples.
 
 Samples follow `planner.profile`: comm {"kind", "n", "bytes", "seconds"} with bytes as in
-`oases_jax.simulate.collective_time`, gemm {"m", "n", "k", "dtype", "chunks", "seconds"}.
+`oases_jax.analysis.simulate.collective_time`, gemm {"m", "n", "k", "dtype", "chunks", "seconds"}.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from oases_jax.simulate import collective_time
-from oases_jax.xla_estimate import collective_prices, estimate_from_hlo_text, schedule_dump
+from oases_jax.analysis.simulate import collective_time
+from oases_jax.analysis.xla_estimate import collective_prices, estimate_from_hlo_text, schedule_dump
 
 KIB, MIB = 2**10, 2**20
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")

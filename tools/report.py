@@ -191,7 +191,7 @@ TIMELINE_SOURCES = ("sim", "xla")
 
 def xla_events(r: dict) -> list:
     """XLA's timeline from a report's `xla_estimate.per_op`, as drawable events."""
-    from oases_jax.simulate import Event
+    from oases_jax.analysis.simulate import Event
 
     x = _xla(r)
     if x is None:

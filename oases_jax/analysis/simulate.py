@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from oases_jax.hardware import ClusterSpec, LinkSpec
-from oases_jax.hlo import Instr
-from oases_jax.hlo_analysis import TRIVIAL, Program, collective_kind, is_async_start
+from oases_jax.analysis.hardware import ClusterSpec, LinkSpec
+from oases_jax.analysis.hlo import Instr
+from oases_jax.analysis.program import TRIVIAL, Program, collective_kind, is_async_start
 
 LOW_PRECISION = ("bf16", "f16", "f8e4m3fn", "f8e5m2", "s8", "u8")
 

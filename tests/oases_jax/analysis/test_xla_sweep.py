@@ -3,9 +3,9 @@ claim, and a small sweep yields profile samples priced by XLA (compiled for h100
 
 import pytest
 
-from oases_jax import xla_sweep
-from oases_jax.hlo_analysis import analyze
-from oases_jax.targets import get_target, has_gpu_aot
+from oases_jax.analysis import xla_sweep
+from oases_jax.analysis.program import analyze
+from oases_jax.analysis.targets import get_target, has_gpu_aot
 
 pytestmark = [pytest.mark.gpu_aot,
               pytest.mark.skipif(not has_gpu_aot(), reason="needs the gpu-aot extra")]

@@ -1,10 +1,10 @@
-"""training/compiled.py without compiling: GPU options of mixed plans, specs through JSON."""
+"""tools/inspection.py without compiling: GPU options of mixed plans, specs through JSON."""
 
 from models.presets import get_preset
-from oases_jax.hardware import get_cluster
+from oases_jax.analysis.hardware import get_cluster
+from oases_jax.analysis.targets import Target
 from oases_jax.layer_plan import LayerSpec
-from oases_jax.targets import Target
-from training.compiled import (
+from tools.inspection import (
     GPU_OPTIONS,
     CompileSpec,
     compiler_options,
@@ -52,8 +52,8 @@ def test_a_plan_spec_survives_json():
 def test_report_gives_each_kinds_gemm_share():
     """Each kind's bytes-weighted GEMM-in-window share, by hand: of 5 MiB of permutes (1 MiB
     twice and 2 MiB once with a GEMM, 1 MiB once without) 4 are hidden; no all-reduce is."""
-    from oases_jax.hlo_analysis import Analysis, Collective
-    from training.report import by_kind_line
+    from oases_jax.analysis.program import Analysis, Collective
+    from tools.report import by_kind_line
 
     mib = 2**20
     rows = [("collective-permute", mib, 2, 1), ("collective-permute", 2 * mib, 1, 1),

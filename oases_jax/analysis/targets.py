@@ -12,8 +12,8 @@ import re
 
 import jax
 
+from oases_jax.analysis.hardware import GPUS_PER_NODE, ClusterSpec, get_cluster
 from oases_jax.errors import UserError
-from oases_jax.hardware import GPUS_PER_NODE, ClusterSpec, get_cluster
 
 _COMMON = {
     "threads_per_block_limit": 1024, "threads_per_warp": 32, "shared_memory_per_block": 49152,

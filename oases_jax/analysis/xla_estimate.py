@@ -1,7 +1,7 @@
 """XLA's own time estimate of a GPU program: the latency-hiding scheduler's schedule dump, read
 back and composed over loops into a step time and exposed communication by collective kind.
 
-A second opinion beside `oases_jax.simulate`; see docs/xla_estimate.md.
+A second opinion beside `oases_jax.analysis.simulate`; see docs/xla_estimate.md.
 """
 
 from __future__ import annotations
@@ -15,8 +15,15 @@ import tempfile
 import warnings
 from collections.abc import Iterator
 
-from oases_jax.hlo import COLLECTIVES
-from oases_jax.xla_dump import Comp, Op, Scheduled, parse_text_proto, read_module, read_schedules
+from oases_jax.analysis.hlo import COLLECTIVES
+from oases_jax.analysis.xla_dump import (
+    Comp,
+    Op,
+    Scheduled,
+    parse_text_proto,
+    read_module,
+    read_schedules,
+)
 
 # Per-compile options that make XLA write `<module>.schedule.txt` and fill each instruction's
 # `reification_cost` (the "sol" entry is what the scheduler uses). `xla_dump_to` is added per call.
@@ -339,7 +346,7 @@ def estimate_from_hlo_text(text: str, max_ops: int = MAX_OPS) -> XlaEstimate:
     """The estimate of a compiled program XLA scheduled without the latency-hiding scheduler
     (no async collective anywhere, so no schedule dump): the "sol" prices in its HLO text,
     composed as for unscheduled computations in `estimate_from_schedule`."""
-    from oases_jax.hlo import parse_module
+    from oases_jax.analysis.hlo import parse_module
 
     module = parse_module(text)
     ids = {name: i for i, name in enumerate(module.computations)}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from oases_jax.hlo import parse_backend_config
+from oases_jax.analysis.hlo import parse_backend_config
 
 # Text-format protobuf, read generically: nested dicts whose values are lists (fields repeat).
 
