@@ -14,7 +14,8 @@ stage of an overlapped schedule costs max(compute, comm). Each strategy below wr
 forward, backward and recomputation as such a list (`layer_ops`), in the order our
 implementation issues them; `replay` prices it. Compute ops cost the roofline
 max(FLOPs / peak, bytes / HBM bandwidth) (or a calibration profile's fitted GEMM time), and
-collectives the alpha-beta model of `oases_jax.analysis.simulate.collective_time` (or the profile's fit).
+collectives the alpha-beta model of `oases_jax.analysis.simulate.collective_time` (or the
+profile's fit).
 """
 
 from __future__ import annotations

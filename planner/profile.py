@@ -37,8 +37,8 @@ class GemmFit:
 @dataclasses.dataclass(frozen=True)
 class CommFit:
     """One collective call: time = latency_s + nbytes / bytes_per_s (bytes as in
-    `oases_jax.analysis.simulate.collective_time`). bytes_per_s is inf when the measured times did not
-    grow with size."""
+    `oases_jax.analysis.simulate.collective_time`). bytes_per_s is inf when the measured times
+    did not grow with size."""
 
     bytes_per_s: float
     latency_s: float
