@@ -6,10 +6,11 @@ import dataclasses
 import typing
 
 from oases_jax.errors import UserError
+from oases_jax.remat import POLICIES as REMAT_POLICIES
 
 FAMILIES = ("gpt2", "llama")
 DTYPES = ("float32", "bfloat16")
-REMAT_POLICIES = ("none", "full", "save_proj", "save_dots")
+
 # Attention kernels: `xla` materialises the scores (einsums and a softmax); `cudnn` is cuDNN's
 # fused flash attention (GPUs, bfloat16, head_dim a multiple of 8 up to 128); `auto` takes cudnn
 # where it applies on a real GPU backend and xla everywhere else (CPUs, deviceless GPU targets).

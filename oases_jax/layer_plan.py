@@ -1,42 +1,42 @@
-"""Per-layer strategies: a plan gives each transformer layer its own tensor-parallel schedule,
-sub-batch count and remat policy. Models read the active plan (`active()`) and run each run of
-equal consecutive layers (`segments`) as one scan under that segment's schedule and rules; the
-residual stream is resharded at the segment boundaries."""
+"""Per-layer strategies: one record (`LayerSpec`) says how one transformer layer runs, its
+schedule, sub-batch count and remat policy. The planner prices them, plans store them, and the
+runtime runs each run of equal consecutive layers (`segments`) as one segment."""
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 from collections.abc import Sequence
 
-from oases_jax.rules import ShardingRules, get_rules
+from oases_jax import registry
+from oases_jax.errors import UserError
+from oases_jax.remat import POLICIES as REMATS
 
-SEQUENCE_PARALLEL = ("megatron_sp", "collective_matmul", "oases_cm", "xla_auto")
 
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True, order=True)
 class LayerSpec:
+    """One layer's schedule (a `registry` name), its sub-batch count and its remat policy."""
+
     schedule: str = "megatron"
     sub_batches: int = 1
     remat: str = "none"
 
+    def __post_init__(self):
+        registry.get(self.schedule)
+        if self.sub_batches < 1:
+            raise UserError(f"layer sub_batches={self.sub_batches} must be >= 1")
+        if self.remat not in REMATS:
+            raise UserError(f"unknown remat {self.remat!r}; choose one of {', '.join(REMATS)}")
 
-_ACTIVE: contextvars.ContextVar[tuple[LayerSpec, ...] | None] = contextvars.ContextVar(
-    "oases_jax_layer_plan", default=None)
+    @property
+    def spec(self) -> registry.ScheduleSpec:
+        return registry.get(self.schedule)
 
+    def label(self) -> str:
+        sb = f"/{self.sub_batches}" if self.spec.sub_batches else ""
+        return f"{self.schedule}{sb}+{self.remat}"
 
-def active() -> tuple[LayerSpec, ...] | None:
-    return _ACTIVE.get()
-
-
-@contextlib.contextmanager
-def use_layer_plan(layers: Sequence[LayerSpec] | None):
-    token = _ACTIVE.set(tuple(layers) if layers is not None else None)
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 def segments(layers: Sequence[LayerSpec]) -> list[tuple[int, int, LayerSpec]]:
@@ -48,13 +48,3 @@ def segments(layers: Sequence[LayerSpec]) -> list[tuple[int, int, LayerSpec]]:
         else:
             out.append((i, i + 1, spec))
     return out
-
-
-def rules_for(schedule: str, base: ShardingRules) -> ShardingRules:
-    """The rule set a layer of `schedule` runs under, given the model's: sequence-parallel
-    schedules shard the residual stream on `seq` (tp -> tp_sp), the others do not."""
-    if schedule in SEQUENCE_PARALLEL and base.name == "tp":
-        return get_rules("tp_sp")
-    if schedule not in SEQUENCE_PARALLEL and base.name == "tp_sp":
-        return get_rules("tp")
-    return base
