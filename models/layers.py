@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 
 import jax
@@ -11,19 +12,15 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models.config import ModelConfig
-from oases_jax import schedules
-from oases_jax import tensor_parallel as tp
+from oases_jax import projections as proj
+from oases_jax import step_order
+from oases_jax.analysis.targets import cudnn_missing
 from oases_jax.errors import UserError
-from oases_jax.rules import constrain
+from oases_jax.rules import active_rules, constrain
+from oases_jax.stacks import LayerFns
 
-# Names of the activations a remat policy may save (see `models.transformer.remat_policy`).
-# `*_in` are the normalised inputs of the column-parallel projections (after any all-gather),
-# `*_out` the outputs of the row-parallel ones (after the all-reduce / reduce-scatter): saving
-# them makes recomputation free of tensor-parallel communication.
-SAVE_NAMES = ("attn_in", "attn_out", "mlp_in", "mlp_out")
-# Under ring schedules the gather happens inside the column-parallel projection, so its outputs
-# are the post-collective values to keep.
-RING_SAVE_NAMES = ("attn_qkv", "mlp_hidden")
+# Activations are tagged with the names of `oases_jax.remat` (SAVE_NAMES, COLUMN_OUT_NAMES), so
+# its policies can keep the values on both sides of every tensor-parallel collective.
 
 
 def param(
@@ -85,17 +82,40 @@ def rope(x_BLHK: jax.Array, theta: float) -> jax.Array:
     return (x * cos + rotated * sin).astype(x_BLHK.dtype)
 
 
+def _traced_platform() -> str:
+    """The platform of the devices the program being traced is for: the active rules' mesh
+    (`use_rules`), else jax's abstract mesh (under `jax.set_mesh`, or inside a shard_map whose
+    rules are suspended), else the default backend. Deviceless GPU devices report "gpu" too."""
+    active = active_rules()
+    if active is not None and isinstance(active[1], jax.sharding.Mesh):
+        return active[1].devices.flat[0].platform
+    mesh = active[1] if active is not None else jax.sharding.get_abstract_mesh()
+    device = getattr(mesh, "abstract_device", None)
+    return device.platform if device is not None else jax.default_backend()
+
+
 def attention_impl(cfg: ModelConfig) -> str:
-    """The kernel `cfg.attention` resolves to on the backend at hand
-    (`ModelConfig.flash_attention`). cuDNN's kernel needs the library at trace time, so
-    compiles for GPU targets without a GPU use xla."""
-    on_gpu = jax.default_backend() == "gpu"
+    """The kernel `cfg.attention` resolves to for the devices being traced for
+    (`ModelConfig.flash_attention`): cuDNN's fused kernel on a GPU mesh, real or deviceless, xla
+    elsewhere. A deviceless compile needs NVIDIA's cuDNN wheel for jax's trace-time version check;
+    without it `auto` falls back to xla with a warning."""
+    platform = _traced_platform()
+    on_gpu = platform == "gpu"
     if cfg.attention == "cudnn" and not (on_gpu and cfg.fused_attention_fits):
         raise UserError(
-            f"attention=cudnn needs a GPU backend (found {jax.default_backend()}) and bf16 "
+            f"attention=cudnn needs a GPU mesh (the mesh's devices are {platform}) and bf16 "
             f"compute with head_dim a multiple of 8 up to 128 (got {cfg.dtype}, {cfg.k_dim}); "
             "use --model-set attention=auto or attention=xla")
-    return "cudnn" if cfg.flash_attention(on_gpu=on_gpu) else "xla"
+    if not cfg.flash_attention(on_gpu=on_gpu):
+        return "xla"
+    missing = cudnn_missing()
+    if missing is None:
+        return "cudnn"
+    if cfg.attention == "cudnn":
+        raise UserError(f"attention=cudnn cannot be traced: {missing}")
+    warnings.warn(f"attention=auto uses xla (materialised scores), not cuDNN's fused kernel, for "
+                  f"this GPU program: {missing}", stacklevel=2)
+    return "xla"
 
 
 def _xla_attention(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array) -> jax.Array:
@@ -134,14 +154,14 @@ class Attention(nnx.Module):
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
         cfg, dt = self.cfg, x_BLD.dtype
         x_BLD = checkpoint_name(x_BLD, "attn_in")
-        q_BLHK, k_BLGK, v_BLGK = tp.column_parallel(
+        q_BLHK, k_BLGK, v_BLGK = proj.column(
             x_BLD, [_cast(self.wq, dt), _cast(self.wk, dt), _cast(self.wv, dt)],
             [("embed", "heads", "head_dim"), ("embed", "kv_heads", "head_dim"),
              ("embed", "kv_heads", "head_dim")])
         if cfg.use_bias:  # add_bias: the output may be in a schedule's own layout (primepar)
-            q_BLHK = tp.add_bias(q_BLHK, _cast(self.bq, dt), ("heads", "head_dim"))
-            k_BLGK = tp.add_bias(k_BLGK, _cast(self.bk, dt), ("kv_heads", "head_dim"))
-            v_BLGK = tp.add_bias(v_BLGK, _cast(self.bv, dt), ("kv_heads", "head_dim"))
+            q_BLHK = proj.add_bias(q_BLHK, _cast(self.bq, dt), ("heads", "head_dim"))
+            k_BLGK = proj.add_bias(k_BLGK, _cast(self.bk, dt), ("kv_heads", "head_dim"))
+            v_BLGK = proj.add_bias(v_BLGK, _cast(self.bv, dt), ("kv_heads", "head_dim"))
         q_BLHK, k_BLGK, v_BLGK = (checkpoint_name(t, "attn_qkv") for t in (q_BLHK, k_BLGK, v_BLGK))
         if not cfg.learned_positions:
             q_BLHK, k_BLGK = rope(q_BLHK, cfg.rope_theta), rope(k_BLGK, cfg.rope_theta)
@@ -153,7 +173,7 @@ class Attention(nnx.Module):
                 q_BLHK, k_BLGK, v_BLGK, is_causal=True, implementation="cudnn")
         else:
             o_BLHK = _xla_attention(q_BLHK, k_BLGK, v_BLGK)
-        out_BLD = tp.row_parallel(o_BLHK, _cast(self.wo, dt), ("heads", "head_dim", "embed"))
+        out_BLD = proj.row(o_BLHK, _cast(self.wo, dt), ("heads", "head_dim", "embed"))
         if cfg.use_bias:
             out_BLD += _cast(self.bo, dt)
         return checkpoint_name(out_BLD, "attn_out")
@@ -177,10 +197,10 @@ class MLP(nnx.Module):
         cfg, dt = self.cfg, x_BLD.dtype
         x_BLD = checkpoint_name(x_BLD, "mlp_in")
         weights = [_cast(self.w_in, dt)] + ([_cast(self.w_gate, dt)] if cfg.gated_mlp else [])
-        h_BLF, *gate = tp.column_parallel(x_BLD, weights, [("embed", "mlp")] * len(weights))
+        h_BLF, *gate = proj.column(x_BLD, weights, [("embed", "mlp")] * len(weights))
         h_BLF, *gate = (checkpoint_name(t, "mlp_hidden") for t in (h_BLF, *gate))
         if cfg.use_bias:
-            h_BLF = tp.add_bias(h_BLF, _cast(self.b_in, dt), ("mlp",))
+            h_BLF = proj.add_bias(h_BLF, _cast(self.b_in, dt), ("mlp",))
         if cfg.gated_mlp:
             h_BLF = jax.nn.silu(gate[0]) * h_BLF
         else:
@@ -197,25 +217,27 @@ class MLP(nnx.Module):
         return checkpoint_name(out_BLD, "mlp_out")
 
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
-        out_BLD = tp.row_parallel(self._hidden(x_BLD), _cast(self.w_out, x_BLD.dtype),
+        out_BLD = proj.row(self._hidden(x_BLD), _cast(self.w_out, x_BLD.dtype),
                                   ("mlp", "embed"))
         return self._finish(out_BLD, self._bias_out(x_BLD.dtype))
 
     def deferred(self, x_BLD: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-        """Inside a manual region: the MLP up to its all-reduce, as (partial sum, output bias)
-        for `complete` (a pipelined stack completes it in the next layer)."""
-        partial = tp.row_partial(self._hidden(x_BLD), _cast(self.w_out, x_BLD.dtype))
+        """The MLP up to its row projection's collective, as (partial sum, output bias) for
+        `complete` (an overlapped stack completes it in the next layer)."""
+        partial = proj.row_partial(self._hidden(x_BLD), _cast(self.w_out, x_BLD.dtype))
         return partial, self._bias_out(x_BLD.dtype)
 
     @staticmethod
     def complete(pending: tuple[jax.Array, jax.Array | None]) -> jax.Array:
         """The MLP's output from `deferred`'s state: all-reduce, bias, named for remat."""
         partial, bias = pending
-        return MLP._finish(tp.complete_partial(partial), bias)
+        return MLP._finish(proj.complete(partial), bias)
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). How the two steps are
+    ordered and split (sub-batches, shard_map) is the runtime's business (`oases_jax.stacks`),
+    which runs blocks through `block_fns`."""
 
     def __init__(self, cfg: ModelConfig, norm_cls: type[nnx.Module], *, rngs: nnx.Rngs):
         self.norm1 = norm_cls(cfg, rngs=rngs)
@@ -223,100 +245,38 @@ class Block(nnx.Module):
         self.norm2 = norm_cls(cfg, rngs=rngs)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def _ops(self):
+    def ops(self) -> dict[str, Callable[[jax.Array], jax.Array]]:
         return {"attn": lambda x: self.attn(self.norm1(x)),
                 "mlp": lambda x: self.mlp(self.norm2(x))}
 
-    def _deferred(self, x_BLD: jax.Array):
-        """The last step of the Oases schedule (an MLP) up to its all-reduce (`MLP.deferred`)."""
+    def deferred(self, x_BLD: jax.Array):
+        """The last step of a layer (its MLP) up to its collective (`MLP.deferred`)."""
         return self.mlp.deferred(self.norm2(x_BLD))
 
     def __call__(self, x_BLD: jax.Array) -> jax.Array:
-        # The order of work (one pass, or Oases sub-batches) comes from the active schedule.
-        ctx = tp.active()
-        if ctx is not None and ctx.manual_layer:
-            return _manual_layer(self, x_BLD, ctx)
-        return schedules.run(tp.layer_schedule(), x_BLD, self._ops(),
-                             constrain=lambda x: constrain(x, ("batch", "seq", "embed")))
+        return step_order.run(step_order.sequential(), x_BLD, self.ops(),
+                              constrain=lambda x: constrain(x, ("batch", "seq", "embed")))
 
 
-def _local_specs(state, ctx: tp.TensorParallel, stacked: bool = False):
-    """Per-variable PartitionSpecs of a block's state (`stacked`: with a leading layers axis,
-    unsharded) for the layer's shard_map."""
-    lead = (None,) if stacked else ()
-
-    def spec(v: nnx.Variable):
-        names = tuple(v.get_metadata().get("out_sharding") or ())
-        ndim = v.get_value().ndim - len(lead)
-        names = names[len(names) - ndim:]  # drop a stacked `layers` name
-        return jax.P(*lead, *ctx.rules.param_spec(names, ctx.mesh))
-
-    return jax.tree.map(spec, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+def _names(v: nnx.Variable) -> tuple:
+    """A variable's logical names for its value's dims (a stacked `layers` name dropped)."""
+    names = tuple(v.get_metadata().get("out_sharding") or ())
+    return names[len(names) - v.get_value().ndim:]
 
 
-def _manual_layer(block: Block, x_BLD: jax.Array, ctx: tp.TensorParallel) -> jax.Array:
-    """The whole layer inside one shard_map: per-device shapes, explicit collectives, and the
-    sub-batch executor free to order one sub-batch's collective against another's compute."""
-    graphdef, state = nnx.split(block)
-    state_specs = _local_specs(state, ctx)
-    x_spec = ctx.rules.act_spec(("batch", "seq", "embed"), ctx.mesh)
+def block_fns(graphdef: nnx.GraphDef) -> LayerFns:
+    """Blocks of `graphdef` as the pure functions of their state the runtime runs."""
+    merge = lambda state: nnx.merge(graphdef, state)  # noqa: E731
 
-    def local(state, x):
-        with tp.manual_region():
-            ops = nnx.merge(graphdef, state)._ops()
-            return schedules.run(ctx.layer_schedule, x, ops, before_step=tp.pin_order,
-                                 after_step=tp.anchor)
+    def zero_pending(partial0, state):
+        bias = "b_out" in state["mlp"]
+        return partial0, (jnp.zeros(partial0.shape[-1:], partial0.dtype) if bias else None)
 
-    return jax.shard_map(local, mesh=ctx.mesh, in_specs=(state_specs, x_spec),
-                         out_specs=x_spec)(state, x_BLD)
-
-
-def _zero_pending(x_sub: jax.Array, layer_state, ctx: tp.TensorParallel):
-    """`MLP.deferred`'s state with nothing in it: a zero partial sum, varying over the tensor
-    axis like a real one (check_vma), and a zero output bias where the model has one."""
-    partial = jax.lax.pcast(jnp.zeros_like(x_sub), (ctx.axis,), to="varying")
-    has_bias = "b_out" in layer_state["mlp"]
-    return partial, (jnp.zeros(x_sub.shape[-1:], x_sub.dtype) if has_bias else None)
-
-
-def pipelined_layers(graphdef, stacked, x_BLD: jax.Array, ctx: tp.TensorParallel,
-                     wrap: Callable[[Callable, bool], Callable], scan: bool) -> jax.Array:
-    """A stack of Oases layers (`ctx.pipelined_stack`) in one shard_map, software-pipelined:
-    the sub-batches stay split from the first layer to the last, and each layer leaves its last
-    step's all-reduce (mlp of the last sub-batch) pending; the next layer issues it while its
-    first sub-batch's attention computes (`schedules.run_pipelined`). The last one completes
-    after the stack. `wrap(layer, in_scan)` applies the remat policy to one layer's function;
-    `scan` runs the layers under one `lax.scan` (else a Python loop)."""
-    schedule = ctx.layer_schedule
-    x_spec = ctx.rules.act_spec(("batch", "seq", "embed"), ctx.mesh)
-
-    def layer(carry, layer_state):
-        xs, pending = carry
-        with tp.manual_region():  # a fresh order-pinning state for each traced layer
-            block = nnx.merge(graphdef, layer_state)
-            carry = schedules.run_pipelined(
-                schedule, xs, pending, block._ops(), block._deferred, MLP.complete,
-                before_step=tp.pin_order, after_step=tp.anchor)
-            tp.take_pending()
-        return carry, None
-
-    def local(stacked, x):
-        n = jax.tree.leaves(stacked)[0].shape[0]
-        at = lambda i: jax.tree.map(lambda a: a[i], stacked)  # noqa: E731
-        with tp.manual_region():
-            xs = schedules.split(schedule, x)
-            if scan:
-                # Layer 0 gets an all-zero pending step (its all-reduce adds nothing), so the
-                # carry keeps one structure and one scan runs every layer: no peeled first
-                # layer, no sliced copy of the stacked parameters.
-                carry = (xs, _zero_pending(xs[schedule.steps[-1].sub_batch], at(0), ctx))
-                carry, _ = jax.lax.scan(wrap(layer, True), carry, stacked)
-            else:
-                carry = (xs, None)
-                for i in range(n):
-                    carry, _ = wrap(layer, False)(carry, at(i))
-            xs, pending = carry
-            return schedules.join(schedules.finish_pending(schedule, xs, pending, MLP.complete))
-
-    return jax.shard_map(local, mesh=ctx.mesh, in_specs=(_local_specs(stacked, ctx, True), x_spec),
-                         out_specs=x_spec)(stacked, x_BLD)
+    return LayerFns(
+        ops=lambda state: merge(state).ops(),
+        defer=lambda state: merge(state).deferred,
+        complete=MLP.complete,
+        zero_pending=zero_pending,
+        state_names=lambda state: jax.tree.map(
+            _names, state, is_leaf=lambda v: isinstance(v, nnx.Variable)),
+    )

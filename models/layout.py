@@ -9,6 +9,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
+from oases_jax import registry
 from oases_jax.primepar import relayout_pairs
 from oases_jax.rules import ShardingRules
 
@@ -51,9 +52,9 @@ def relayout(tree, rules: ShardingRules, mesh: Mesh, *, stored: bool, rows: str 
 
 
 def layout_fns(schedule: str, rules: ShardingRules, mesh: Mesh):
-    """(to_stored, to_standard) for the schedule's layout; identities for every schedule but
-    primepar. Both are jitted and keep each array's sharding."""
-    if schedule != "primepar" or mesh.shape.get("tp_row", 1) == 1:
+    """(to_stored, to_standard) for the schedule's weight layout (`ScheduleSpec.weight_layout`);
+    identities for the standard layout. Both are jitted and keep each array's sharding."""
+    if registry.get(schedule).weight_layout != "primepar" or mesh.shape.get("tp_row", 1) == 1:
         return (lambda tree: tree), (lambda tree: tree)
     return (jax.jit(functools.partial(relayout, rules=rules, mesh=mesh, stored=True)),
             jax.jit(functools.partial(relayout, rules=rules, mesh=mesh, stored=False)))

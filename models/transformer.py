@@ -6,34 +6,17 @@ checkpoints and shardings do not depend on `scan_layers` or the remat policy.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from models import gpt2, llama
 from models.config import ModelConfig
-from models.layers import RING_SAVE_NAMES, SAVE_NAMES, Block, param, pipelined_layers
-from oases_jax import layer_plan
-from oases_jax import tensor_parallel as tp
-from oases_jax.rules import constrain, use_rules
+from models.layers import Block, block_fns, param
+from oases_jax.rules import constrain
+from oases_jax.stacks import run_stack
 
 FAMILY_NORM = {"gpt2": gpt2.NORM, "llama": llama.NORM}
-
-
-def remat_policy(name: str, rings: bool = False):
-    """The `jax.checkpoint` policy for a remat name (None: no remat). `save_proj` keeps the
-    values on both sides of every tensor-parallel collective, so recomputing a layer issues no
-    communication; with ring schedules (`rings`) those include the column projections' outputs."""
-    policies = jax.checkpoint_policies
-    saved = SAVE_NAMES + (RING_SAVE_NAMES if rings else ())
-    return {
-        "none": None,
-        "full": policies.nothing_saveable,
-        "save_proj": policies.save_only_these_names(*saved),
-        "save_dots": policies.dots_with_no_batch_dims_saveable,
-    }[name]
 
 
 class Transformer(nnx.Module):
@@ -63,48 +46,13 @@ class Transformer(nnx.Module):
         return constrain(x_BLD, ("batch", "seq", "embed"))
 
     def backbone(self, x_BLD: jax.Array) -> jax.Array:
-        """All blocks and the final norm. Under a per-layer plan (`oases_jax.layer_plan`) each
-        run of equal layers is its own scan, under its own schedule, rules and remat policy."""
+        """All blocks and the final norm, run by the runtime (`oases_jax.stacks.run_stack`)
+        under the active parallel setup: each segment of equal layers under its own schedule,
+        rules and remat policy."""
         graphdef, stacked = nnx.split(self.blocks)
-        plan, ctx = layer_plan.active(), tp.active()
-        if plan is None or ctx is None:
-            x_BLD = self._layers(graphdef, stacked, x_BLD, self.cfg.remat)
-            return self.norm_f(x_BLD)
-        if len(plan) != self.cfg.n_layers:
-            raise ValueError(f"plan has {len(plan)} layers, model {self.cfg.n_layers}")
-        for start, end, spec in layer_plan.segments(plan):
-            seg_rules = layer_plan.rules_for(spec.schedule, ctx.rules)
-            seg_tp = dataclasses.replace(ctx, schedule=spec.schedule, rules=seg_rules,
-                                         sub_batches=spec.sub_batches)
-            part = jax.tree.map(lambda a, s=start, e=end: a[s:e], stacked)
-            with use_rules(seg_rules, ctx.mesh), tp.use_tensor_parallel(seg_tp):
-                x_BLD = constrain(x_BLD, ("batch", "seq", "embed"))
-                x_BLD = self._layers(graphdef, part, x_BLD, spec.remat)
-            x_BLD = constrain(x_BLD, ("batch", "seq", "embed"))
+        x_BLD = run_stack(block_fns(graphdef), stacked, x_BLD, scan=self.cfg.scan_layers,
+                          remat_default=self.cfg.remat)
         return self.norm_f(x_BLD)
-
-    def _layers(self, graphdef, stacked, x_BLD: jax.Array, remat: str) -> jax.Array:
-        def layer(x_BLD, layer_state):
-            return nnx.merge(graphdef, layer_state)(x_BLD), None
-
-        policy = remat_policy(remat, tp.uses_rings())
-
-        def wrap(f, in_scan: bool):
-            if remat == "none":
-                return f
-            return jax.checkpoint(f, policy=policy, prevent_cse=not in_scan)
-
-        ctx = tp.active()
-        if ctx is not None and ctx.pipelined_stack:
-            return pipelined_layers(graphdef, stacked, x_BLD, ctx, wrap, self.cfg.scan_layers)
-        layer = wrap(layer, self.cfg.scan_layers)
-        if self.cfg.scan_layers:
-            x_BLD, _ = jax.lax.scan(layer, x_BLD, stacked)
-        else:
-            n = jax.tree.leaves(stacked)[0].shape[0]
-            for i in range(n):
-                x_BLD, _ = layer(x_BLD, jax.tree.map(lambda a, i=i: a[i], stacked))
-        return x_BLD
 
     def logits(self, h_BLD: jax.Array) -> jax.Array:
         """Logits over the padded vocabulary, float32."""

@@ -53,14 +53,14 @@ def parse_args(argv=None):
 
 
 def build_config(args):
+    from oases_jax import registry
     from tools.bench import BenchConfig, parse_variant
-    from training.config import SCHEDULES
 
     model = model_from_flags(args)
     variants = [parse_variant(v, rules=args.rules) for v in args.variant]
     if args.schedules is not None or not variants:
         # primepar needs a tp_row x tp_col square: give it as a --variant with such a mesh.
-        default = [s for s in SCHEDULES if s != "primepar"]
+        default = list(registry.names(square=False))
         schedules = args.schedules.split(",") if args.schedules is not None else default
         variants += [
             parse_variant(f"{args.mesh}/{args.rules}/{s.strip()}", rules=args.rules)
@@ -130,7 +130,7 @@ def main() -> int:
     hw = None
     if args.predict is not None:  # load the costs first: a bad source fails before compiling
         from planner import load_profile, local_cluster
-        from planner.costs import Hardware
+        from planner.prices import Hardware
 
         cluster = local_cluster()
         hw = Hardware.of(cluster, load_profile(args.predict, cluster, args.profile))

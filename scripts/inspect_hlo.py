@@ -57,8 +57,9 @@ def main() -> int:
     from oases_jax.analysis.targets import get_target
     from oases_jax.errors import UserError
     from tools import report
-    from tools.inspection import MAY_ABORT, CompileSpec, inspect_isolated, inspect_program
+    from tools.inspection import inspect_isolated, inspect_program, may_abort
     from training.config import ParallelConfig
+    from training.program import CompileSpec
 
     model = model_from_flags(args)
     target = get_target(args.target)
@@ -89,7 +90,7 @@ def main() -> int:
                                                        sub_batches=args.sub_batches))
         png = timeline_path(schedule, first)
         xla_png = png if args.timeline_source == "xla" else None
-        if target.is_gpu_aot and set(spec.parallel.schedules) & set(MAY_ABORT):
+        if target.is_gpu_aot and may_abort(spec):
             r = inspect_isolated(spec, args.target, None if xla_png else png)
         else:
             ins = inspect_program(spec, target)
@@ -161,8 +162,8 @@ def load_plan(args, model, n_devices: int):
 def plan_spec(plan, model):
     """The CompileSpec of a plan's whole train step: every layer under its own strategy."""
     from oases_jax.layer_plan import LayerSpec
-    from tools.inspection import CompileSpec
     from training.config import ParallelConfig
+    from training.program import CompileSpec
 
     layers = tuple(LayerSpec(schedule=s.schedule, sub_batches=s.sub_batches, remat=s.remat)
                    for s in plan.layers)

@@ -51,8 +51,9 @@ def main() -> int:
     args = parse_args()
     init_runtime(args)
     from models.presets import get_preset
-    from tools.inspection import CompileSpec, inspect_isolated
+    from tools.inspection import inspect_isolated
     from training.config import ParallelConfig
+    from training.program import CompileSpec
 
     rows = []
     for name in args.models.split(","):

@@ -17,13 +17,12 @@ from models.sharding import init_sharded
 from oases_jax.errors import UserError
 from oases_jax.mesh import make_mesh, parse_mesh
 from oases_jax.rules import get_rules
-from tools.inspection import GPU_OPTIONS
-from training.checks import check_shapes
 from training.config import OptimConfig, ParallelConfig
 from training.data import BatchSampler, load_corpus
 from training.metrics import peak_flops_per_device, throughput
 from training.optim import make_optimizer
-from training.state import TrainState, build_step_fns, new_state
+from training.program import CompileSpec, lower
+from training.state import TrainState, new_state
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -162,30 +161,25 @@ class Variant:
         self.steps_done += 1
 
 
-def compiler_options(schedule: str, platform: str) -> dict:
-    """The schedule's XLA options on a real GPU (the same ones `tools.inspection` uses for GPU
-    targets); none elsewhere, where the schedules differ only in their rule set."""
-    return dict(GPU_OPTIONS.get(schedule, {})) if platform == "gpu" else {}
-
-
 def build_variant(cfg: BenchConfig, spec: Resolved, sampler: BatchSampler) -> Variant:
     """Initialise the model (same seed in every variant), compile the step, place the batches."""
     mesh = make_mesh(spec.mesh)
     rules = get_rules(spec.rules)
-    try:
-        check_shapes(batch_size=cfg.batch_size, microbatches=1, seq_len=cfg.seq_len, rules=rules,
-                     mesh=mesh)
-        tx = make_optimizer(OptimConfig(), cfg.total_steps)
-        fns = build_step_fns(cfg.model, tx, rules, mesh, spec.schedule)
+    t0 = time.perf_counter()
+    try:  # the compile path training uses: same lowering, same XLA options
+        prog = lower(CompileSpec(model=cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
+                                 parallel=ParallelConfig(mesh=spec.mesh, rules=spec.rules,
+                                                         schedule=spec.schedule)),
+                     mesh, tx=make_optimizer(OptimConfig(), cfg.total_steps))
+        lower_s = time.perf_counter() - t0
+        fns = prog.fns
         state = new_state(nnx.state(init_sharded(cfg.model, rules, mesh, cfg.seed)), fns, cfg.seed)
     except UserError as e:
         raise UserError(f"variant {spec.label}: {e}") from None
-    batches = [sampler.device_batch(k, fns.batch_sharding) for k in range(cfg.total_steps)]
-    options = compiler_options(spec.schedule, jax.devices()[0].platform)
     t0 = time.perf_counter()
-    with jax.set_mesh(mesh):
-        step = fns.step_jit.lower(fns.abstract_state, batches[0]).compile(compiler_options=options)
-    compile_s = time.perf_counter() - t0
+    step = prog.compile()
+    compile_s = lower_s + time.perf_counter() - t0
+    batches = [sampler.device_batch(k, fns.batch_sharding) for k in range(cfg.total_steps)]
     return Variant(spec=spec, step=step, state=state, batches=batches, compile_s=compile_s)
 
 

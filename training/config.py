@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from models.config import ModelConfig
+from oases_jax import registry
 from oases_jax.errors import UserError
-from oases_jax.layer_plan import SEQUENCE_PARALLEL as _SEQUENCE_PARALLEL
-from oases_jax.tensor_parallel import SUB_BATCH_SCHEDULES
-
-# Tensor-parallel schedules. Each names the rule set it needs when the user asked for plain `tp`:
-# the sequence-parallel schedules shard the residual stream on `seq` between blocks.
-SCHEDULES = ("megatron", "megatron_sp", "collective_matmul", "oases", "oases_cm", "xla_auto",
-             "primepar")
+from oases_jax.layer_plan import LayerSpec
+from oases_jax.mesh import parse_mesh
+from oases_jax.primepar import square_size
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,35 +40,32 @@ class ParallelConfig:
     rules: str = "tp"
     schedule: str = "megatron"
     sub_batches: int = 2  # Oases schedules: sub-batches per micro-batch
-    # Per-layer strategies from a plan (oases_jax.layer_plan.LayerSpec); None: every layer
-    # runs `schedule`.
-    layers: tuple | None = None
+    # Per-layer strategies from a plan; None: every layer runs `schedule`.
+    layers: tuple[LayerSpec, ...] | None = None
 
     def __post_init__(self):
-        if self.schedule not in SCHEDULES:
-            raise UserError(
-                f"unknown --schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}"
-            )
+        spec = registry.get(self.schedule)
         if self.sub_batches < 1:
             raise UserError(f"--sub-batches {self.sub_batches} must be >= 1")
-        if self.schedule in _SEQUENCE_PARALLEL and self.rules not in ("tp", "tp_sp"):
+        if spec.sequence_parallel and self.rules not in ("tp", "tp_sp"):
             raise UserError(
                 f"--schedule {self.schedule} is tensor + sequence parallel and cannot use "
                 f"--rules {self.rules}; use --rules tp_sp"
             )
-        if self.schedule == "primepar":
-            _check_primepar_mesh(self.mesh, self.rules)
+        if spec.square:
+            _check_square_mesh(self.schedule, self.mesh, self.rules)
+
+    @property
+    def default_layer(self) -> LayerSpec:
+        """The strategy of every layer when there is no plan (remat comes from the model)."""
+        return LayerSpec(schedule=self.schedule, sub_batches=self.sub_batches)
 
     @property
     def layer_sub_batches(self) -> int:
         """Sub-batches a layer splits its micro-batch into (1 outside the Oases schedules); with
         per-layer strategies, the least common multiple over the layers."""
-        if self.layers:
-            import math
-
-            return math.lcm(*(s.sub_batches if s.schedule in SUB_BATCH_SCHEDULES else 1
-                              for s in self.layers))
-        return self.sub_batches if self.schedule in SUB_BATCH_SCHEDULES else 1
+        layers = self.layers or (self.default_layer,)
+        return math.lcm(*(s.spec.layer_sub_batches(s.sub_batches) for s in layers))
 
     @property
     def schedules(self) -> tuple[str, ...]:
@@ -81,28 +76,24 @@ class ParallelConfig:
     @property
     def sequence_parallel(self) -> bool:
         """Some layer shards the residual stream on the sequence."""
-        return any(s in _SEQUENCE_PARALLEL for s in self.schedules)
+        return any(registry.get(s).sequence_parallel for s in self.schedules)
 
     @property
     def rules_name(self) -> str:
-        """The rule set actually used: sequence-parallel schedules upgrade `tp` to `tp_sp`."""
-        if self.schedule == "primepar":
-            return "primepar"
-        return "tp_sp" if self.schedule in _SEQUENCE_PARALLEL else self.rules
+        """The rule set actually used: the schedule's (`ScheduleSpec.rules_for`), e.g. `tp`
+        upgraded to `tp_sp` by a sequence-parallel schedule."""
+        return registry.get(self.schedule).rules_for(self.rules)
 
 
-def _check_primepar_mesh(mesh: str, rules: str) -> None:
-    """primepar runs on a tp_row x tp_col square, with its own rule set."""
-    from oases_jax.mesh import parse_mesh
-    from oases_jax.primepar import square_size
-
+def _check_square_mesh(schedule: str, mesh: str, rules: str) -> None:
+    """A square schedule (primepar) runs on a tp_row x tp_col square, with its own rule set."""
     if rules not in ("tp", "primepar"):
-        raise UserError(f"--schedule primepar uses its own rule set and cannot use --rules "
+        raise UserError(f"--schedule {schedule} uses its own rule set and cannot use --rules "
                         f"{rules}; drop --rules or pass --rules primepar")
     spec = parse_mesh(mesh)
     if spec.size("tensor") != 1:
-        raise UserError(f"--schedule primepar splits over tp_row x tp_col, not tensor; use e.g. "
-                        f"--mesh data=2,tp_row=2,tp_col=2 instead of {mesh}")
+        raise UserError(f"--schedule {schedule} splits over tp_row x tp_col, not tensor; use "
+                        f"e.g. --mesh data=2,tp_row=2,tp_col=2 instead of {mesh}")
     if -1 not in (spec.size("tp_row"), spec.size("tp_col")):
         square_size(dict(spec.axes), "tp_row", "tp_col")
 

@@ -10,6 +10,7 @@ import time
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 from tqdm import tqdm
 
 from models.layout import layout_fns
@@ -23,7 +24,8 @@ from training.config import TrainConfig
 from training.data import BatchSampler, load_corpus
 from training.metrics import MetricsWriter, peak_flops_per_device, throughput
 from training.optim import lr_schedule, make_optimizer
-from training.state import build_step_fns, new_state
+from training.program import CompileSpec, StepProgram, lower
+from training.state import new_state
 
 
 class TrainingDiverged(RuntimeError):
@@ -114,9 +116,8 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
     val_batches = BatchSampler(
         tokens=corpus.val, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed, stream=1
     )
-    tx = make_optimizer(cfg.optim, cfg.steps)
-    fns = build_step_fns(cfg.model, tx, rules, mesh, cfg.parallel.schedule,
-                         cfg.parallel.sub_batches, layers=cfg.parallel.layers)
+    program = step_program(cfg, mesh)
+    fns = program.fns
     # Checkpoints hold the standard layout whatever the schedule stores (primepar: permuted).
     to_stored, to_standard = layout_fns(cfg.parallel.schedule, rules, mesh)
     ckpt = (
@@ -144,14 +145,25 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
     if state is None:
         model = init_sharded(cfg.model, rules, mesh, cfg.seed)
         state = new_state(to_stored(nnx.state(model)), fns, cfg.seed)
+    step_fn = program.compile()  # with the XLA options its schedules need on this platform
     try:
-        return _run(cfg, state, fns, train_batches, val_batches, ckpt, corpus.describe())
+        return _run(cfg, state, fns, step_fn, train_batches, val_batches, ckpt,
+                    corpus.describe())
     finally:
         if ckpt is not None:
             ckpt.close()
 
 
-def _run(cfg, state, fns, train_batches, val_batches, ckpt, corpus_desc) -> TrainResult:
+def step_program(cfg: TrainConfig, mesh: Mesh) -> StepProgram:
+    """The train step `train` runs, lowered through the one compile path
+    (`training.program`): what `scripts/inspect_hlo.py` reports for the same config."""
+    spec = CompileSpec(model=cfg.model, parallel=cfg.parallel, batch_size=cfg.batch_size,
+                       seq_len=cfg.seq_len, microbatches=cfg.microbatches)
+    return lower(spec, mesh, tx=make_optimizer(cfg.optim, cfg.steps))
+
+
+def _run(cfg, state, fns, step_fn, train_batches, val_batches, ckpt, corpus_desc
+         ) -> TrainResult:
     start = int(_scalar(state["step"]))
     end = cfg.steps if cfg.stop_after is None else min(cfg.steps, start + cfg.stop_after)
     n_dev = fns.batch_sharding.mesh.size
@@ -180,7 +192,7 @@ def _run(cfg, state, fns, train_batches, val_batches, ckpt, corpus_desc) -> Trai
         step = start
         while step < end:
             batch = train_batches.device_batch(step, fns.batch_sharding, cfg.microbatches)
-            state, m = fns.train_step(state, batch)
+            state, m = step_fn(state, batch)
             step += 1
             loss = _scalar(m["loss"])
             if not math.isfinite(loss):

@@ -14,9 +14,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from models.config import ModelConfig
 from models.sharding import abstract_model, param_shardings
 from models.transformer import cross_entropy
-from oases_jax.layer_plan import LayerSpec, use_layer_plan
-from oases_jax.rules import ShardingRules, use_rules
-from oases_jax.tensor_parallel import TensorParallel, use_tensor_parallel
+from oases_jax.layer_plan import LayerSpec
+from oases_jax.rules import ShardingRules
+from oases_jax.stacks import Parallel, use_parallel
 
 TrainState = (
     dict  # {"params": nnx.State, "opt_state": optax state, "step": int32, "rng": uint32[2]}
@@ -88,11 +88,14 @@ def build_step_fns(
         }
         return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
+    parallel = Parallel(mesh, rules, LayerSpec(schedule=schedule, sub_batches=sub_batches),
+                        tuple(layers) if layers is not None else None)
+
     def traced(fn):
-        # Trace under the mesh and rules so `constrain` calls in the model see them.
+        # Trace under the mesh, rules and layer strategies, so the model's `constrain` calls and
+        # layer stack see them.
         def wrapper(*args):
-            tp = TensorParallel(schedule, rules, mesh, sub_batches=sub_batches)
-            with use_rules(rules, mesh), use_tensor_parallel(tp), use_layer_plan(layers):
+            with use_parallel(parallel):
                 return fn(*args)
 
         return wrapper

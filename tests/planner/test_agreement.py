@@ -1,6 +1,6 @@
 """The cost model agrees with the inspection simulator: whole train steps of GPT-2 1.5B's shape
 (32 heads of 50, 4 layers) compiled for h100:8, tensor=8, batch 8 x 1024; the planner's step
-(`planner.costs.step_cost`) within 15% of the simulator's (docs/planner.md, "Plans")."""
+(`planner.step_cost.step_cost`) within 15% of the simulator's (docs/planner.md, "Plans")."""
 
 import pytest
 
@@ -8,7 +8,9 @@ from models.presets import get_preset
 from oases_jax.analysis.hardware import get_cluster
 from oases_jax.analysis.targets import has_gpu_aot
 from oases_jax.layer_plan import LayerSpec
-from planner.costs import Hardware, Layout, Strategy, step_cost
+from planner.layout import Layout
+from planner.prices import Hardware
+from planner.step_cost import step_cost
 
 pytestmark = [pytest.mark.gpu_aot,
               pytest.mark.skipif(not has_gpu_aot(), reason="needs the gpu-aot extra")]
@@ -21,11 +23,11 @@ CFG = get_preset("gpt2-1.5b").with_overrides(
 LAYOUT = Layout(tensor=8, global_batch=8, seq_len=1024)
 BOUND = 0.15
 
-MEGATRON = Strategy(schedule="megatron")
-OASES = Strategy(schedule="oases", sub_batches=2)
+MEGATRON = LayerSpec(schedule="megatron")
+OASES = LayerSpec(schedule="oases", sub_batches=2)
 PLANS = [
     pytest.param([MEGATRON] * LAYERS, id="megatron"),
-    pytest.param([MEGATRON] * 2 + [Strategy(schedule="megatron", remat="full")] * 2,
+    pytest.param([MEGATRON] * 2 + [LayerSpec(schedule="megatron", remat="full")] * 2,
                  id="megatron+megatron_full_remat"),
     # Measured: model 15.17 ms vs simulator 16.52 (-8%).
     pytest.param([OASES] * LAYERS, id="oases2"),
@@ -34,8 +36,9 @@ PLANS = [
 
 def _simulated_step_s(strategies) -> float:
     from oases_jax.analysis.targets import get_target
-    from tools.inspection import CompileSpec, inspect_program
+    from tools.inspection import inspect_program
     from training.config import ParallelConfig
+    from training.program import CompileSpec
 
     layers = tuple(LayerSpec(schedule=s.schedule, sub_batches=s.sub_batches, remat=s.remat)
                    for s in strategies)

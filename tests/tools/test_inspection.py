@@ -1,42 +1,9 @@
-"""tools/inspection.py without compiling: GPU options of mixed plans, specs through JSON."""
+"""Inspection without compiling: compile specs through JSON, the per-kind report line."""
 
 from models.presets import get_preset
-from oases_jax.analysis.hardware import get_cluster
-from oases_jax.analysis.targets import Target
 from oases_jax.layer_plan import LayerSpec
-from tools.inspection import (
-    GPU_OPTIONS,
-    CompileSpec,
-    compiler_options,
-    spec_from_json,
-    spec_to_json,
-)
 from training.config import ParallelConfig
-
-GPU = Target("h100:8", (), get_cluster("h100:8"), is_gpu_aot=True)
-
-
-def test_mixed_schedules_get_the_union_of_their_gpu_options():
-    opts = compiler_options(("megatron", "collective_matmul", "oases", "primepar"), GPU)
-    assert opts == {
-        "xla_gpu_enable_latency_hiding_scheduler": True,
-        "xla_gpu_experimental_parallel_collective_overlap_limit": 3,  # primepar's, not 2
-        "xla_gpu_all_reduce_combine_threshold_bytes": 0,
-        "xla_gpu_all_gather_combine_threshold_bytes": 0,
-        "xla_gpu_reduce_scatter_combine_threshold_bytes": 0,
-        "xla_gpu_collective_permute_combine_threshold_bytes": 0,
-        "xla_disable_hlo_passes": "dot-merger",
-    }
-    assert compiler_options("oases", GPU) == GPU_OPTIONS["oases"]
-    local = Target("local", (), get_cluster("cpu-8"), is_gpu_aot=False)
-    assert compiler_options(("oases", "collective_matmul"), local) == {}
-
-
-def test_disabled_passes_are_joined(monkeypatch):
-    monkeypatch.setitem(GPU_OPTIONS, "extra",
-                        {"xla_disable_hlo_passes": "all-gather-combiner,dot-merger"})
-    opts = compiler_options(("oases", "extra"), GPU)
-    assert opts["xla_disable_hlo_passes"] == "dot-merger,all-gather-combiner"
+from training.program import CompileSpec
 
 
 def test_a_plan_spec_survives_json():
@@ -44,7 +11,7 @@ def test_a_plan_spec_survives_json():
               LayerSpec(schedule="megatron"))
     spec = CompileSpec(model=get_preset("tiny"), batch_size=16, seq_len=64, microbatches=2,
                        parallel=ParallelConfig(mesh="data=2,tensor=4", layers=layers))
-    assert spec_from_json(spec_to_json(spec)) == spec
+    assert CompileSpec.from_json(spec.to_json()) == spec
     assert spec.parallel.schedules == ("oases_cm", "megatron")
 
 

@@ -12,14 +12,15 @@ from flax import nnx
 
 from models import get_preset
 from models.hf import export_hf, load_hf
-from models.layers import Block
+from models.layers import Block, block_fns
 from models.layout import layout_fns, standard_model
 from models.sharding import init_sharded, param_shardings
 from models.transformer import FAMILY_NORM
 from oases_jax.errors import UserError
+from oases_jax.layer_plan import LayerSpec
 from oases_jax.mesh import make_mesh
-from oases_jax.rules import constrain, get_rules, use_rules
-from oases_jax.tensor_parallel import TensorParallel, use_tensor_parallel
+from oases_jax.rules import constrain, get_rules
+from oases_jax.stacks import Parallel, run_layer, use_parallel
 from tests.scriptrun import run_script
 from training import CheckpointConfig, ParallelConfig, TrainConfig, train
 
@@ -46,9 +47,16 @@ def _block(cfg, mesh_spec):
     to_stored, to_standard = layout_fns("primepar", rules, mesh)
     stored = to_stored(jax.device_put(params, param_shardings(params, rules, mesh)))
 
-    def f_sharded(p, x):
-        with use_rules(rules, mesh), use_tensor_parallel(TensorParallel("primepar", rules, mesh)):
-            return grad(p, constrain(x, ("batch", "seq", "embed")))
+    parallel = Parallel(mesh, rules, LayerSpec(schedule="primepar"))
+
+    def f_sharded(p, x):  # the block as the runtime runs it in a train step
+        def f(p, x):
+            y = run_layer(parallel.segment(parallel.default), block_fns(graphdef), p, x)
+            return jnp.sum(y * ct), y
+
+        with use_parallel(parallel):
+            return jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(
+                p, constrain(x, ("batch", "seq", "embed")))
 
     with jax.set_mesh(mesh):
         (_, y), (g_p, g_x) = jax.jit(f_sharded)(stored, x)
@@ -137,13 +145,13 @@ def test_train_script(tmp_path):
 
 def _layer(target_devices, mesh_spec, schedule="primepar", **overrides):
     from oases_jax.analysis.program import analyze
-    from tools.inspection import CompileSpec, lower_layer
+    from training.program import CompileSpec, lower
 
     cfg = get_preset("tiny").replace(**overrides)
     spec = CompileSpec(model=cfg, parallel=ParallelConfig(mesh=mesh_spec, schedule=schedule),
                        batch_size=8, seq_len=32, layer=True)
     mesh = make_mesh(mesh_spec, target_devices)
-    return analyze(lower_layer(spec, mesh).compile(), mesh)[0]
+    return analyze(lower(spec, mesh).compile(), mesh)[0]
 
 
 def test_layer_projections_use_permutes_only():
@@ -167,7 +175,8 @@ def test_layer_permutes_overlap_gemms_on_h100(n, mesh):
     """One GPT-2 1.5B-shaped layer (32 heads of 50), forward and backward, for H100s: the
     projections' permutes are asynchronous with a GEMM in their window."""
     from oases_jax.analysis.targets import get_target, has_gpu_aot
-    from tools.inspection import CompileSpec, inspect_program
+    from tools.inspection import inspect_program
+    from training.program import CompileSpec
 
     if not has_gpu_aot():
         pytest.skip("needs the gpu-aot extra")
@@ -188,7 +197,8 @@ def test_train_step_permutes_overlap_gemms_on_h100(n, mesh):
     weight-gradient transfers at the end of the backward (measured 0.77 / 0.78 for q = 2 / 4
     before the fences of `oases_jax.primepar`, 0.98 / 0.98 with them)."""
     from oases_jax.analysis.targets import get_target, has_gpu_aot
-    from tools.inspection import CompileSpec, inspect_program
+    from tools.inspection import inspect_program
+    from training.program import CompileSpec
 
     if not has_gpu_aot():
         pytest.skip("needs the gpu-aot extra")

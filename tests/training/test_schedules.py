@@ -8,19 +8,20 @@ import pytest
 from flax import nnx
 
 from models import get_preset
-from models.layers import Block
+from models.layers import Block, block_fns
 from models.sharding import param_shardings
 from models.transformer import FAMILY_NORM
+from oases_jax import registry
+from oases_jax.layer_plan import LayerSpec
 from oases_jax.mesh import make_mesh
-from oases_jax.rules import constrain, get_rules, use_rules
-from oases_jax.tensor_parallel import TensorParallel, use_tensor_parallel
+from oases_jax.rules import constrain, get_rules
+from oases_jax.stacks import Parallel, run_layer, use_parallel
 from training import ParallelConfig, TrainConfig, train
-from training.config import SCHEDULES
 
 MESHES = ("data=1,tensor=8", "data=2,tensor=4", "data=4,tensor=2")
 STEPS = 30
 # primepar needs a tp_row x tp_col square: tests/training/test_primepar_training.py
-TENSOR_SCHEDULES = tuple(s for s in SCHEDULES if s != "primepar")
+TENSOR_SCHEDULES = registry.names(square=False)
 
 
 def _block_fwd_bwd(cfg, schedule, mesh):
@@ -35,9 +36,12 @@ def _block_fwd_bwd(cfg, schedule, mesh):
         y = nnx.merge(graphdef, p)(x)
         return jnp.sum(y * ct), y
 
-    def f_sharded(p, x):
-        with use_rules(rules, mesh), use_tensor_parallel(TensorParallel(schedule, rules, mesh)):
-            return f(p, constrain(x, ("batch", "seq", "embed")))
+    def f_sharded(p, x):  # the block as the runtime runs it in a train step
+        parallel = Parallel(mesh, rules, LayerSpec(schedule=schedule, sub_batches=2))
+        with use_parallel(parallel):
+            y = run_layer(parallel.segment(parallel.default), block_fns(graphdef), p,
+                          constrain(x, ("batch", "seq", "embed")))
+            return jnp.sum(y * ct), y
 
     if mesh is None:
         return _value_and_grads(f, params, x)
@@ -92,7 +96,7 @@ def test_training_matches_megatron(megatron_losses, schedule, mesh):
 
 def _layer_collectives(schedule, remat):
     from oases_jax.analysis.program import analyze
-    from tools.inspection import CompileSpec, lower_layer
+    from training.program import CompileSpec, lower
 
     cfg = get_preset("tiny").replace(remat=remat)
     mesh = make_mesh("data=2,tensor=4")
@@ -103,7 +107,7 @@ def _layer_collectives(schedule, remat):
         seq_len=32,
         layer=True,
     )
-    analysis = analyze(lower_layer(spec, mesh).compile(), mesh)[0]
+    analysis = analyze(lower(spec, mesh).compile(), mesh)[0]
     return analysis.counts_by_kind(), analysis
 
 
@@ -123,7 +127,8 @@ _H100_SHAPES = {"small": ({}, 256), "gpt2-1.5b": ({"n_heads": 32, "head_dim": 50
 
 def _h100_layer(model, schedule):
     from oases_jax.analysis.targets import get_target, has_gpu_aot
-    from tools.inspection import CompileSpec, inspect_program
+    from tools.inspection import inspect_program
+    from training.program import CompileSpec
 
     if not has_gpu_aot():
         pytest.skip("needs the gpu-aot extra")
@@ -156,7 +161,6 @@ def test_megatron_layer_overlaps_little_on_h100(model):
 
 def _stack_loss_and_grads(cfg, schedule, mesh, plan=None):
     from models.transformer import Transformer, cross_entropy
-    from oases_jax.layer_plan import use_layer_plan
 
     rules = get_rules("tp")
     graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
@@ -164,8 +168,9 @@ def _stack_loss_and_grads(cfg, schedule, mesh, plan=None):
     tokens = jax.random.randint(jax.random.key(1), (8, 33), 0, cfg.vocab_size)
 
     def loss(p, t):
-        tp = TensorParallel(schedule, rules, mesh, sub_batches=2)
-        with use_rules(rules, mesh), use_tensor_parallel(tp), use_layer_plan(plan):
+        parallel = Parallel(mesh, rules, LayerSpec(schedule=schedule, sub_batches=2),
+                            tuple(plan) if plan else None)
+        with use_parallel(parallel):
             logits = nnx.merge(graphdef, p)(t[:, :-1])
             return cross_entropy(logits, t[:, 1:], cfg.vocab_size)
 
@@ -177,12 +182,10 @@ def _stack_loss_and_grads(cfg, schedule, mesh, plan=None):
     ("none", True, None), ("save_proj", True, None), ("full", False, None),
     ("none", True, ("oases", "oases", "megatron")), ("none", True, ("megatron", "oases", "oases")),
 ])
-def test_pipelined_oases_stack_matches_megatron(remat, scan, plan):
-    """`oases` runs a stack of layers software-pipelined (`models.layers.pipelined_layers`):
+def test_overlapped_oases_stack_matches_megatron(remat, scan, plan):
+    """`oases` runs a stack of layers overlapped across layers (`oases_jax.stacks`):
     three layers, scanned or unrolled, under remat, and as segments of a per-layer plan, give
     megatron's loss and gradients."""
-    from oases_jax.layer_plan import LayerSpec
-
     cfg = get_preset("tiny").replace(n_layers=3, remat=remat, scan_layers=scan)
     mesh = make_mesh("data=2,tensor=4")
     layers = plan and [LayerSpec(schedule=s, sub_batches=2 if s == "oases" else 1, remat=remat)
@@ -194,12 +197,12 @@ def test_pipelined_oases_stack_matches_megatron(remat, scan, plan):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-def test_pipelined_stack_recomputation_is_communication_free():
-    """The whole train step of a pipelined `oases` stack: `save_proj` remat issues exactly the
+def test_overlapped_stack_recomputation_is_communication_free():
+    """The whole train step of a overlapped `oases` stack: `save_proj` remat issues exactly the
     collectives of no remat (the pending all-reduce's result is saved in the next layer), full
     remat issues more."""
     from oases_jax.analysis.program import analyze
-    from tools.inspection import CompileSpec, lower_train_step
+    from training.program import CompileSpec, lower
 
     mesh = make_mesh("data=2,tensor=4")
 
@@ -207,7 +210,7 @@ def test_pipelined_stack_recomputation_is_communication_free():
         spec = CompileSpec(model=get_preset("tiny").replace(n_layers=3, remat=remat),
                            parallel=ParallelConfig(mesh="data=2,tensor=4", schedule="oases"),
                            batch_size=8, seq_len=32)
-        return analyze(lower_train_step(spec, mesh).compile(), mesh)[0].counts_by_kind()
+        return analyze(lower(spec, mesh).compile(), mesh)[0].counts_by_kind()
 
     plain, saved, full = counts("none"), counts("save_proj"), counts("full")
     assert saved == plain
@@ -218,11 +221,12 @@ def test_pipelined_stack_recomputation_is_communication_free():
 def test_oases_train_step_overlaps_across_layers_on_h100():
     """The whole train step of `small` (4 layers, scanned) for 8 H100s with tensor=8. Each
     layer's last all-reduce (mlp of the last sub-batch) used to end its scan iteration with no
-    GEMM left to hide behind (share 0.611); the pipelined stack issues it beside the next
+    GEMM left to hide behind (share 0.611); the overlapped stack issues it beside the next
     layer's attn(0) (0.702; the rest is the embedding's and the head's all-reduces, the one
     completed after the stack, and attn(k-1)'s, which XLA closes before mlp(0)'s GEMMs)."""
     from oases_jax.analysis.targets import get_target, has_gpu_aot
-    from tools.inspection import CompileSpec, inspect_program
+    from tools.inspection import inspect_program
+    from training.program import CompileSpec
 
     if not has_gpu_aot():
         pytest.skip("needs the gpu-aot extra")

@@ -1,4 +1,4 @@
-"""Sub-batch schedules (Oases): the order of work inside a transformer layer, as plain data.
+"""Step orders (Oases): the order of work inside a transformer layer, as plain data.
 
 A micro-batch is split into k sub-batches along the batch. Each sub-layer (attention, MLP) of
 each sub-batch ends in a tensor-parallel collective; ordering the work as
@@ -7,7 +7,7 @@ each sub-batch ends in a tensor-parallel collective; ordering the work as
 
 lets the collective of sub-batch b run while sub-batch b+1 computes. The backward pass is the
 same order reversed, so there too one sub-batch's collective overlaps another's compute.
-`run` executes one layer (split, steps, join); `run_pipelined` executes one layer of a stack
+`run` executes one layer (split, steps, join); `run_overlapped` executes one layer of a stack
 whose sub-batches stay split between layers and whose last step's collective (mlp(k-1)'s) is
 left pending for the next layer, which completes it while its attn(0) .. attn(k-2) compute.
 XLA's scheduler keeps the collectives asynchronous because the sub-batches share no data.
@@ -30,7 +30,7 @@ class Step:
 
 
 @dataclasses.dataclass(frozen=True)
-class Schedule:
+class StepOrder:
     sub_batches: int
     steps: tuple[Step, ...]
 
@@ -44,22 +44,22 @@ class Schedule:
         return "\n".join(lines)
 
 
-def oases(sub_batches: int) -> Schedule:
+def oases(sub_batches: int) -> StepOrder:
     """Ping-pong order: every sub-batch's attention, then every sub-batch's MLP."""
     if sub_batches < 1:
         raise ValueError(f"sub_batches={sub_batches} must be >= 1")
-    return Schedule(sub_batches, tuple(
+    return StepOrder(sub_batches, tuple(
         Step(op, b) for op in ("attn", "mlp") for b in range(sub_batches)))
 
 
-def sequential() -> Schedule:
-    return Schedule(1, (Step("attn", 0), Step("mlp", 0)))
+def sequential() -> StepOrder:
+    return StepOrder(1, (Step("attn", 0), Step("mlp", 0)))
 
 
-def split(schedule: Schedule, x_BLD: jax.Array) -> tuple[jax.Array, ...]:
+def split(order: StepOrder, x_BLD: jax.Array) -> tuple[jax.Array, ...]:
     """The k sub-batches of x. Sub-batch j takes rows j, j+k, j+2k, ...: every data shard keeps
     its own rows, so splitting and joining move no data between devices."""
-    k, b = schedule.sub_batches, x_BLD.shape[0]
+    k, b = order.sub_batches, x_BLD.shape[0]
     if b % k:
         raise ValueError(f"batch of {b} does not split into {k} sub-batches")
     grouped = x_BLD.reshape(b // k, k, *x_BLD.shape[1:])
@@ -75,42 +75,42 @@ def join(xs: Sequence[jax.Array]) -> jax.Array:
     return stacked.reshape(-1, *stacked.shape[2:])
 
 
-def run(schedule: Schedule, x_BLD: jax.Array, ops: dict[str, Callable[[jax.Array], jax.Array]],
+def run(order: StepOrder, x_BLD: jax.Array, ops: dict[str, Callable[[jax.Array], jax.Array]],
         constrain: Callable[[jax.Array], jax.Array] = lambda x: x,
         before_step: Callable[[jax.Array], jax.Array] = lambda x: x,
         after_step: Callable[[jax.Array], None] = lambda x: None) -> jax.Array:
-    """Execute `schedule` on x: split the batch into sub-batches, apply each residual step in
+    """Execute `order` on x: split the batch into sub-batches, apply each residual step in
     order, and join the sub-batches again. `before_step` sees each step's input first and
-    `after_step` each step's output (the manual Megatron layer uses them to pin the order of
-    work, see `tensor_parallel.pin_order` and `tensor_parallel.anchor`)."""
-    xs = list(split(schedule, x_BLD))
-    for step in schedule.steps:
+    `after_step` each step's output (a manual layer's projection uses them to pin the order of
+    work, see `oases_jax.projections.LocalAllReduce`)."""
+    xs = list(split(order, x_BLD))
+    for step in order.steps:
         x = before_step(xs[step.sub_batch])
         xs[step.sub_batch] = constrain(x + ops[step.op](x))
         after_step(xs[step.sub_batch])
     return join(xs)
 
 
-def run_pipelined(schedule: Schedule, xs: Sequence[jax.Array], pending: Any,
+def run_overlapped(order: StepOrder, xs: Sequence[jax.Array], pending: Any,
                   ops: dict[str, Callable[[jax.Array], jax.Array]],
                   defer: Callable[[jax.Array], Any], complete: Callable[[Any], jax.Array],
                   before_step: Callable[[jax.Array], jax.Array] = lambda x: x,
                   after_step: Callable[[jax.Array], None] = lambda x: None,
                   ) -> tuple[tuple[jax.Array, ...], Any]:
-    """One layer of a software-pipelined stack, on sub-batches `xs` that stay split between
-    layers. The schedule's last step (its sub-batch `s`) is left unfinished: `defer(x)` returns
+    """One layer of an overlapped stack, on sub-batches `xs` that stay split between
+    layers. The order's last step (its sub-batch `s`) is left unfinished: `defer(x)` returns
     its pre-collective state (`pending`) and xs[s] stays that step's input, so the true xs[s] is
     xs[s] + complete(pending). A layer given the previous layer's `pending` completes it just
     before its first step on sub-batch s: the collective runs while the steps before that
     (attn(0) .. attn(s-1) under `oases`) compute. Finish the stack with `finish_pending`."""
     xs = list(xs)
-    last = schedule.steps[-1]
+    last = order.steps[-1]
     new_pending = None
-    for i, step in enumerate(schedule.steps):
+    for i, step in enumerate(order.steps):
         if pending is not None and step.sub_batch == last.sub_batch:
-            xs, pending = list(finish_pending(schedule, xs, pending, complete)), None
+            xs, pending = list(finish_pending(order, xs, pending, complete)), None
         x = before_step(xs[step.sub_batch])
-        if i == len(schedule.steps) - 1:
+        if i == len(order.steps) - 1:
             xs[step.sub_batch], new_pending = x, defer(x)
         else:
             xs[step.sub_batch] = x + ops[step.op](x)
@@ -118,10 +118,10 @@ def run_pipelined(schedule: Schedule, xs: Sequence[jax.Array], pending: Any,
     return tuple(xs), new_pending
 
 
-def finish_pending(schedule: Schedule, xs: Sequence[jax.Array], pending: Any,
+def finish_pending(order: StepOrder, xs: Sequence[jax.Array], pending: Any,
                    complete: Callable[[Any], jax.Array]) -> tuple[jax.Array, ...]:
-    """Complete the step `run_pipelined` left pending (at the end of a stack)."""
+    """Complete the step `run_overlapped` left pending (at the end of a stack)."""
     xs = list(xs)
-    s = schedule.steps[-1].sub_batch
+    s = order.steps[-1].sub_batch
     xs[s] = xs[s] + complete(pending)
     return tuple(xs)

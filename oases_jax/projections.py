@@ -1,0 +1,316 @@
+"""Projection strategies: how the column (D -> heads/mlp) and row (heads/mlp -> D) projections of a
+layer run under a schedule, as objects.
+
+Models call the module functions `column`, `row`, `add_bias`, `row_partial` and `complete` with
+logical names for the weights; they delegate to the strategy active for the segment of layers
+being traced (`use`). Strategies (`registry.PROJECTIONS`; docs/parallelism.md):
+
+    Gspmd           plain einsums; GSPMD inserts Megatron's all-reduces
+    GspmdSeq        Megatron-SP: the sequence-sharded residual stream is all-gathered before the
+                    column projections and the row projections' sums reduce-scattered onto it
+    Ring            ppermute rings overlapping each chunk's GEMM, one shard_map per projection
+    PrimePar        Cannon-style projections on the tp_row x tp_col square
+    LocalAllReduce  inside a layer-wide shard_map: local partial sums, explicit all-reduces, and
+                    the hooks the sub-batch executor uses to order them (Oases)
+    LocalRing       inside a layer-wide shard_map: the ring itself, per device
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from oases_jax import primepar
+from oases_jax.collective_matmul import all_gather_matmul, matmul_reduce_scatter
+from oases_jax.registry import ScheduleSpec
+from oases_jax.rules import Logical, ShardingRules, constrain
+
+RESIDUAL: Logical = ("batch", "seq", "embed")
+
+
+def _flat(w: jax.Array, n_in: int) -> jax.Array:
+    return w.reshape(math.prod(w.shape[:n_in]), -1)
+
+
+def _split_outputs(y: jax.Array, flat: Sequence[jax.Array], ws: Sequence[jax.Array]):
+    """Undo the concatenation of several column weights: y [..., sum(F_i)] -> [..., *out_i]."""
+    cuts = [sum(f.shape[1] for f in flat[: i + 1]) for i in range(len(flat) - 1)]
+    parts = jnp.split(y, cuts, axis=-1)
+    return tuple(p.reshape(*p.shape[:2], *w.shape[1:]) for p, w in zip(parts, ws, strict=True))
+
+
+def einsum_row(h: jax.Array, w: jax.Array) -> jax.Array:
+    """h [B, L, *in] @ w [*in, D] on the arrays at hand."""
+    letters = "ijkm"[: w.ndim - 1]
+    return jnp.einsum(f"bl{letters},{letters}d->bld", h, w)
+
+
+class Gspmd:
+    """Plain einsums: the partitioner inserts whatever collectives the shardings need."""
+
+    gathers_in_column = False  # the column projection's outputs are not post-collective values
+
+    def column(self, x_BLD, weights, names) -> list[jax.Array]:
+        return [jnp.einsum("bld,d...->bl...", x_BLD, w) for w in weights]
+
+    def row(self, h, w, names) -> jax.Array:
+        return einsum_row(h, w)
+
+    def add_bias(self, y, b, names) -> jax.Array:
+        return y + b
+
+    def row_partial(self, h, w) -> jax.Array:
+        return einsum_row(h, w)
+
+    def complete(self, partial) -> jax.Array:
+        return partial
+
+    # Hooks of the sub-batch executor (`step_order.run`): nothing to order outside shard_map.
+    def before_step(self, x):
+        return x
+
+    def after_step(self, x) -> None:
+        return None
+
+
+class GspmdSeq(Gspmd):
+    """Megatron-SP (Korthikanti et al.): the residual stream stays sharded on `seq` between the
+    projections; the column projection's input is gathered over the sequence first (one
+    all-gather of [B, L, D]) and the row projection's sum is constrained back onto the sequence
+    (one reduce-scatter). The pins keep GSPMD from choosing another boundary, e.g. moving the
+    attention scores between devices with all-to-alls."""
+
+    def column(self, x_BLD, weights, names) -> list[jax.Array]:
+        x_BLD = constrain(x_BLD, ("batch", None, "embed"))
+        return [constrain(y, ("batch", None, *n[1:])) for y, n in
+                zip(super().column(x_BLD, weights, names), names, strict=True)]
+
+    def row(self, h, w, names) -> jax.Array:
+        h = constrain(h, ("batch", None, *names[:-1]))
+        return constrain(einsum_row(h, w), RESIDUAL)
+
+
+class Ring(Gspmd):
+    """Each projection a ring of ppermutes in its own shard_map over `axis`: the column
+    projection gathers the sequence-sharded input chunk by chunk into its GEMMs, the row
+    projection reduce-scatters its partial sums back onto the sequence."""
+
+    gathers_in_column = True
+
+    def __init__(self, rules: ShardingRules, mesh: Mesh, axis: str = "tensor",
+                 bidirectional: bool = True):
+        self.rules, self.mesh, self.axis, self.bidirectional = rules, mesh, axis, bidirectional
+
+    def column(self, x_BLD, weights, names) -> list[jax.Array]:
+        rules, mesh = self.rules, self.mesh
+        x_spec = rules.act_spec(RESIDUAL, mesh)
+        w_specs = [rules.param_spec(n, mesh) for n in names]
+        out_specs = tuple(rules.act_spec(("batch", None, *n[1:]), mesh) for n in names)
+        local = LocalRing(self.axis, self.bidirectional)
+        outs = jax.shard_map(lambda x, *ws: tuple(local.column(x, ws, names)), mesh=mesh,
+                             in_specs=(x_spec, *w_specs), out_specs=out_specs)(x_BLD, *weights)
+        return list(outs)
+
+    def row(self, h, w, names) -> jax.Array:
+        rules, mesh = self.rules, self.mesh
+        h_spec = rules.act_spec(("batch", None, *names[:-1]), mesh)
+        local = LocalRing(self.axis, self.bidirectional)
+        return jax.shard_map(lambda h, w: local.row(h, w, names), mesh=mesh,
+                             in_specs=(h_spec, rules.param_spec(names, mesh)),
+                             out_specs=rules.act_spec(RESIDUAL, mesh))(h, w)
+
+
+class LocalRing(Gspmd):
+    """The ring projections on per-device blocks, inside a shard_map over `axis`."""
+
+    gathers_in_column = True
+
+    def __init__(self, axis: str = "tensor", bidirectional: bool = True):
+        self.axis, self.bidirectional = axis, bidirectional
+
+    def column(self, x_BLD, weights, names) -> list[jax.Array]:
+        """One all-gather ring for all weights (concatenated), split again."""
+        bidirectional = self.bidirectional and x_BLD.shape[1] % 2 == 0
+        flat = [_flat(w, 1) for w in weights]
+        y = all_gather_matmul(x_BLD, jnp.concatenate(flat, axis=1), self.axis, bidirectional)
+        return list(_split_outputs(y, flat, weights))
+
+    def row(self, h, w, names) -> jax.Array:
+        bidirectional = self.bidirectional and w.shape[-1] % 2 == 0
+        return matmul_reduce_scatter(h.reshape(*h.shape[:2], -1), _flat(w, w.ndim - 1),
+                                     self.axis, bidirectional)
+
+
+class LocalAllReduce(Gspmd):
+    """Megatron inside a layer-wide shard_map: local partial sums and explicit all-reduces over
+    `axis`, with the hooks the sub-batch executor uses to keep one sub-batch's all-reduce beside
+    another's compute. Holds per-trace state: build one per traced layer."""
+
+    def __init__(self, axis: str = "tensor"):
+        self.axis = axis
+        self._partials: list[jax.Array] = []  # row partials produced since the last step
+        self._anchor: jax.Array | None = None  # the output of the last executed step
+
+    def row(self, h, w, names) -> jax.Array:
+        partial = einsum_row(h, w)
+        self._partials.append(partial)
+        y = jax.lax.psum(partial, self.axis)
+        if self._anchor is None:
+            return y
+        # Use the all-reduce's result only after the previous step's output: XLA would otherwise
+        # fuse the residual adds of two sub-batches into one multi-output fusion (they share
+        # the bias), which waits for both all-reduces and so serialises the second behind the
+        # first.
+        return jax.lax.optimization_barrier((self._anchor, y))[1]
+
+    def complete(self, partial) -> jax.Array:
+        """The all-reduce of a `row_partial`. Not tied to the last step's output: an overlapped
+        stack completes it while other sub-batches' steps run, and a tie to one of them would
+        serialise that step's own all-reduce behind it."""
+        return jax.lax.psum(partial, self.axis)
+
+    def before_step(self, x):
+        """Make `x` (the next step's input) available only once the partials produced so far
+        are computed: XLA may then not hoist the next sub-batch's compute above the previous
+        one's projection, so the previous all-reduce keeps compute to hide behind."""
+        partials, self._partials = self._partials, []
+        if not partials:
+            return x
+        return jax.lax.optimization_barrier((*partials, x))[-1]
+
+    def after_step(self, x) -> None:
+        self._anchor = x
+
+    def forget_partials(self) -> None:
+        self._partials = []
+
+
+class PrimePar(Gspmd):
+    """Projections on the `rows` x `cols` square (oases_jax.primepar): column projections return
+    the skewed layout that row projections take; `add_bias` adds a bias in it."""
+
+    gathers_in_column = True
+
+    def __init__(self, rules: ShardingRules, mesh: Mesh, rows: str = "tp_row",
+                 cols: str = "tp_col"):
+        primepar.square_size(mesh.shape, rows, cols)
+        self.rules, self.mesh, self.rows, self.cols = rules, mesh, rows, cols
+
+    def column(self, x_BLD, weights, names) -> list[jax.Array]:
+        rules, mesh = self.rules, self.mesh
+        x_spec = rules.act_spec(RESIDUAL, mesh)
+        w_specs = [rules.param_spec(n, mesh) for n in names]
+        out_specs = tuple(rules.act_spec(("batch", None, *n[1:]), mesh) for n in names)
+
+        def local(x, *ws):  # x: X[i, j] [B/(dp q), L, D/q]; ws: stored blocks W[j, i+j-1]
+            flat = [_flat(w, 1) for w in ws]
+            y = primepar.column_matmul(x, jnp.concatenate(flat, axis=1), self.rows, self.cols)
+            return _split_outputs(y, flat, ws)  # skewed: Y[i, i+j]
+
+        outs = jax.shard_map(local, mesh=mesh, in_specs=(x_spec, *w_specs),
+                             out_specs=out_specs)(x_BLD, *weights)
+        return list(outs)
+
+    def row(self, h, w, names) -> jax.Array:
+        rules, mesh, n_in = self.rules, self.mesh, w.ndim - 1
+
+        def local(h, w):  # h: skewed X[i, i+j]; w: stored block W[i+j, j]
+            return primepar.row_matmul(h.reshape(*h.shape[:2], -1), _flat(w, n_in), self.rows,
+                                       self.cols)
+
+        return jax.shard_map(local, mesh=mesh,
+                             in_specs=(rules.act_spec(("batch", None, *names[:-1]), mesh),
+                                       rules.param_spec(names, mesh)),
+                             out_specs=rules.act_spec(RESIDUAL, mesh))(h, w)
+
+    def add_bias(self, y, b, names) -> jax.Array:
+        """Device (i, j) holds output block i+j, so the bias blocks are skewed too: one small
+        ppermute, no gather."""
+        y_spec = self.rules.act_spec(("batch", None, *names), self.mesh)
+
+        def local(y, b):  # b: block j of the bias, the same on every row
+            return y + primepar.skew(b, self.rows, self.cols)
+
+        return jax.shard_map(local, mesh=self.mesh,
+                             in_specs=(y_spec, self.rules.param_spec(names, self.mesh)),
+                             out_specs=y_spec)(y, b)
+
+
+Projection = Gspmd  # the interface every strategy implements
+
+
+def strategy_for(spec: ScheduleSpec, rules: ShardingRules, mesh: Mesh, *, manual: bool = False,
+                 axis: str = "tensor", bidirectional: bool = True) -> Projection:
+    """The projection strategy of schedule `spec` on `mesh` (`manual`: inside a layer-wide
+    shard_map). Without a split to overlap (an axis of size 1) every strategy is plain GSPMD."""
+    if manual:
+        kind = spec.manual_projection
+        if kind == "manual":
+            return LocalAllReduce(axis)
+        if kind == "ring":
+            return LocalRing(axis, bidirectional)
+        raise ValueError(f"schedule {spec.name} has no manual projection")
+    if spec.projection == "primepar" and mesh.shape.get("tp_row", 1) > 1:
+        return PrimePar(rules, mesh)
+    if spec.projection == "ring" and mesh.shape.get(axis, 1) > 1:
+        return Ring(rules, mesh, axis, bidirectional)
+    if spec.projection == "gspmd_sp":
+        return GspmdSeq()
+    return Gspmd()
+
+
+_ACTIVE: contextvars.ContextVar[Projection | None] = contextvars.ContextVar(
+    "oases_jax_projection", default=None)
+_PLAIN = Gspmd()
+
+
+def active() -> Projection:
+    """The strategy of the segment being traced (plain einsums outside any)."""
+    return _ACTIVE.get() or _PLAIN
+
+
+@contextlib.contextmanager
+def use(projection: Projection):
+    """Run the projections traced inside this block with `projection`."""
+    token = _ACTIVE.set(projection)
+    try:
+        yield projection
+    finally:
+        _ACTIVE.reset(token)
+
+
+# What models call.
+
+
+def column(x_BLD: jax.Array, weights: Sequence[jax.Array], names: Sequence[Logical]
+           ) -> list[jax.Array]:
+    """[x @ w for w in weights], each w of shape [D, *out] named ("embed", *out_names); the
+    outputs are [B, L, *out]."""
+    return active().column(x_BLD, weights, names)
+
+
+def row(h: jax.Array, w: jax.Array, names: Logical) -> jax.Array:
+    """h [B, L, *in] @ w [*in, D] -> [B, L, D], w named (*in_names, "embed")."""
+    return active().row(h, w, names)
+
+
+def add_bias(y: jax.Array, b: jax.Array, names: Logical) -> jax.Array:
+    """y + b for a column projection's output y [B, L, *out] and its bias b named `names`, in
+    whatever layout the projection left y (primepar: skewed)."""
+    return active().add_bias(y, b, names)
+
+
+def row_partial(h: jax.Array, w: jax.Array) -> jax.Array:
+    """This device's partial sum of a row projection, its collective left to `complete` (an
+    overlapped stack issues it in the next layer)."""
+    return active().row_partial(h, w)
+
+
+def complete(partial: jax.Array) -> jax.Array:
+    return active().complete(partial)

@@ -1,0 +1,155 @@
+"""The one compile path: lower and compile the train step (or one layer's forward and backward)
+that a parallel config describes, for a mesh of real devices or of a deviceless GPU target.
+
+`training.train`, `tools.bench`, `tools.inspection` (and through it `scripts/inspect_hlo.py` and
+the planner's checks) all compile here, so the program that trains is the program that is
+inspected: same lowering, same XLA options (`registry.compiler_options` for the schedules the
+layers run, on the mesh's platform).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from models.config import ModelConfig
+from models.layers import Block, block_fns
+from models.sharding import param_shardings
+from models.transformer import FAMILY_NORM
+from oases_jax import registry
+from oases_jax.errors import UserError
+from oases_jax.layer_plan import LayerSpec
+from oases_jax.rules import constrain, get_rules
+from oases_jax.stacks import Parallel, run_layer, use_parallel
+from training.checks import check_shapes
+from training.config import OptimConfig, ParallelConfig
+from training.optim import make_optimizer
+from training.state import StepFns, build_step_fns
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CompileSpec:
+    """What to compile: a model under a parallel config, at a batch shape."""
+
+    model: ModelConfig
+    parallel: ParallelConfig  # with `layers`, a plan's per-layer strategies
+    batch_size: int = 8  # global, per optimizer step
+    seq_len: int = 1024
+    microbatches: int = 1  # accumulated micro-batches of batch_size / microbatches rows
+    layer: bool = False  # one block's forward + backward instead of a whole train step
+
+    def __post_init__(self):
+        if self.microbatches < 1 or self.batch_size % self.microbatches:
+            raise UserError(f"batch {self.batch_size} does not split into {self.microbatches} "
+                            "micro-batches; use a divisor of the batch")
+        if self.layer and self.parallel.layers:
+            raise UserError("per-layer strategies describe a whole train step, not one layer; "
+                            "drop --layer")
+
+    def to_json(self) -> dict:
+        par = dataclasses.asdict(self.parallel)
+        return {"model": dataclasses.asdict(self.model), "parallel": par,
+                "batch_size": self.batch_size, "seq_len": self.seq_len,
+                "microbatches": self.microbatches, "layer": self.layer}
+
+    @classmethod
+    def from_json(cls, d: dict) -> CompileSpec:
+        par = dict(d["parallel"])
+        if par.get("layers") is not None:
+            par["layers"] = tuple(LayerSpec(**s) for s in par["layers"])
+        return cls(model=ModelConfig(**d["model"]), parallel=ParallelConfig(**par),
+                   batch_size=d["batch_size"], seq_len=d["seq_len"],
+                   microbatches=d.get("microbatches", 1), layer=d["layer"])
+
+
+def platform_of(mesh: Mesh) -> str:
+    """"gpu" for real and deviceless GPUs alike, else the devices' platform."""
+    return mesh.devices.flat[0].platform
+
+
+def compiler_options(parallel: ParallelConfig, mesh: Mesh) -> dict:
+    """The XLA options the schedules of `parallel` need on the mesh's platform."""
+    return registry.compiler_options(parallel.schedules, platform_of(mesh))
+
+
+@dataclasses.dataclass
+class StepProgram:
+    """A lowered program and the options it compiles with. `fns` holds the train step's
+    shardings and companions (None for a layer program)."""
+
+    spec: CompileSpec
+    mesh: Mesh
+    lowered: jax.stages.Lowered
+    options: dict
+    fns: StepFns | None = None
+
+    def compile(self, extra_options: dict | None = None) -> jax.stages.Compiled:
+        """Compile with the schedules' options (plus `extra_options`, e.g. a schedule dump)."""
+        return self.lowered.compile(compiler_options={**self.options, **(extra_options or {})})
+
+    @property
+    def resolved_mesh(self) -> str:
+        return ",".join(f"{n}={s}" for n, s in zip(self.mesh.axis_names, self.mesh.devices.shape,
+                                                   strict=True))
+
+
+def lower(spec: CompileSpec, mesh: Mesh, tx: optax.GradientTransformation | None = None
+          ) -> StepProgram:
+    """Lower `spec` on `mesh`. `tx` is the optimizer of a training run (default: AdamW with
+    the default settings, for inspection)."""
+    par = spec.parallel
+    rules = get_rules(par.rules_name)
+    check_shapes(batch_size=spec.batch_size, microbatches=spec.microbatches,
+                 seq_len=spec.seq_len, mesh=mesh, sub_batches=par.layer_sub_batches,
+                 rules=get_rules("tp_sp") if par.sequence_parallel else rules)
+    options = compiler_options(par, mesh)
+    if spec.layer:
+        return StepProgram(spec, mesh, _lower_layer(spec, mesh), options)
+    tx = tx or make_optimizer(OptimConfig(), total_steps=1000)
+    fns = build_step_fns(spec.model, tx, rules, mesh, par.schedule, par.sub_batches,
+                         layers=par.layers)
+    m = spec.microbatches
+    batch = jax.ShapeDtypeStruct((m, spec.batch_size // m, spec.seq_len + 1), jnp.int32,
+                                 sharding=fns.batch_sharding)
+    with jax.set_mesh(mesh):
+        lowered = fns.step_jit.lower(fns.abstract_state, batch)
+    return StepProgram(spec, mesh, lowered, options, fns)
+
+
+def _abstract(tree, shardings):
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+
+
+def _lower_layer(spec: CompileSpec, mesh: Mesh) -> jax.stages.Lowered:
+    """Forward and backward of one block, run by the runtime as in a train step:
+    sum(block(x)) and its gradients w.r.t. params and x (the value keeps the forward alive)."""
+    cfg, par = spec.model, spec.parallel
+    rules = get_rules(par.rules_name)
+    block = nnx.eval_shape(lambda: Block(cfg, FAMILY_NORM[cfg.family], rngs=nnx.Rngs(0)))
+    graphdef, params = nnx.split(block)
+    p_sh = param_shardings(params, rules, mesh)
+    x_sh = NamedSharding(mesh, rules.act_spec(("batch", "seq", "embed"), mesh))
+    x = jax.ShapeDtypeStruct((spec.batch_size, spec.seq_len, cfg.d_model),
+                             jnp.dtype(cfg.dtype), sharding=x_sh)
+    parallel = Parallel(mesh, rules, dataclasses.replace(par.default_layer, remat=cfg.remat))
+    seg = parallel.segment(parallel.default)
+    fns = block_fns(graphdef)
+
+    def fwd_bwd(p, x_BLD):
+        with use_parallel(parallel):
+            def f(p, x):
+                y = run_layer(seg, fns, p, constrain(x, ("batch", "seq", "embed")))
+                return jnp.sum(y.astype(jnp.float32))
+
+            return jax.value_and_grad(seg.wrap(f, in_scan=False), argnums=(0, 1))(p, x_BLD)
+
+    with jax.set_mesh(mesh):
+        out_sh = (NamedSharding(mesh, P()), (p_sh, x_sh))
+        return jax.jit(fwd_bwd, out_shardings=out_sh).lower(_abstract(params, p_sh), x)
