@@ -1,12 +1,22 @@
-"""The planner: an overlap-aware cost model (`planner.costs`), calibration profiles
-(`planner.profile`), an exact per-layer search (`planner.search`) and JSON plans
-(`planner.plan`). `make_plan` is the one-call entry point."""
+"""The planner: an overlap-aware cost model (layouts `planner.layout`, single-op prices
+`planner.prices`, the two-stream `planner.replay`, one layer `planner.layer_work`,
+`planner.layer_cost` and `planner.primepar_cost`, the whole step `planner.step_cost`),
+calibration profiles (`planner.profile`, measured by `planner.calibrate`), an exact per-layer
+search (`planner.search`) and JSON plans (`planner.plan`). `make_plan` is the one-call entry
+point."""
 
 from __future__ import annotations
 
+import jax
+
 from models.config import ModelConfig
 from oases_jax.analysis.hardware import CLUSTERS, ClusterSpec, LinkSpec, detect, get_cluster
+from oases_jax.analysis.targets import GPU_FACTS
 from oases_jax.errors import UserError
+from planner.plan import plan_json
+from planner.prices import Hardware
+from planner.profile import ROOT, Profile, default_profile_path
+from planner.search import SCHEDULES, search
 
 COST_SOURCES = ("datasheet", "profile", "xla")
 
@@ -14,8 +24,6 @@ COST_SOURCES = ("datasheet", "profile", "xla")
 def local_cluster(devices=None) -> ClusterSpec:
     """The devices at hand as a cluster: `cpu-N` for CPU devices (host-memory links), the
     GPU target of that model and count otherwise."""
-    import jax
-
     devices = list(devices if devices is not None else jax.devices())
     n, kind = len(devices), devices[0].device_kind
     if devices[0].platform == "cpu":
@@ -34,8 +42,6 @@ def load_profile(source: str, cluster: ClusterSpec, path: str | None = None):
     """The calibration profile for a cost source: None for `datasheet`; for `profile` and
     `xla`, `path` or the default profile of the cluster's device and size
     (`profiles/DEVICE-N.json`, `profiles/xla-DEVICE-N.json`)."""
-    from planner.profile import Profile, default_profile_path
-
     if source not in COST_SOURCES:
         raise UserError(f"unknown --cost-source {source!r}; choose one of "
                         f"{', '.join(COST_SOURCES)}")
@@ -54,9 +60,6 @@ def load_profile(source: str, cluster: ClusterSpec, path: str | None = None):
 def default_xla_profile(cluster: ClusterSpec):
     """`profiles/xla-DEVICE-N.json` of the cluster, or an error naming the sweep that writes it.
     XLA's estimator prices programs compiled for a GPU target (`oases_jax.analysis.targets`)."""
-    from oases_jax.analysis.targets import GPU_FACTS
-    from planner.profile import ROOT, default_profile_path
-
     n, dev = cluster.n_devices, cluster.device
     if dev not in GPU_FACTS:
         raise UserError(f"--cost-source xla on cluster {cluster.name!r}: XLA's estimator prices "
@@ -74,13 +77,9 @@ def make_plan(cfg: ModelConfig, *, model: str, cluster: ClusterSpec, global_batc
               seq_len: int, memory_fraction: float = 0.9, profile=None,
               cost_source: str = "datasheet", schedules=None) -> tuple[dict, object]:
     """Search and return (plan JSON, SearchResult)."""
-    from planner.costs import TP_SCHEDULES, Hardware
-    from planner.plan import plan_json
-    from planner.search import search
-
     hw = Hardware.of(cluster, profile)
     result = search(cfg, hw, global_batch=global_batch, seq_len=seq_len,
-                    memory_fraction=memory_fraction, schedules=schedules or TP_SCHEDULES)
+                    memory_fraction=memory_fraction, schedules=schedules or SCHEDULES)
     return plan_json(result, model=model, cfg=cfg, cluster=cluster.name,
                      cost_source=cost_source), result
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from models.config import ModelConfig
+from oases_jax.analysis.hardware import detect
 from oases_jax.errors import UserError
 from oases_jax.mesh import make_mesh
 from planner.profile import COMM_KINDS, Profile
@@ -283,8 +284,6 @@ def calibrate(cfg: CalibrationConfig, log: Callable[[str], None], *, device: str
 def local_device_name() -> str:
     """The oases_jax.analysis.hardware name of the local devices ("cpu", "h100", ...), or else their
     device kind as a slug."""
-    from oases_jax.analysis.hardware import detect
-
     dev = jax.devices()[0]
     if dev.platform == "cpu":
         return "cpu"

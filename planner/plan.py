@@ -17,8 +17,8 @@ import pathlib
 from models.config import ModelConfig
 from oases_jax.cli import write_atomic
 from oases_jax.errors import UserError
-from planner.costs import TP_SCHEDULES, Strategy
-from planner.search import Candidate, SearchResult
+from oases_jax.layer_plan import LayerSpec
+from planner.search import SCHEDULES, Candidate, SearchResult
 
 FORMAT = "oases-jax-plan/1"
 
@@ -63,7 +63,7 @@ class Plan:
     microbatches: int
     global_batch: int
     seq_len: int
-    layers: tuple[Strategy, ...]
+    layers: tuple[LayerSpec, ...]
     raw: dict
 
     @property
@@ -102,26 +102,33 @@ def load(path: str | pathlib.Path) -> Plan:
 def from_json(d: dict, where: str = "plan") -> Plan:
     try:
         mesh = ",".join(f"{k}={int(v)}" for k, v in d["mesh"].items())
-        layers = []
-        for i, entry in enumerate(d["layers"]):
-            s = Strategy(schedule=entry["schedule"], sub_batches=int(entry.get("sub_batches", 1)),
-                         remat=entry.get("remat", "none"))
-            if s.schedule not in TP_SCHEDULES:
-                raise UserError(f"{where}: layer {i} has unknown schedule {s.schedule!r}; "
-                                f"choose one of {', '.join(TP_SCHEDULES)}")
-            layers.append(s)
+        layers = [_layer(entry, i, where) for i, entry in enumerate(d["layers"])]
         if not layers:
             raise UserError(f"{where}: `layers` is empty; plan again with scripts/plan.py")
         _check_primepar(layers, d, where)
         return Plan(mesh=mesh, rules=d.get("rules", "tp"), microbatches=int(d["microbatches"]),
                     global_batch=int(d["global_batch"]), seq_len=int(d["seq_len"]),
                     layers=tuple(layers), raw=d)
+    except UserError:
+        raise
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise UserError(f"{where} is not a plan (missing or bad field {e}); "
                         "write it again with scripts/plan.py") from None
 
 
-def _check_primepar(layers: list[Strategy], d: dict, where: str) -> None:
+def _layer(entry: dict, i: int, where: str) -> LayerSpec:
+    """One `{"schedule", "sub_batches", "remat"}` entry (`LayerSpec.to_json`) of `layers`."""
+    if entry["schedule"] not in SCHEDULES:
+        raise UserError(f"{where}: layer {i} has unknown schedule {entry['schedule']!r}; "
+                        f"choose one of {', '.join(SCHEDULES)}")
+    try:
+        return LayerSpec(schedule=entry["schedule"], sub_batches=int(entry.get("sub_batches", 1)),
+                         remat=entry.get("remat", "none"))
+    except UserError as e:
+        raise UserError(f"{where}: layer {i}: {e}; plan again with scripts/plan.py") from None
+
+
+def _check_primepar(layers: list[LayerSpec], d: dict, where: str) -> None:
     """primepar shards every layer's parameters over its square, and stacked layers share one
     sharding: a plan runs primepar on every layer or on none, on a tp_row x tp_col mesh."""
     n = sum(s.schedule == "primepar" for s in layers)

@@ -13,7 +13,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from models.config import ModelConfig
-from planner.costs import Hardware, LayerModel, Layout, Op, Strategy, elem_bytes
+from oases_jax.layer_plan import LayerSpec
+from planner.layer_work import SCAN_PASSES, SCHEDULE_PASSES, LayerWork, elem_bytes
+from planner.layout import Layout, col_group, row_group
+from planner.prices import Hardware
+from planner.replay import Op
 
 SCHEDULE = "primepar"
 SIDES = (2, 4)  # square sides the search proposes
@@ -45,22 +49,10 @@ def square_layouts(cfg: ModelConfig, n_devices: int, global_batch: int, seq_len:
     return out
 
 
-def check(layout: Layout, strategy: Strategy) -> None:
+def check(layout: Layout, strategy: LayerSpec) -> None:
     if layout.primepar != (strategy.schedule == SCHEDULE):
         raise ValueError(f"schedule {strategy.schedule!r} on layout {layout.label()}: primepar "
                          "runs on primepar layouts (a tp_row x tp_col square) and only there")
-
-
-# Groups: the square's axes. Device (d, i, j) has id d q^2 + i q + j, so a column ring (tp_col)
-# is q consecutive devices and a row ring (tp_row) q devices q apart.
-
-
-def col_group(q: int) -> list[int]:
-    return list(range(q))
-
-
-def row_group(q: int) -> list[int]:
-    return [i * q for i in range(q)]
 
 
 def projections(cfg: ModelConfig) -> dict[str, tuple[tuple[int, int], tuple[int, int]]]:
@@ -74,9 +66,10 @@ def projections(cfg: ModelConfig) -> dict[str, tuple[tuple[int, int], tuple[int,
 
 class Square:
     """Costs of one primepar layer: `LayerModel.layer_ops`, `saved_bytes` and `temp_bytes`
-    hand primepar strategies here."""
+    hand primepar strategies here. `lm` is the layer's work (`LayerWork`, such as a
+    `planner.layer_cost.LayerModel`)."""
 
-    def __init__(self, lm: LayerModel):
+    def __init__(self, lm: LayerWork):
         self.lm, self.cfg, self.layout, self.hw = lm, lm.cfg, lm.layout, lm.hw
         self.q, self.e = lm.layout.square, lm.e
         self.tok = lm.layout.rows * lm.layout.seq_len  # T
@@ -170,7 +163,7 @@ class Square:
                  else [c.ff_dim])
         return [self.perm(4 * s / q, "col") for s in sizes]
 
-    def work(self, strategy: Strategy) -> dict:
+    def work(self, strategy: LayerSpec) -> dict:
         """Per sub-layer: the norm's memory work 5 T D e / q^2 (the residual stream is split
         q^2 ways) and the core (attention or activation on T/q rows and 1/q of the heads or
         MLP width: `LayerModel.sublayers` at tensor q^2)."""
@@ -178,7 +171,7 @@ class Square:
         pre = self.hw.mem_s(5 * self.tok * self.cfg.d_model * self.e / self.q**2)
         return {name: (pre, sub.core) for name, sub in subs.items()}
 
-    def fwd(self, strategy: Strategy, tag: str = "", norms: bool = True) -> list[Op]:
+    def fwd(self, strategy: LayerSpec, tag: str = "", norms: bool = True) -> list[Op]:
         ops: list[Op] = []
         for name, (pre, core) in self.work(strategy).items():
             (kc, nc), (kr, nr) = projections(self.cfg)[name]
@@ -192,7 +185,7 @@ class Square:
             ops += [("c", core)] + self.row_fwd(f"{key}.row", kr, nr)
         return ops
 
-    def bwd(self, strategy: Strategy) -> list[Op]:
+    def bwd(self, strategy: LayerSpec) -> list[Op]:
         ops: list[Op] = []
         for name, (pre, core) in reversed(self.work(strategy).items()):
             (kc, nc), (kr, nr) = projections(self.cfg)[name]
@@ -215,7 +208,7 @@ class Square:
         s = self.hw.comm_s("all-reduce", 4 * n / self.q, row_group(self.q))
         return [("start", "bparams", s), ("done", "bparams")]
 
-    def layer_ops(self, strategy: Strategy) -> dict[str, list[Op]]:
+    def layer_ops(self, strategy: LayerSpec) -> dict[str, list[Op]]:
         """Forward, backward and recomputation of one layer; see the module and method
         docstrings. Recomputation: `full` redoes the forward; `save_proj` redoes every
         projection's forward, transfers included (their custom-VJP residuals, the input block
@@ -224,17 +217,18 @@ class Square:
         check(self.layout, strategy)
         scan = 0.0
         if self.cfg.scan_layers:  # stacking the saved activations, as for the other schedules
-            from planner.costs import SCAN_PASSES
-
             scan = self.hw.mem_s(SCAN_PASSES * self.saved_bytes(strategy))
-        fwd = [("c", scan / 2)] + self.fwd(strategy)
-        bwd = [("c", scan / 2)] + self.bwd(strategy)
+        # The schedule's own passes over its residual stream, T D e / q^2 (none calibrated yet).
+        tok_bytes = self.tok * self.cfg.d_model * self.e / self.q**2
+        extra = self.hw.mem_s(SCHEDULE_PASSES[SCHEDULE] * tok_bytes)
+        fwd = [("c", scan / 2 + extra / 2)] + self.fwd(strategy)
+        bwd = [("c", scan / 2 + extra / 2)] + self.bwd(strategy)
         recompute = {"none": [], "full": self.fwd(strategy, "r"),
                      "save_proj": self.fwd(strategy, "r", norms=False)}[strategy.remat]
         return {"fwd": fwd, "bwd": bwd, "recompute": recompute}
 
     # Memory.
-    def saved_bytes(self, strategy: Strategy) -> float:
+    def saved_bytes(self, strategy: LayerSpec) -> float:
         """Activations one layer keeps for its backward, bytes per device: the other schedules'
         formulas with every tensor split q^2 ways (nothing is replicated over the square):
           none:      [4 T D + T (H + 2G) K + T H K + T L H + g T F] e / q^2 + 3 * 4 T L H / q^2
@@ -255,7 +249,7 @@ class Square:
         return (4 * t * d + t * (h + 2 * g) * k + t * h * k + gated * t * f) * e / q2 \
             + scores * e + 3 * 4 * scores
 
-    def temp_bytes(self, strategy: Strategy) -> float:
+    def temp_bytes(self, strategy: LayerSpec) -> float:
         """Working set of the layer's backward beyond its saved activations: the f32 scores and
         their gradient (2 * 4 T L H / q^2), the recomputed activations under remat, and the
         rotation's blocks: two of every block a backward step moves (the one in use and the one
@@ -266,7 +260,7 @@ class Square:
         scores = self.tok * self.layout.seq_len * c.n_heads / q2
         temp = 2 * 4 * scores
         if strategy.remat != "none":
-            temp += self.saved_bytes(Strategy(schedule=SCHEDULE))
+            temp += self.saved_bytes(LayerSpec(schedule=SCHEDULE))
         moving = 0.0
         for (kc, nc), (kr, nr) in projections(c).values():
             col, row = self.blocks(kc, nc), self.blocks(kr, nr)

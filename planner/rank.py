@@ -14,8 +14,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from models.config import ModelConfig
+from oases_jax import registry
+from oases_jax.layer_plan import LayerSpec
 from oases_jax.mesh import parse_mesh
-from planner.costs import TP_SCHEDULES, Hardware, Layout, Strategy, step_cost
+from planner.layout import Layout
+from planner.prices import Hardware
+from planner.search import SCHEDULES
+from planner.step_cost import step_cost
 
 FSDP_RULES = ("fsdp", "fsdp_tp")
 
@@ -35,14 +40,14 @@ def layout_of(mesh: str, rules: str, *, global_batch: int, seq_len: int) -> Layo
 def predict_step_s(cfg: ModelConfig, hw: Hardware, *, mesh: str, rules: str, schedule: str,
                    sub_batches: int, global_batch: int, seq_len: int) -> float | None:
     """Predicted seconds of one optimizer step of the variant, or None if not modelled."""
-    if schedule not in TP_SCHEDULES:
+    if schedule not in SCHEDULES:
         return None
     layout = layout_of(mesh, rules, global_batch=global_batch, seq_len=seq_len)
     if layout is None:
         return None
-    k = sub_batches if schedule in ("oases", "oases_cm") else 1
-    strategy = Strategy(schedule=schedule if layout.tensor > 1 else "megatron",
-                        sub_batches=k if layout.tensor > 1 else 1, remat=cfg.remat)
+    k = registry.get(schedule).layer_sub_batches(sub_batches)
+    strategy = LayerSpec(schedule=schedule if layout.tensor > 1 else "megatron",
+                         sub_batches=k if layout.tensor > 1 else 1, remat=cfg.remat)
     return step_cost(cfg, layout, [strategy] * cfg.n_layers, hw).step_s
 
 

@@ -10,35 +10,30 @@ from collections.abc import Sequence
 import numpy as np
 
 from models.config import ModelConfig
+from oases_jax import registry
 from oases_jax.errors import UserError
-from planner.costs import (
-    REMATS,
-    SEQUENCE_PARALLEL,
-    SUB_BATCH,
-    TP_SCHEDULES,
-    Hardware,
-    LayerCost,
-    LayerModel,
-    Layout,
-    StepCost,
-    Strategy,
-    divisors,
-    head_cost,
-    resharding_s,
-    static_memory,
-    step_cost,
-)
+from oases_jax.layer_plan import LayerSpec
+from planner.layer_cost import LayerCost, LayerModel
+from planner.layout import Layout
+from planner.prices import Hardware
 from planner.primepar_cost import SCHEDULE as PRIMEPAR
 from planner.primepar_cost import SIDES, square_layouts
+from planner.step_cost import StepCost, head_cost, resharding_s, static_memory, step_cost
 
+SCHEDULES = registry.names(planned=True)  # the per-layer schedules the planner chooses from
+REMATS = ("none", "save_proj", "full")  # the remat policies the cost model prices
 MEMORY_BUCKETS = 256  # resolution of the DP's activation-memory axis (budget / 256)
 SUB_BATCH_COUNTS = (2, 4)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     layout: Layout
-    strategies: tuple[Strategy, ...]
+    strategies: tuple[LayerSpec, ...]
     cost: StepCost
 
     def summary(self) -> str:
@@ -63,7 +58,7 @@ class SearchResult:
 
 
 def layouts(cfg: ModelConfig, n_devices: int, global_batch: int, seq_len: int,
-            max_microbatches: int = 8, schedules: Sequence[str] = TP_SCHEDULES) -> list[Layout]:
+            max_microbatches: int = 8, schedules: Sequence[str] = SCHEDULES) -> list[Layout]:
     """Every replicas x tensor = n_devices with a tensor degree that divides the heads, KV
     heads, MLP width and vocabulary, the replicas either holding whole parameters or sharding
     them (fsdp over all replicas), and every power-of-two micro-batch count that divides the
@@ -92,25 +87,27 @@ def layouts(cfg: ModelConfig, n_devices: int, global_batch: int, seq_len: int,
     return out
 
 
-def strategies(layout: Layout, schedules: Sequence[str] = TP_SCHEDULES,
-               remats: Sequence[str] = REMATS) -> list[Strategy]:
+def strategies(layout: Layout, schedules: Sequence[str] = SCHEDULES,
+               remats: Sequence[str] = REMATS) -> list[LayerSpec]:
     """The per-layer choices valid on a layout: without tensor parallelism only the remat
     policy matters; sequence-parallel schedules need the sequence to split over the tensor axis
     and no fsdp axis; sub-batch counts must divide the micro-batch rows. A primepar layout
     offers primepar alone (its parameters' sharding is its own), the others never offer it."""
     if layout.primepar:
-        return [Strategy(schedule=PRIMEPAR, remat=r) for r in remats] \
+        return [LayerSpec(schedule=PRIMEPAR, remat=r) for r in remats] \
             if PRIMEPAR in schedules else []
     if layout.tensor == 1:
-        return [Strategy(schedule="megatron", remat=r) for r in remats]
+        return [LayerSpec(schedule="megatron", remat=r) for r in remats]
     out = []
     for sch in schedules:
         if sch == PRIMEPAR:
             continue
-        if sch in SEQUENCE_PARALLEL and (layout.seq_len % layout.tensor or layout.fsdp > 1):
+        spec = registry.get(sch)
+        if spec.sequence_parallel and (layout.seq_len % layout.tensor or layout.fsdp > 1):
             continue
-        counts = [k for k in SUB_BATCH_COUNTS if layout.rows % k == 0] if sch in SUB_BATCH else [1]
-        out += [Strategy(schedule=sch, sub_batches=k, remat=r) for k in counts for r in remats]
+        counts = [k for k in SUB_BATCH_COUNTS if layout.rows % k == 0] if spec.sub_batches \
+            else [1]
+        out += [LayerSpec(schedule=sch, sub_batches=k, remat=r) for k in counts for r in remats]
     return out
 
 
@@ -157,9 +154,9 @@ def chain_dp(times: np.ndarray, mems: np.ndarray, edges: np.ndarray, n_layers: i
 
 
 def plan_layout(cfg: ModelConfig, layout: Layout, hw: Hardware, budget: float,
-                schedules: Sequence[str] = TP_SCHEDULES,
+                schedules: Sequence[str] = SCHEDULES,
                 remats: Sequence[str] = REMATS, lower_bound: float | None = None,
-                ) -> tuple[Candidate | None, dict[Strategy, Candidate]]:
+                ) -> tuple[Candidate | None, dict[LayerSpec, Candidate]]:
     """The best per-layer chain on one layout, and the best uniform plan of each schedule (all
     under the budget). The DP runs per temporary-memory threshold, since the peak holds the
     largest working set of any layer in the chain."""
@@ -167,14 +164,14 @@ def plan_layout(cfg: ModelConfig, layout: Layout, hw: Hardware, budget: float,
     strats = strategies(layout, schedules, remats)
     if not strats:
         return None, {}
-    costs: dict[Strategy, LayerCost] = {s: lm.time(s) for s in strats}
+    costs: dict[LayerSpec, LayerCost] = {s: lm.time(s) for s in strats}
     static = sum(static_memory(cfg, layout).values())
     _, head_temp = head_cost(cfg, layout, hw)
 
-    def full(chain: Sequence[Strategy]) -> Candidate:
+    def full(chain: Sequence[LayerSpec]) -> Candidate:
         return Candidate(layout, tuple(chain), step_cost(cfg, layout, chain, hw, costs))
 
-    uniform: dict[Strategy, Candidate] = {}
+    uniform: dict[LayerSpec, Candidate] = {}
     for s in strats:
         if static + max(costs[s].temp_bytes, head_temp) + cfg.n_layers * costs[s].act_bytes \
                 <= budget:
@@ -214,7 +211,7 @@ def plan_layout(cfg: ModelConfig, layout: Layout, hw: Hardware, budget: float,
 
 
 def search(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int,
-           memory_fraction: float = 0.9, schedules: Sequence[str] = TP_SCHEDULES,
+           memory_fraction: float = 0.9, schedules: Sequence[str] = SCHEDULES,
            remats: Sequence[str] = REMATS, max_microbatches: int = 8,
            n_devices: int | None = None) -> SearchResult:
     """Search every layout; rank the best plan of each. Raises UserError with what would be
@@ -257,7 +254,7 @@ def search(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int,
                 baselines["best_uniform"] = c
         if best is None:
             lm = LayerModel(cfg, layout, hw)
-            probe = Strategy(schedule=PRIMEPAR if layout.primepar else "megatron",
+            probe = LayerSpec(schedule=PRIMEPAR if layout.primepar else "megatron",
                              remat="full")
             c = step_cost(cfg, layout, [probe] * cfg.n_layers, hw, {probe: lm.time(probe)})
             if smallest is None or c.peak_memory_bytes < smallest.cost.peak_memory_bytes:

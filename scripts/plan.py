@@ -56,7 +56,7 @@ def ranked_table(result, top: int) -> str:
 
 def explain(result, cfg, hw) -> str:
     """For the chosen layout: every strategy's layer time and memory, and the choice."""
-    from planner.costs import LayerModel
+    from planner.layer_cost import LayerModel
     from planner.search import strategies
 
     best = result.best
@@ -149,8 +149,9 @@ def main() -> int:
     from oases_jax.analysis.hardware import get_cluster
     from oases_jax.errors import UserError
     from planner import load_profile, make_plan
-    from planner.costs import TP_SCHEDULES, Hardware
     from planner.plan import save
+    from planner.prices import Hardware
+    from planner.search import SCHEDULES
 
     cluster = get_cluster(args.cluster)
     if args.save_cluster:
@@ -165,13 +166,13 @@ def main() -> int:
     seq_len = args.seq_len or cfg.max_seq_len
     if args.global_batch <= 0:
         raise UserError(f"--global-batch {args.global_batch} must be positive")
-    schedules = TP_SCHEDULES
+    schedules = SCHEDULES
     if args.schedules:
         schedules = tuple(s.strip() for s in args.schedules.split(","))
-        bad = [s for s in schedules if s not in TP_SCHEDULES]
+        bad = [s for s in schedules if s not in SCHEDULES]
         if bad:
             raise UserError(f"unknown schedule {bad[0]!r} in --schedules; choose from "
-                            f"{', '.join(TP_SCHEDULES)}")
+                            f"{', '.join(SCHEDULES)}")
     profile = load_profile(args.cost_source, cluster, args.profile)
     compared = compare_profiles(args, cluster) if args.compare or args.compare_sources else {}
     t0 = time.perf_counter()

@@ -10,8 +10,11 @@ import pytest
 from models.presets import get_preset
 from oases_jax.analysis.hardware import get_cluster
 from oases_jax.errors import UserError
+from oases_jax.layer_plan import LayerSpec
 from planner import default_xla_profile, load_profile
-from planner.costs import Hardware, LayerModel, Layout, Strategy
+from planner.layer_cost import LayerModel
+from planner.layout import Layout
+from planner.prices import Hardware
 from planner.profile import ROOT
 from tests.scriptrun import run_script
 
@@ -63,7 +66,7 @@ def test_xla_source_prices_ring_schedules_dearer():
     cfg = get_preset("oases-h4096-l16")
     c = get_cluster("h100-8")
     layout = Layout(tensor=8, global_batch=8, seq_len=1024)
-    s = Strategy(schedule="collective_matmul")
+    s = LayerSpec(schedule="collective_matmul")
     ds = LayerModel(cfg, layout, Hardware.of(c)).time(s)
     xla = LayerModel(cfg, layout, Hardware.of(c, load_profile("xla", c))).time(s)
     assert xla.comm_s > 2 * ds.comm_s

@@ -11,9 +11,14 @@ from models.presets import get_preset
 from oases_jax.analysis.hardware import get_cluster
 from oases_jax.analysis.simulate import collective_time
 from oases_jax.errors import UserError
+from oases_jax.layer_plan import LayerSpec
 from planner import plan as plans
-from planner.costs import Hardware, LayerModel, Layout, Strategy, replay, step_cost
+from planner.layer_cost import LayerModel
+from planner.layout import Layout
+from planner.prices import Hardware
+from planner.replay import replay
 from planner.search import MEMORY_BUCKETS, chain_dp, layouts, search
+from planner.step_cost import step_cost
 from tests.scriptrun import run_script
 
 
@@ -71,12 +76,12 @@ def test_megatron_layer_collectives_by_hand():
     hw = Hardware.of(get_cluster("h100:8"))
     lay = Layout(tensor=8, global_batch=8, seq_len=1024)
     lm = LayerModel(cfg, lay, hw)
-    cost = lm.time(Strategy(schedule="megatron"))
+    cost = lm.time(LayerSpec(schedule="megatron"))
     link = get_cluster("h100:8").levels[0][1]
     one = collective_time("all-reduce", 8 * 1024 * 1600 * 4, 8, link)
     assert cost.comm_s == pytest.approx(4 * one)
     # The forward all-reduces are exposed: forward time = forward compute + 2 all-reduces.
-    fwd_ops = lm.layer_ops(Strategy(schedule="megatron"))["fwd"]
+    fwd_ops = lm.layer_ops(LayerSpec(schedule="megatron"))["fwd"]
     compute = sum(op[1] for op in fwd_ops if op[0] == "c")
     assert cost.fwd_s == pytest.approx(compute + 2 * one)
 
@@ -86,14 +91,14 @@ def test_oases_hides_more_than_megatron_and_remat_trades_memory():
     hw = Hardware.of(get_cluster("h100-8"))
     lay = Layout(tensor=8, global_batch=8, seq_len=1024)
     lm = LayerModel(cfg, lay, hw)
-    meg = lm.time(Strategy(schedule="megatron"))
-    oas = lm.time(Strategy(schedule="oases", sub_batches=2))
+    meg = lm.time(LayerSpec(schedule="megatron"))
+    oas = lm.time(LayerSpec(schedule="oases", sub_batches=2))
     assert oas.step_s - oas.compute_s < meg.step_s - meg.compute_s
-    full = lm.time(Strategy(schedule="megatron", remat="full"))
+    full = lm.time(LayerSpec(schedule="megatron", remat="full"))
     assert full.act_bytes < meg.act_bytes and full.step_s > meg.step_s
     # On CPU nothing overlaps: the layer takes compute + all communication.
     cpu = LayerModel(cfg, lay, Hardware.of(get_cluster("cpu-8"))).time(
-        Strategy(schedule="oases", sub_batches=2))
+        LayerSpec(schedule="oases", sub_batches=2))
     assert cpu.step_s == pytest.approx(cpu.compute_s + cpu.comm_s)
 
 
@@ -108,7 +113,7 @@ def test_flash_attention_drops_the_softmax_traffic_by_hand():
     assert flash.flash and not xla.flash
     t, tok, h, e = 8, 8 * 1024, cfg.n_heads, 2
     scores = tok * 1024 * h / t
-    meg = Strategy(schedule="megatron")
+    meg = LayerSpec(schedule="megatron")
     gap = xla.sublayers(8, meg)["attn"].core - flash.sublayers(8, meg)["attn"].core
     assert gap == pytest.approx(scores * (8 + e) / hw.cluster.device_spec.hbm_bytes_per_s)
     saved = xla.saved_bytes(meg) - flash.saved_bytes(meg)
@@ -133,7 +138,7 @@ def test_cluster_json_round_trip_and_own_device(tmp_path):
         x9 = get_cluster(str(out))
         assert x9.device_spec.hbm_bytes_per_s == 5e12 and x9.device_spec.match == ("X9",)
         step = step_cost(get_preset("small"), Layout(tensor=8, global_batch=8, seq_len=128),
-                         [Strategy()] * 4, Hardware.of(x9)).step_s
+                         [LayerSpec()] * 4, Hardware.of(x9)).step_s
         assert step > 0
     finally:
         DEVICES.pop("x9-test", None)
@@ -147,7 +152,7 @@ def test_cluster_json_round_trip_and_own_device(tmp_path):
 def test_static_memory_by_hand():
     cfg = get_preset("gpt2-1.5b").replace(n_heads=32, head_dim=50)
     lay = Layout(data=2, tensor=4, global_batch=8, seq_len=1024)
-    c = step_cost(cfg, lay, [Strategy()] * cfg.n_layers, Hardware.of(get_cluster("h100:8")))
+    c = step_cost(cfg, lay, [LayerSpec()] * cfg.n_layers, Hardware.of(get_cluster("h100:8")))
     assert c.memory["params"] == pytest.approx(4 * cfg.param_count() / 4)
     assert c.memory["optimizer"] == pytest.approx(2 * c.memory["params"])
 
@@ -218,7 +223,6 @@ def test_plan_script_errors(args, message):
 
 def test_mixed_plan_trains_like_megatron():
     """A plan with a different strategy on each layer gives the losses of plain megatron."""
-    from oases_jax.layer_plan import LayerSpec
     from training import ParallelConfig, TrainConfig, train
 
     def losses(parallel):

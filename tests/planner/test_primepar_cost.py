@@ -6,19 +6,15 @@ import pytest
 from models.config import ModelConfig
 from oases_jax.analysis.hardware import ClusterSpec, LinkSpec
 from oases_jax.errors import UserError
+from oases_jax.layer_plan import LayerSpec
 from planner import plan as plans
-from planner.costs import (
-    Hardware,
-    LayerModel,
-    Layout,
-    Strategy,
-    head_cost,
-    head_tensor_comm_s,
-    replay,
-    step_cost,
-)
+from planner.layer_cost import LayerModel
+from planner.layout import Layout
+from planner.prices import Hardware
 from planner.primepar_cost import Square
+from planner.replay import replay
 from planner.search import layouts, search, strategies
+from planner.step_cost import head_cost, head_tensor_comm_s, step_cost
 
 # D 64, 4 heads of 16, MLP 256, V 128, fp32 (e = 4); 8 rows x 16 tokens: T = 128, q = 2.
 CFG = ModelConfig(family="gpt2", d_model=64, n_layers=2, n_heads=4, d_ff=256, vocab_size=128,
@@ -80,7 +76,7 @@ def test_transfer_counts_and_bytes_match_docs_for_q4():
 
 
 def test_layer_collectives_besides_the_rotations():
-    ops = square().layer_ops(Strategy(schedule="primepar"))
+    ops = square().layer_ops(LayerSpec(schedule="primepar"))
     reduces = [op for op in ops["fwd"] + ops["bwd"] if op[0] == "start" and ".s" in op[1]]
     # LayerNorm: mean and variance forward, two reductions backward, for each of the 2 norms;
     # each an all-reduce over tp_col of T/q fp32 = 256 B: 2*(1/2)*256/1e9 + 2 us.
@@ -95,20 +91,20 @@ def test_memory_by_hand():
     sq = square()
     # none: [4 T D + T (H + 2G) K + T H K + T L H + 2 T F] e / q^2 + 12 T L H / q^2
     #     = (32768 + 24576 + 8192 + 8192 + 65536) * 4 / 4 + 12 * 8192 / 4
-    assert sq.saved_bytes(Strategy(schedule="primepar")) == 139264 + 24576
+    assert sq.saved_bytes(LayerSpec(schedule="primepar")) == 139264 + 24576
     # save_proj: (5 T D + T (H + 2G) K + T F) e / q^2; full: T D e / q^2.
-    assert sq.saved_bytes(Strategy(schedule="primepar", remat="save_proj")) == 98304
-    assert sq.saved_bytes(Strategy(schedule="primepar", remat="full")) == 8192
+    assert sq.saved_bytes(LayerSpec(schedule="primepar", remat="save_proj")) == 98304
+    assert sq.saved_bytes(LayerSpec(schedule="primepar", remat="full")) == 8192
     # Temp: f32 scores and their gradient 8 * 8192 / 4 = 16384; the MLP out backward moves the
     # most: 2 X (32768 B each) + W + partial dW (16384 B each), two of each: 196608.
-    assert sq.temp_bytes(Strategy(schedule="primepar")) == 16384 + 196608
+    assert sq.temp_bytes(LayerSpec(schedule="primepar")) == 16384 + 196608
     # Nothing is replicated: q^2 devices hold what one device holds without parallelism.
     one = LayerModel(CFG, Layout(global_batch=8, seq_len=16), Hardware(CLUSTER))
     for remat in ("none", "full"):
-        got = sq.saved_bytes(Strategy(schedule="primepar", remat=remat))
-        assert 4 * got == one.saved_bytes(Strategy(remat=remat))
+        got = sq.saved_bytes(LayerSpec(schedule="primepar", remat=remat))
+        assert 4 * got == one.saved_bytes(LayerSpec(remat=remat))
     # Parameters, gradients and Adam moments split q^2 ways.
-    c = step_cost(CFG, LAYOUT, [Strategy(schedule="primepar")] * 2, Hardware(CLUSTER))
+    c = step_cost(CFG, LAYOUT, [LayerSpec(schedule="primepar")] * 2, Hardware(CLUSTER))
     assert c.memory["params"] == pytest.approx(4 * CFG.param_count() / 4)
 
 
@@ -127,9 +123,9 @@ def test_head_collectives_by_hand():
 
 
 def test_nothing_overlaps_on_cpu():
-    cost = LayerModel(CFG, LAYOUT, Hardware.of(CLUSTER)).time(Strategy(schedule="primepar"))
+    cost = LayerModel(CFG, LAYOUT, Hardware.of(CLUSTER)).time(LayerSpec(schedule="primepar"))
     assert cost.step_s == pytest.approx(cost.compute_s + cost.comm_s)
-    faster = LayerModel(CFG, LAYOUT, Hardware(CLUSTER)).time(Strategy(schedule="primepar"))
+    faster = LayerModel(CFG, LAYOUT, Hardware(CLUSTER)).time(LayerSpec(schedule="primepar"))
     assert faster.step_s < cost.step_s
 
 
@@ -138,9 +134,9 @@ def test_primepar_only_on_its_layouts():
         Layout(tensor=8, global_batch=8, seq_len=16, primepar=True)
     with pytest.raises(ValueError, match="runs on primepar layouts"):
         LayerModel(CFG, Layout(tensor=4, global_batch=8, seq_len=16), Hardware(CLUSTER)).time(
-            Strategy(schedule="primepar"))
+            LayerSpec(schedule="primepar"))
     with pytest.raises(ValueError, match="runs on primepar layouts"):
-        LayerModel(CFG, LAYOUT, Hardware(CLUSTER)).time(Strategy(schedule="megatron"))
+        LayerModel(CFG, LAYOUT, Hardware(CLUSTER)).time(LayerSpec(schedule="megatron"))
 
 
 def test_search_offers_primepar_layouts_and_plans_round_trip():

@@ -6,8 +6,11 @@ import pytest
 
 from models.presets import get_preset
 from oases_jax.analysis.hardware import get_cluster
-from planner.costs import Hardware, Layout, Strategy, step_cost
+from oases_jax.layer_plan import LayerSpec
+from planner.layout import Layout
+from planner.prices import Hardware
 from planner.rank import layout_of, predict_step_s, ranks, spearman
+from planner.step_cost import step_cost
 
 
 def test_spearman_by_hand():
@@ -39,7 +42,7 @@ def test_prediction_is_the_step_cost_of_the_uniform_plan():
     got = predict_step_s(cfg, hw, mesh="data=2,tensor=4", rules="tp", schedule="oases",
                          sub_batches=2, **kw)
     want = step_cost(cfg, Layout(data=2, tensor=4, **kw),
-                     [Strategy(schedule="oases", sub_batches=2)] * cfg.n_layers, hw).step_s
+                     [LayerSpec(schedule="oases", sub_batches=2)] * cfg.n_layers, hw).step_s
     assert got == want
     assert predict_step_s(cfg, hw, mesh="data=2,tensor=4", rules="tp_sp", schedule="xla_auto",
                           sub_batches=2, **kw) is None

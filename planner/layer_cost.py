@@ -1,0 +1,280 @@
+"""One layer's cost under one layout and strategy: the Megatron family's forward, backward and
+recomputation as op lists (`LayerModel.layer_ops`), in the order our implementation issues them,
+priced by the two-stream replay (`planner.replay`), and the activations it keeps. Primepar's
+layers are handed to `planner.primepar_cost.Square`.
+
+Compute ops cost the roofline max(FLOPs / peak, bytes / HBM bandwidth) (or a calibration
+profile's fitted GEMM time), and collectives the alpha-beta model of
+`oases_jax.analysis.simulate.collective_time` (or the profile's fit): `planner.prices`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from models.config import ModelConfig
+from oases_jax import registry
+from oases_jax.layer_plan import LayerSpec
+from planner.layer_work import (
+    SCAN_PASSES,
+    SCHEDULE_PASSES,
+    LayerWork,
+    SubLayerWork,
+    sequence_split,
+)
+from planner.layout import Layout
+from planner.prices import Hardware
+from planner.primepar_cost import Square
+from planner.replay import Op, replay
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCost:
+    fwd_s: float
+    bwd_s: float  # recomputation included
+    compute_s: float
+    comm_s: float
+    act_bytes: float  # saved for the backward, per micro-batch in flight
+    temp_bytes: float  # working set of the layer's backward
+
+    @property
+    def step_s(self) -> float:
+        return self.fwd_s + self.bwd_s
+
+
+def comm_pattern(schedule: str) -> str:
+    """How a sub-layer of `schedule` ("none": a layer without a tensor split) communicates, read
+    off its registry record:
+      ring            every projection a ppermute ring (`rings`)
+      gather_scatter  all-gather before the column projection, reduce-scatter after the row
+                      one (`sequence_parallel`)
+      deferred        an all-reduce after the row projection that the same sub-batch's next
+                      step waits for (`sub_batches`)
+      all_reduce      an all-reduce after the row projection (Megatron)
+    """
+    if schedule == "none":
+        return "none"
+    spec = registry.get(schedule)
+    if spec.rings:
+        return "ring"
+    if spec.sequence_parallel:
+        return "gather_scatter"
+    return "deferred" if spec.sub_batches else "all_reduce"
+
+
+class LayerModel(LayerWork):
+    """Costs of one transformer layer under one layout and strategy."""
+
+    def __init__(self, cfg: ModelConfig, layout: Layout, hw: Hardware):
+        super().__init__(cfg, layout, hw)
+        self._step_extra = 0.0
+
+    # Op lists.
+    def layer_ops(self, strategy: LayerSpec) -> dict[str, list[Op]]:
+        """Forward, backward and recomputation of one layer (one micro-batch) as op lists.
+
+        Backward of each sub-layer: 2x its forward GEMMs (dX and dW), the memory work twice.
+        Recomputation (remat): `full` redoes the forward, collectives included; `save_proj`
+        keeps the values on both sides of every collective, so it redoes the forward compute
+        minus the row projections (minus the column ones too under ring schedules) and issues
+        no collective.
+        """
+        if self.layout.primepar or strategy.spec.square:
+            return Square(self).layer_ops(strategy)
+        sch, t = strategy.schedule, self.layout.tensor
+        k = strategy.spec.layer_sub_batches(strategy.sub_batches)
+        rows = self.layout.rows
+        if t == 1:
+            sch = "none"
+        elif rows % k:
+            raise ValueError(f"{rows} rows do not split into {k} sub-batches")
+        pattern = comm_pattern(sch)
+        ring = pattern == "ring"
+        work = self.sublayers(rows // k, strategy, chunks=t if ring else 1)
+        # Overheads that are memory traffic: the schedule's extra passes and the scan's
+        # stacking of saved activations. Ring schedules spend theirs inside the ring steps
+        # (slicing, accumulating and placing chunks); the others split and join sub-batches
+        # outside the overlapped region, half before and half after its collectives.
+        tok_bytes = rows * self.layout.seq_len * self.cfg.d_model * self.e
+        extra = self.hw.mem_s(SCHEDULE_PASSES[sch] * tok_bytes)
+        scan = self.hw.mem_s(SCAN_PASSES * self.saved_bytes(strategy)) \
+            if self.cfg.scan_layers else 0.0
+        # 2 rings per sub-layer forward and 2 backward, t steps each, 2k sub-layers.
+        self._step_extra = extra / (8 * k * t) if ring else 0.0
+        outer = 0.0 if ring else extra
+        fwd, bwd = [], []
+        order = [(op, j) for op in ("attn", "mlp") for j in range(k)]
+        for idx, (name, j) in enumerate(order):
+            fwd += self._fwd(pattern, work[name], f"{name}{j}", prev=self._prev(order, idx, "f"))
+        rorder = order[::-1]
+        for idx, (name, j) in enumerate(rorder):
+            bwd += self._bwd(pattern, work[name], f"b{name}{j}",
+                             prev=self._prev(rorder, idx, "b"))
+        recompute = self._recompute(strategy, pattern, work, k)
+        fwd = [("c", outer / 6 + scan / 2)] + fwd + [("sync",), ("c", outer / 6)]
+        bwd = [("c", outer / 3 + scan / 2)] + bwd + [("sync",), ("c", outer / 3)]
+        return {"fwd": fwd, "bwd": bwd, "recompute": recompute}
+
+    @staticmethod
+    def _prev(order, idx, tag) -> str | None:
+        """The collective this step must wait for: the previous step of the same sub-batch."""
+        j = order[idx][1]
+        for name, jj in reversed(order[:idx]):
+            if jj == j:
+                return f"{'' if tag == 'f' else 'b'}{name}{jj}"
+        return None
+
+    def _ar(self, nbytes):
+        return self.hw.comm_s("all-reduce", nbytes, self.tgroup)
+
+    def _ag(self, nbytes):
+        return self.hw.comm_s("all-gather", nbytes, self.tgroup)
+
+    def _rs(self, nbytes):
+        return self.hw.comm_s("reduce-scatter", nbytes, self.tgroup)
+
+    def _perm(self, nbytes):
+        return self.hw.comm_s("collective-permute", nbytes, [0, 1] if self.layout.tensor > 1
+                              else [0])
+
+    def _ring(self, key, step_compute: float, nbytes_step: float, transfers: int = 1) -> list:
+        """A ring over t devices: t steps of `step_compute`, each of the first t - 1 issuing
+        `transfers` permutes of `nbytes_step` before its compute (rings: max(step GEMM, step
+        transfer) per step)."""
+        t = self.layout.tensor
+        ops = []
+        for i in range(t):
+            if i < t - 1:
+                for r in range(transfers):
+                    ops.append(("start", f"{key}.{i}.{r}", self._perm(nbytes_step)))
+            ops.append(("c", step_compute + self._step_extra))
+            if i < t - 1:
+                for r in range(transfers):
+                    ops.append(("done", f"{key}.{i}.{r}"))
+        return ops
+
+    def _fwd(self, pattern, w: SubLayerWork, key, prev) -> list[Op]:
+        a, t = w.col_bytes, self.layout.tensor
+        wait = [("done", prev)] if prev else []
+        if pattern == "none":
+            return [("c", w.pre + w.col + w.core + w.row)]
+        if pattern == "all_reduce":
+            return [("c", w.pre + w.col + w.core + w.row), ("start", key, self._ar(a)),
+                    ("done", key)]
+        if pattern == "deferred":  # the collective waits until the same sub-batch's next step
+            return wait + [("c", w.pre + w.col + w.core + w.row), ("start", key, self._ar(a))]
+        if pattern == "gather_scatter":
+            return [("c", w.pre), ("start", key + "g", self._ag(a)), ("done", key + "g"),
+                    ("c", w.col + w.core + w.row), ("start", key, self._rs(a)), ("done", key)]
+        # Rings: all-gather-matmul, the core, matmul-reduce-scatter.
+        ops = wait + [("c", w.pre)]
+        ops += self._ring(key + "g", w.col / t, a / t)
+        ops += [("c", w.core)]
+        ops += self._ring(key + "r", w.row / t, a / t)
+        return ops
+
+    def _bwd(self, pattern, w: SubLayerWork, key, prev) -> list[Op]:
+        a, t = w.col_bytes, self.layout.tensor
+        wait = [("done", prev)] if prev else []
+        # dX and dW of each projection: one GEMM each of the forward's size.
+        if pattern == "none":
+            return [("c", 2 * (w.pre + w.core) + 2 * w.row + 2 * w.col)]
+        if pattern == "all_reduce":  # dX all-reduce hides behind the column projection's dW
+            return [("c", 2 * w.row + 2 * w.core + w.col), ("start", key, self._ar(a)),
+                    ("c", w.col), ("done", key), ("c", 2 * w.pre)]
+        if pattern == "deferred":
+            return wait + [("c", 2 * w.row + 2 * w.core + w.col), ("start", key, self._ar(a)),
+                           ("c", w.col + 2 * w.pre)]
+        if pattern == "gather_scatter":  # all-gather of dY, then reduce-scatter of dX behind dW
+            return [("start", key + "g", self._ag(a)), ("done", key + "g"),
+                    ("c", 2 * w.row + 2 * w.core + w.col), ("start", key, self._rs(a)),
+                    ("c", w.col), ("done", key), ("c", 2 * w.pre)]
+        # Rings: the row projection's backward gathers dY around a ring (dX and dW per step);
+        # the column projection's reduce-scatters dX while re-gathering X for dW (2 permutes).
+        ops = wait + self._ring(key + "r", 2 * w.row / t, a / t)
+        ops += [("c", 2 * w.core)]
+        ops += self._ring(key + "g", 2 * w.col / t, a / t, transfers=2)
+        ops += [("c", 2 * w.pre)]
+        return ops
+
+    def _recompute(self, strategy: LayerSpec, pattern, work, k) -> list[Op]:
+        if strategy.remat == "none":
+            return []
+        if strategy.remat == "full":
+            order = [(op, j) for op in ("attn", "mlp") for j in range(k)]
+            ops = []
+            for idx, (name, j) in enumerate(order):
+                ops += self._fwd(pattern, work[name], f"r{name}{j}",
+                                 prev=("r" + self._prev(order, idx, "f"))
+                                 if self._prev(order, idx, "f") else None)
+            return ops
+        # save_proj: compute-only, no collective.
+        total = 0.0
+        for _ in range(k):
+            for w in work.values():
+                total += w.pre + w.core + (0.0 if pattern == "ring" else w.col)
+        return [("c", total)]
+
+    def time(self, strategy: LayerSpec) -> LayerCost:
+        ops = self.layer_ops(strategy)
+        ov = self.hw.async_collectives
+        parts = {name: replay(o, overlap=ov) for name, o in ops.items()}
+        # Recomputation runs right before the layer's backward: one op list.
+        bwd = replay(ops["recompute"] + ops["bwd"], overlap=ov)
+        fwd = parts["fwd"]
+        return LayerCost(
+            fwd_s=fwd[0], bwd_s=bwd[0], compute_s=fwd[1] + bwd[1], comm_s=fwd[2] + bwd[2],
+            act_bytes=self.saved_bytes(strategy), temp_bytes=self.temp_bytes(strategy))
+
+    # Memory.
+    def saved_bytes(self, strategy: LayerSpec) -> float:
+        """Activations one layer keeps for its backward (one micro-batch), bytes per device.
+
+        With T tokens on this device, s = t under sequence parallelism (else 1):
+          none:      residual inputs 2 T D / s, normed inputs 2 T D, QKV T (H + 2G) K / t,
+                     attention output T H K / t, probabilities T L H / t, MLP hidden
+                     (2 or 3) T F / t, all at e bytes, plus three f32 copies of the scores
+                     T L H / t (the scores, their masked form and the softmax, as XLA keeps
+                     them); under flash attention neither, but f32 softmax statistics T H / t
+          save_proj: the layer input T D / s and the four saved projections 4 T D / s
+                     (+ QKV and MLP hidden under ring schedules)
+          full:      the layer input T D / s
+        """
+        if self.layout.primepar or strategy.spec.square:
+            return Square(self).saved_bytes(strategy)
+        c, t, e = self.cfg, self.layout.tensor, self.e
+        s = sequence_split(strategy.schedule, t)
+        tok = self.layout.rows * self.layout.seq_len
+        d, h, g, k, f = c.d_model, c.n_heads, c.kv_heads, c.k_dim, c.ff_dim
+        gated = 3 if c.gated_mlp else 2
+        qkv = tok * (h + 2 * g) * k / t
+        hidden = gated * tok * f / t
+        if strategy.remat == "full":
+            return tok * d / s * e
+        if strategy.remat == "save_proj":
+            ring = strategy.spec.rings and t > 1
+            extra = (qkv + hidden / gated * (gated - 1)) if ring else 0.0
+            return (tok * d / s + 4 * tok * d / s + extra) * e
+        base = (2 * tok * d / s + 2 * tok * d + qkv + tok * h * k / t + hidden) * e
+        if self.flash:
+            return base + 4 * tok * h / t
+        scores = tok * self.layout.seq_len * h / t
+        return base + scores * e + 3 * 4 * scores
+
+    def temp_bytes(self, strategy: LayerSpec) -> float:
+        """Working set beyond the saved activations while a layer runs its backward: the
+        recomputed activations (for remat) plus the f32 score and gradient buffers (none under
+        flash attention), and the ring schedules' chunk buffers (two chunks in flight)."""
+        if self.layout.primepar or strategy.spec.square:
+            return Square(self).temp_bytes(strategy)
+        c, t, e = self.cfg, self.layout.tensor, self.e
+        tok = self.layout.rows * self.layout.seq_len
+        scores = tok * self.layout.seq_len * c.n_heads / t
+        k = strategy.spec.layer_sub_batches(strategy.sub_batches)
+        full = self.saved_bytes(dataclasses.replace(strategy, remat="none"))
+        temp = 0.0 if self.flash else 2 * 4 * scores / k
+        if strategy.remat != "none":
+            temp += full
+        if strategy.spec.rings and t > 1:
+            temp += 2 * 2 * tok * c.d_model * e / t
+        return temp

@@ -1,0 +1,102 @@
+"""One layer's work on one device, before any schedule orders it: the seconds of each residual
+sub-layer's norm, projections and core (`LayerWork.sublayers`), and the memory passes a compiled
+layer spends beyond them (`SCAN_PASSES`, `SCHEDULE_PASSES`). Both layer cost models build on it:
+`planner.layer_cost` (the Megatron family) and `planner.primepar_cost` (the square)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+from oases_jax import registry
+from oases_jax.layer_plan import LayerSpec
+from planner.layout import Layout, tensor_group
+from planner.prices import Hardware
+
+# A scanned layer stack stores each layer's saved activations into stacked buffers: XLA
+# initialises them, writes each layer's slice, and transposes them for the backward loop.
+SCAN_PASSES = 4
+# Memory passes over the layer's residual stream (T D e bytes) that a schedule's compiled
+# layer spends beyond the roofline of its GEMMs, norms and softmax: splitting and joining
+# sub-batches, the all-to-alls and transposes XLA inserts around sequence-sharded attention,
+# and the ring schedules' chunk slicing, accumulation and concatenation. Calibrated from the
+# compiled fwd+bwd of one `gpt2-1.5b` layer on h100:8, tensor=8 (docs/planner.md); "none" is a
+# layer without a tensor split. Every planned schedule needs an entry (tests/planner); primepar's
+# is not calibrated yet.
+SCHEDULE_PASSES = {"none": 0.0, "megatron": 4.0, "oases": 22.0, "megatron_sp": 22.0,
+                   "collective_matmul": 74.0, "oases_cm": 115.0, "primepar": 0.0}
+
+
+def elem_bytes(cfg: ModelConfig) -> int:
+    """Bytes per activation element in the compute dtype."""
+    return jnp.dtype(cfg.dtype).itemsize
+
+
+def sequence_split(schedule: str, tensor: int) -> int:
+    """s: how many ways a schedule splits the residual stream between blocks (the tensor degree
+    for sequence-parallel schedules, else 1)."""
+    return tensor if registry.get(schedule).sequence_parallel else 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SubLayerWork:
+    """Seconds of the parts of one residual sub-layer (attention or MLP) for `rows` rows."""
+
+    pre: float  # norm (+ residual add) memory work
+    col: float  # column-parallel GEMM(s), forward
+    core: float  # between the projections: attention scores/softmax/PV, or the activation
+    row: float  # row-parallel GEMM, forward
+    col_bytes: float  # bytes of the column projection's (full, per-replica) input activation
+
+
+class LayerWork:
+    """One transformer layer of `cfg` on one device of `layout`, priced by `hw`."""
+
+    def __init__(self, cfg: ModelConfig, layout: Layout, hw: Hardware):
+        self.cfg, self.layout, self.hw = cfg, layout, hw
+        self.e = elem_bytes(cfg)
+        self.tgroup = tensor_group(layout)
+        # cuDNN's fused attention keeps the scores on chip: no softmax passes, nothing saved.
+        self.flash = cfg.flash_attention(on_gpu=hw.cluster.device_spec.fused_attention)
+
+    def sublayers(self, rows: int, strategy: LayerSpec,
+                  chunks: int = 1) -> dict[str, SubLayerWork]:
+        """Forward work of attention and MLP for `rows` rows on one device.
+
+        With T = rows * seq tokens, t = tensor degree and e bytes per element:
+          QKV  2 T D (H + 2G) K / t FLOPs     out proj   2 T H K D / t
+          attn 4 T L H K / t FLOPs (scores + PV) and T L H / t (4 + 4 + e) bytes of softmax
+               (no softmax bytes under fused flash attention, `ModelConfig.flash_attention`)
+          MLP  2 T D F (2 or 3) / t FLOPs and an activation pass of T F / t (2 or 3) e bytes
+          norm + residual  5 T D e / s bytes (s = t under sequence parallelism)
+        """
+        c, t, e = self.cfg, self.layout.tensor, self.e
+        seq = self.layout.seq_len
+        tok = rows * seq
+        d, h, g, k, f = c.d_model, c.n_heads, c.kv_heads, c.k_dim, c.ff_dim
+        s = sequence_split(strategy.schedule, t)
+        hw, dt = self.hw, c.dtype
+        gated = 3 if c.gated_mlp else 2
+
+        def gemm(m, kk, n):
+            return hw.gemm_s(2.0 * m * kk * n, e * (m * kk + kk * n + m * n), dt, chunks)
+
+        pre = hw.mem_s(5 * tok * d * e / s)
+        attn = SubLayerWork(
+            pre=pre,
+            col=gemm(tok, d, (h + 2 * g) * k / t),
+            core=gemm(rows * h / t * seq, k, seq) + gemm(rows * h / t * seq, seq, k)
+            + (0.0 if self.flash else hw.mem_s(tok * seq * h / t * (8 + e))),
+            row=gemm(tok, h * k / t, d),
+            col_bytes=tok * d * e,
+        )
+        mlp = SubLayerWork(
+            pre=pre,
+            col=gemm(tok, d, f * (gated - 1) / t),
+            core=hw.mem_s(tok * f / t * (gated + 1) * e / 1),
+            row=gemm(tok, f / t, d),
+            col_bytes=tok * d * e,
+        )
+        return {"attn": attn, "mlp": mlp}

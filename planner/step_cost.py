@@ -1,0 +1,150 @@
+"""One optimizer step: every layer's cost (`planner.layer_cost`), the resharding between
+differing neighbours, the embedding, head and loss, the data-parallel gradient reduction, FSDP's
+gathers and the AdamW update, in seconds and bytes per device."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from models.config import ModelConfig
+from oases_jax.layer_plan import LayerSpec
+from planner.layer_cost import LayerCost, LayerModel
+from planner.layer_work import elem_bytes
+from planner.layout import Layout, replica_group, tensor_group
+from planner.prices import Hardware
+from planner.primepar_cost import head_extra
+
+# Passes over the f32 logits of a micro-batch, forward and backward, counted in the compiled
+# GPU loss (gpt2-1.5b shape, h100:8): the max, the exponentials and their sum, the label pick,
+# the softmax's recomputation, its gradient and the casts around them.
+LOGIT_PASSES = 9
+OPTIMIZER_PASSES = 7  # AdamW reads p, g, m, v and writes p, m, v (fp32 each)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    step_s: float
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    dp_reduce_s: float
+    peak_memory_bytes: float
+    memory: dict[str, float]
+
+
+def resharding_s(a: LayerSpec, b: LayerSpec, cfg: ModelConfig, layout: Layout,
+                 hw: Hardware) -> float:
+    """Moving the residual stream (T D e bytes per replica) between consecutive layers whose
+    layouts differ: sequence-sharded -> replicated is an all-gather, the reverse a local slice
+    (free); forward and backward (the backward of an all-gather is a reduce-scatter)."""
+    if layout.tensor == 1:
+        return 0.0
+    sa, sb = a.spec.sequence_parallel, b.spec.sequence_parallel
+    if sa == sb or not sa:
+        return 0.0
+    e = elem_bytes(cfg)
+    nbytes = layout.rows * layout.seq_len * cfg.d_model * e
+    g = tensor_group(layout)
+    return hw.comm_s("all-gather", nbytes, g) + hw.comm_s("reduce-scatter", nbytes, g)
+
+
+def static_memory(cfg: ModelConfig, layout: Layout) -> dict[str, float]:
+    """Parameters, gradients and AdamW moments per device (fp32 each), sharded over tensor
+    (the block matrices and the vocabulary) and fsdp; plus a gradient accumulator with more
+    than one micro-batch.
+
+      params_local = (L * P_block + V D) / (t * f)   (norms and biases counted as sharded)
+    """
+    blocks = cfg.param_count(embeddings=False)
+    emb = cfg.param_count() - blocks
+    local = (blocks + emb) / (layout.tensor * layout.fsdp)
+    mem = {"params": 4 * local, "grads": 4 * local, "optimizer": 8 * local}
+    if layout.microbatches > 1:
+        mem["grad_accumulator"] = 4 * local
+    return mem
+
+
+def head_cost(cfg: ModelConfig, layout: Layout, hw: Hardware) -> tuple[float, float]:
+    """(seconds, temp bytes) of the embedding, logits and loss for one micro-batch, forward and
+    backward: 6 T D V / t FLOPs and `LOGIT_PASSES` passes over T V / t f32 logits; with a
+    vocabulary split over t devices plus `head_tensor_comm_s`; under primepar instead the
+    gathers and all-reduces of `planner.primepar_cost.head_extra`."""
+    e = elem_bytes(cfg)
+    tok = layout.rows * layout.seq_len
+    v = cfg.padded_vocab / layout.tensor
+    flops = 6.0 * tok * cfg.d_model * v
+    nbytes = 3 * e * (tok * cfg.d_model + cfg.d_model * v + tok * v)
+    logits = tok * v * 4
+    t = hw.gemm_s(flops, nbytes, cfg.dtype) \
+        + hw.mem_s(LOGIT_PASSES * logits + 3 * tok * cfg.d_model * e)
+    if layout.primepar:
+        extra_s, extra_temp = head_extra(cfg, layout, hw)
+        return t + extra_s, 3 * logits + extra_temp
+    return t + head_tensor_comm_s(cfg, layout, hw), 3 * logits
+
+
+def head_tensor_comm_s(cfg: ModelConfig, layout: Layout, hw: Hardware) -> float:
+    """The vocabulary-parallel head's collectives over the tensor group, all exposed (nothing
+    independent runs beside them): the embedding lookup's all-reduce of T D activations and,
+    in the backward, the all-reduce of the hidden state's gradient from the tied logits
+    projection; the cross-entropy's three all-reduces of T f32 values (max, sum of
+    exponentials, the label's logit)."""
+    if layout.tensor == 1 or layout.primepar:
+        return 0.0
+    tok = layout.rows * layout.seq_len
+    g = tensor_group(layout)
+    return 2 * hw.comm_s("all-reduce", tok * cfg.d_model * elem_bytes(cfg), g) \
+        + 3 * hw.comm_s("all-reduce", tok * 4, g)
+
+
+def step_cost(cfg: ModelConfig, layout: Layout, strategies: Sequence[LayerSpec], hw: Hardware,
+              layer_costs: dict[LayerSpec, LayerCost] | None = None) -> StepCost:
+    """One optimizer step: `microbatches` x (head + every layer's forward and backward, plus
+    resharding between differing neighbours), then the data-parallel gradient reduction and
+    the AdamW update.
+
+    Data-parallel reduction (all-reduce of the local fp32 gradients over data x fsdp; for
+    fsdp a reduce-scatter plus the parameter all-gathers of forward and backward) runs after
+    the layer loop, so only the embedding/head backward hides it:
+        exposed = max(0, reduce - head backward)
+    Optimizer: 7 fp32 passes over the local parameters at HBM bandwidth.
+    """
+    if layer_costs is None:
+        lm = LayerModel(cfg, layout, hw)
+        layer_costs = {s: lm.time(s) for s in set(strategies)}
+    m = layout.microbatches
+    layers = sum(layer_costs[s].step_s for s in strategies)
+    pairs = zip(strategies, strategies[1:], strict=False)
+    reshard = sum(resharding_s(a, b, cfg, layout, hw) for a, b in pairs)
+    head_s, head_temp = head_cost(cfg, layout, hw)
+    static = static_memory(cfg, layout)
+    local_params = static["params"] / 4
+    rgroup = replica_group(layout)
+    grad_bytes = 4 * local_params
+    if layout.fsdp > 1:
+        # Parameters gathered for forward and backward, gradients reduce-scattered (per micro
+        # step), then an all-reduce over the data axis of the fsdp-sharded gradients.
+        gathered = grad_bytes * layout.fsdp
+        fgroup = [i * layout.tensor for i in range(layout.fsdp)]
+        dgroup = [i * layout.tensor * layout.fsdp for i in range(layout.data)]
+        per_micro = 2 * hw.comm_s("all-gather", gathered, fgroup) \
+            + hw.comm_s("reduce-scatter", gathered, fgroup)
+        reduce = hw.comm_s("all-reduce", grad_bytes, dgroup)
+        fsdp_s = m * per_micro
+    else:
+        reduce = hw.comm_s("all-reduce", grad_bytes, rgroup)
+        fsdp_s = 0.0
+    hidden = min(reduce, 0.5 * head_s) if hw.async_collectives else 0.0
+    exposed_reduce = reduce - hidden
+    opt_s = hw.mem_s(OPTIMIZER_PASSES * 4 * local_params)
+    accum_s = hw.mem_s(3 * 4 * local_params) * (m if m > 1 else 0)
+    step = m * (layers + reshard + head_s) + fsdp_s + exposed_reduce + opt_s + accum_s
+    compute = m * (sum(layer_costs[s].compute_s for s in strategies) + head_s) + opt_s + accum_s
+    comm = m * (sum(layer_costs[s].comm_s for s in strategies) + reshard) + reduce + fsdp_s
+    acts = sum(layer_costs[s].act_bytes for s in strategies)
+    temp = max(max(layer_costs[s].temp_bytes for s in strategies), head_temp)
+    memory = {**static, "activations": acts, "temporaries": temp}
+    return StepCost(step_s=step, compute_s=compute, comm_s=comm,
+                    exposed_comm_s=max(step - compute, 0.0), dp_reduce_s=reduce,
+                    peak_memory_bytes=sum(memory.values()), memory=memory)
