@@ -13,7 +13,8 @@ DTYPES = ("float32", "bfloat16")
 
 # Attention kernels: `xla` materialises the scores (einsums and a softmax); `cudnn` is cuDNN's
 # fused flash attention (GPUs, bfloat16, head_dim a multiple of 8 up to 128); `auto` takes cudnn
-# where it applies on a real GPU backend and xla everywhere else (CPUs, deviceless GPU targets).
+# where it applies on a GPU mesh, a real one or a deviceless compile target alike (the program
+# compiled for `h100:8` holds the kernel the GPU run uses), and xla elsewhere (CPU meshes).
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 
 
@@ -77,7 +78,8 @@ class ModelConfig:
 
     def flash_attention(self, *, on_gpu: bool) -> bool:
         """Whether attention runs cuDNN's fused kernel (no scores in memory) on such a device:
-        `cudnn`, or `auto` on a GPU where it fits (`fused_attention_fits`)."""
+        `cudnn`, or `auto` on a GPU (real or a deviceless target) where it fits
+        (`fused_attention_fits`)."""
         if self.attention != "auto":
             return self.attention == "cudnn"
         return on_gpu and self.fused_attention_fits

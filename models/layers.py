@@ -103,7 +103,7 @@ def attention_impl(cfg: ModelConfig) -> str:
     on_gpu = platform == "gpu"
     if cfg.attention == "cudnn" and not (on_gpu and cfg.fused_attention_fits):
         raise UserError(
-            f"attention=cudnn needs a GPU mesh (the mesh's devices are {platform}) and bf16 "
+            f"attention=cudnn needs a GPU backend (the mesh's devices are {platform}) and bf16 "
             f"compute with head_dim a multiple of 8 up to 128 (got {cfg.dtype}, {cfg.k_dim}); "
             "use --model-set attention=auto or attention=xla")
     if not cfg.flash_attention(on_gpu=on_gpu):

@@ -45,6 +45,7 @@ def summary(r: dict) -> str:
         f"{mem.get('argument', 0) / MIB:.1f} + outputs {mem.get('output', 0) / MIB:.1f} - aliased "
         f"{mem.get('alias', 0) / MIB:.1f} + temporaries {mem.get('temp', 0) / MIB:.1f}",
         f"FLOPs per device: {r['flops'] / 1e12:.3f} TFLOP",
+        *attention_lines(r),
         f"simulated on {r['cluster']}: step {_fmt_s(r['simulated_step_s'])}, compute "
         f"{_fmt_s(r['compute_s'])}, comm {_fmt_s(r['comm_s'])}, exposed comm "
         f"{_fmt_s(r['exposed_comm_s'])}",
@@ -53,6 +54,17 @@ def summary(r: dict) -> str:
         f"compile time: {r['compile_s']:.1f} s",
     ]
     return "\n".join(parts)
+
+
+def attention_lines(r: dict) -> list[str]:
+    """Which attention the compiled program holds (`attention_kernel`)."""
+    kernel = r.get("attention_kernel")
+    if kernel is None:
+        return []
+    what = {"cudnn_flash": "cuDNN's fused flash kernel, no scores in memory",
+            "materialised": "materialised scores ([B, H, L, L] GEMMs and softmax)",
+            "none": "no attention found"}.get(kernel, kernel)
+    return [f"attention: {kernel} ({what})"]
 
 
 def by_kind_line(r: dict) -> list[str]:
@@ -100,6 +112,11 @@ def xla_lines(r: dict) -> list[str]:
     line = (f"XLA's estimate:    step {_fmt_s(x['step_s'])}, comm {_fmt_s(x['comm_s']['total'])}, "
             f"exposed comm {_fmt_s(x['exposed_comm_s']['total'])}")
     out = [line + (f" ({kinds} ms)" if kinds else "")]
+    attn = x.get("fused_attention")
+    if attn:  # XLA prices these at a flat 10 us; the step above uses the roofline instead
+        out.append(f"  with {attn['calls']} fused-attention calls at the roofline price "
+                   f"{_fmt_s(attn['priced_s']).strip()} (XLA's own: "
+                   f"{_fmt_s(attn['xla_s']).strip()})")
     sim, xs = r["simulated_step_s"], x["step_s"]
     if sim and xs:
         out.append(f"XLA / simulated: step {xs / sim:.2f}x, exposed comm "

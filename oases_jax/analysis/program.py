@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from oases_jax.analysis.attention import fused_attention_flops, is_fused_attention
 from oases_jax.analysis.hlo import (
     COLLECTIVES,
     Computation,
@@ -104,8 +105,9 @@ class Program:
     def is_gemm(self, instr: Instr) -> bool:
         if instr.opcode in ("dot", "convolution"):
             return True
-        if instr.opcode == "custom-call":
-            return bool(_GEMM_TARGET.search(instr.attr("custom_call_target") or ""))
+        if instr.opcode == "custom-call":  # cuBLAS GEMMs and cuDNN's fused attention
+            return (bool(_GEMM_TARGET.search(instr.attr("custom_call_target") or ""))
+                    or is_fused_attention(instr))
         if instr.opcode in ("fusion", "call", "while", "conditional", "async-start"):
             return any(self.has_gemm(c) for c in instr.called if c in self.module.computations)
         return False
@@ -124,6 +126,8 @@ class Program:
     def instr_flops(self, comp: Computation, instr: Instr) -> float:
         if instr.opcode == "dot":
             return _dot_flops(instr, comp, instr.attr("lhs_contracting_dims"))
+        if is_fused_attention(instr):
+            return fused_attention_flops(instr, comp)
         if instr.opcode == "custom-call" and self.is_gemm(instr):
             dims = (instr.backend_config.get("gemm_backend_config", {})
                     .get("dot_dimension_numbers", {}).get("lhs_contracting_dimensions", []))
@@ -195,6 +199,13 @@ class Program:
             elif instr.opcode in ("call", "conditional"):
                 for c in instr.called:
                     yield from self.walk(c, count)
+
+    def fused_attention_calls(self) -> Iterator[tuple[Computation, Instr, int]]:
+        """cuDNN's fused-attention calls, with how many times each runs per program execution."""
+        for comp, count in self.walk():
+            for instr in comp.instrs:
+                if is_fused_attention(instr):
+                    yield comp, instr, count
 
     def axes_of(self, groups: list[list[int]]) -> tuple[str, ...]:
         if not self.mesh_axes:

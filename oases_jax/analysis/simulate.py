@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from oases_jax.analysis.hardware import ClusterSpec, LinkSpec
-from oases_jax.analysis.hlo import Instr
+from oases_jax.analysis.hardware import ClusterSpec, DeviceSpec, LinkSpec
+from oases_jax.analysis.hlo import Computation, Instr
 from oases_jax.analysis.program import TRIVIAL, Program, collective_kind, is_async_start
 
 LOW_PRECISION = ("bf16", "f16", "f8e4m3fn", "f8e5m2", "s8", "u8")
@@ -38,6 +38,25 @@ def collective_time(kind: str, nbytes: float, n: int, link: LinkSpec) -> float:
     if kind == "all-reduce":
         return 2 * steps / n * nbytes / bw + 2 * steps * a
     return steps / n * nbytes / bw + steps * a
+
+
+def roofline_time(program: Program, comp: Computation, instr: Instr, device: DeviceSpec) -> float:
+    """A compute op's time: max(FLOPs / peak, HBM bytes / bandwidth), at the bf16 peak when an
+    input is 16-bit or narrower, else the fp32 one. GEMMs, fusions and cuDNN's fused attention
+    alike (`Program.instr_flops`, `Program.traffic_bytes`: a flash kernel reads Q, K, V (and dO,
+    O, the softmax statistics) and writes its outputs, never the scores)."""
+    if instr.opcode in TRIVIAL:
+        return 0.0
+    flops = program.instr_flops(comp, instr)
+    nbytes = program.traffic_bytes(comp, instr)
+    dtype = "bfloat16" if _low_precision(comp, instr) else "float32"
+    return max(flops / device.peak(dtype), nbytes / device.hbm_bytes_per_s)
+
+
+def _low_precision(comp: Computation, instr: Instr) -> bool:
+    operands = [comp.by_name.get(o) for o in instr.operands]
+    dtypes = {a.dtype for o in operands if o for a in o.shapes} or {a.dtype for a in instr.shapes}
+    return bool(dtypes & set(LOW_PRECISION))
 
 
 @dataclasses.dataclass
@@ -76,18 +95,7 @@ class Simulator:
 
     # Costs.
     def compute_time(self, comp, instr: Instr) -> float:
-        if instr.opcode in TRIVIAL:
-            return 0.0
-        flops = self.p.instr_flops(comp, instr)
-        nbytes = self.p.traffic_bytes(comp, instr)
-        dtype = "bfloat16" if self._low_precision(comp, instr) else "float32"
-        return max(flops / self.device.peak(dtype), nbytes / self.device.hbm_bytes_per_s)
-
-    def _low_precision(self, comp, instr: Instr) -> bool:
-        operands = [comp.by_name.get(o) for o in instr.operands]
-        dtypes = {a.dtype for o in operands if o for a in o.shapes} or {
-            a.dtype for a in instr.shapes}
-        return bool(dtypes & set(LOW_PRECISION))
+        return roofline_time(self.p, comp, instr, self.device)
 
     def comm_time(self, comp, idx: int, instr: Instr, kind: str) -> float:
         c = self.p.collective_at(comp.name, instr.name)

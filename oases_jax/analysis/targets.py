@@ -81,6 +81,26 @@ def has_gpu_aot() -> bool:
 
 
 @functools.cache
+def cudnn_missing() -> str | None:
+    """Why jax cannot trace cuDNN's fused attention in this process, or None when it can.
+
+    jax asks the cuDNN library its version while tracing `dot_product_attention(...,
+    implementation="cudnn")`, even for a deviceless GPU target whose compile never loads it;
+    NVIDIA's wheel (the gpu-aot extra's `nvidia-cudnn-cu12`) is enough."""
+    try:
+        from jax._src.lib import cuda_versions
+    except ImportError:  # another jax layout: let its own check speak at trace time
+        return None
+    if cuda_versions is None:
+        return f"jax's CUDA plugin is not installed; {_INSTALL_HINT}"
+    try:
+        cuda_versions.cudnn_get_version()
+    except Exception as e:  # RuntimeError("cuDNN not found.")
+        return f"{str(e).strip()[:120]} (jax's trace-time cuDNN version check); {_INSTALL_HINT}"
+    return None
+
+
+@functools.cache
 def _gpu_devices(gpu: str, n: int) -> tuple:
     from jax.experimental import topologies
 

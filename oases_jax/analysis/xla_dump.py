@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from oases_jax.analysis.hlo import parse_backend_config
+from oases_jax.analysis.hlo import parse_backend_config, parse_module
 
 # Text-format protobuf, read generically: nested dicts whose values are lists (fields repeat).
 
@@ -151,6 +151,28 @@ def read_module(msg: dict) -> tuple[dict[int, Comp], int]:
         name = _first(msg, "entry_computation_name")
         entry = next(c.id for c in comps.values() if c.name == name)
     return comps, entry
+
+
+def read_hlo_text(text: str) -> tuple[dict[int, Comp], int]:
+    """A compiled module's HLO text (`compiled.as_text()`) read as `read_module` reads the dump's
+    module: computations numbered in text order, instructions in schedule order, a while's body
+    before its condition, as in the dump."""
+    module = parse_module(text)
+    ids = {name: i for i, name in enumerate(module.computations)}
+    comps = {}
+    for name, c in module.computations.items():
+        index = {instr.name: j for j, instr in enumerate(c.instrs)}
+        ops = {}
+        for j, instr in enumerate(c.instrs):
+            called = [ids[n] for n in instr.called if n in ids]
+            if instr.opcode == "while":  # body first, as in the dump
+                body = (instr.attr("body") or "").lstrip("%")
+                cond = (instr.attr("condition") or "").lstrip("%")
+                called = [ids[n] for n in (body, cond) if n in ids]
+            operands = [index[o] for o in instr.operands if o in index]
+            ops[j] = Op(j, instr.name, instr.opcode, called, instr.backend_config, operands)
+        comps[ids[name]] = Comp(ids[name], name, ops, list(ops), False)
+    return comps, ids[module.entry]
 
 
 def read_schedules(msgs: list[dict]) -> dict[int, Scheduled]:

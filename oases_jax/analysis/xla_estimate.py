@@ -1,19 +1,13 @@
-"""XLA's own time estimate of a GPU program: the latency-hiding scheduler's schedule dump, read
-back and composed over loops into a step time and exposed communication by collective kind.
+"""XLA's own time estimate of a GPU program: the latency-hiding scheduler's schedule dump (read by
+`xla_dump`) composed over loops into a step time and exposed communication by collective kind.
+Compiling with the dump on is `xla_compile`.
 
 A second opinion beside `oases_jax.analysis.simulate`; see docs/xla_estimate.md.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import pathlib
-import re
-import shutil
-import tempfile
-import warnings
-from collections.abc import Iterator
 
 from oases_jax.analysis.hlo import COLLECTIVES
 from oases_jax.analysis.xla_dump import (
@@ -21,13 +15,11 @@ from oases_jax.analysis.xla_dump import (
     Op,
     Scheduled,
     parse_text_proto,
+    read_hlo_text,
     read_module,
     read_schedules,
 )
 
-# Per-compile options that make XLA write `<module>.schedule.txt` and fill each instruction's
-# `reification_cost` (the "sol" entry is what the scheduler uses). `xla_dump_to` is added per call.
-DUMP_OPTIONS = {"xla_dump_latency_hiding_schedule": True, "xla_gpu_collect_cost_model_stats": True}
 # Opcodes that move no data; they cost nothing here as in XLA's estimator.
 _FREE = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
                    "partition-id", "replica-id", "opt-barrier", "add-dependency", "domain"})
@@ -57,7 +49,9 @@ class XlaEstimate:
     `step_s`: total time; `exposed_comm_s`: collective time not hidden behind compute, by kind
     plus "total"; `comm_s`: XLA's price of every collective executed, by kind plus "total";
     `per_op`: XLA's timeline (loops unrolled, at most `MAX_OPS` entries); `unpriced_ops`:
-    instructions outside scheduled computations with no "sol" cost (counted as 0 s)."""
+    instructions outside scheduled computations with no "sol" cost (counted as 0 s);
+    `fused_attention`: cuDNN's fused-attention calls executed (`calls`), XLA's own price of them
+    (`xla_s`) and the price used instead (`priced_s`, see `estimate_from_schedule`), or None."""
 
     step_s: float
     exposed_comm_s: dict[str, float]
@@ -66,12 +60,14 @@ class XlaEstimate:
     scheduled_computations: list[str]
     unpriced_ops: int = 0
     notes: list[str] = dataclasses.field(default_factory=list)
+    fused_attention: dict[str, float] | None = None
 
     def to_json(self) -> dict:
         return {"step_s": self.step_s, "exposed_comm_s": self.exposed_comm_s,
                 "comm_s": self.comm_s, "per_op": [o.to_json() for o in self.per_op],
                 "scheduled_computations": self.scheduled_computations,
-                "unpriced_ops": self.unpriced_ops, "notes": self.notes}
+                "unpriced_ops": self.unpriced_ops, "notes": self.notes,
+                "fused_attention": self.fused_attention}
 
 
 def _with_total(d: dict[str, float]) -> dict[str, float]:
@@ -80,13 +76,15 @@ def _with_total(d: dict[str, float]) -> dict[str, float]:
 
 @dataclasses.dataclass
 class _Run:
-    """One run of a computation: time, exposed and collective time by kind (us), and its
-    instructions as (op, start, end, latency) in run order, relative to the run's start."""
+    """One run of a computation: time, exposed and collective time by kind (us), its
+    instructions as (op, start, end, latency) in run order, relative to the run's start, and
+    the ops it ran at our price (`calls`, XLA's price `xla` and ours `ours`, in us)."""
 
     time: float
     exposed: dict[str, float]
     comm: dict[str, float]
     spans: list[tuple[Op, float, float, float]]
+    priced: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def _add(acc: dict[str, float], part: dict[str, float], times: float = 1.0) -> None:
@@ -98,8 +96,11 @@ class _Composer:
     """Runs of computations, replayed as XLA's scheduler statistics replay them (see
     `estimate_from_schedule`), loops and calls composed bottom-up."""
 
-    def __init__(self, comps: dict[int, Comp], scheduled: dict[int, Scheduled]):
+    def __init__(self, comps: dict[int, Comp], scheduled: dict[int, Scheduled],
+                 prices: dict[str, float] | None = None):
         self.comps, self.scheduled = comps, scheduled
+        self.prices = prices or {}  # op name -> our price (us), in place of XLA's
+        self.n_priced = 0  # ops run at a price from `prices` (each op once, not per execution)
         self._memo: dict[int, _Run] = {}
         self.unpriced: set[tuple[int, int]] = set()
         self.repriced: dict[str, int] = {}  # non-collective async ops: wrapped opcode -> count
@@ -162,6 +163,7 @@ class _Composer:
                 out.time += times * r.time
                 _add(out.exposed, r.exposed, times)
                 _add(out.comm, r.comm, times)
+                _add(out.priced, r.priced, times)
         return out
 
     def _cost(self, comp: Comp, op: Op, sched: Scheduled | None) -> float:
@@ -174,7 +176,7 @@ class _Composer:
                 or self.collective(op)):
             return 0.0  # control ops and collectives are priced by the caller
         cost = op.cost()
-        if cost is None:
+        if cost is None and op.name not in self.prices:
             self.unpriced.add((comp.id, op.id))
         return cost or 0.0
 
@@ -186,18 +188,23 @@ class _Composer:
                  if op.opcode.endswith("-done") and op.operands}
         out = _Run(0.0, {}, {}, [])
         pending: dict[int, tuple[float, float, str | None]] = {}
-        repriced = sum(self.repriced.values())
+        changed = self._changes()
         for oid in sched.order if sched else comp.order:
             op = comp.ops.get(oid)
             if op is None:
                 continue
             t, cost, latency = out.time, self._cost(comp, op, sched), 0.0
             coll = self.collective(op)
-            if op.opcode in _CONTROL:
+            if op.name in self.prices:
+                _add(out.priced, {"calls": 1, "xla": cost, "ours": self.prices[op.name]})
+                cost = self.prices[op.name]
+                self.n_priced += 1
+            elif op.opcode in _CONTROL:
                 child = self.control(op)
                 cost = child.time
                 _add(out.exposed, child.exposed)
                 _add(out.comm, child.comm)
+                _add(out.priced, child.priced)
             elif op.opcode.endswith("-start") and oid in dones:
                 latency = self._latency(comp, op, dones[oid])
                 pending[oid] = (t, latency, coll[0] if coll else None)
@@ -216,10 +223,15 @@ class _Composer:
                 _add(out.exposed, {coll[0]: cost})
             out.spans.append((op, t, t + cost, latency))
             out.time = t + cost
-        if sched and repriced == sum(self.repriced.values()):
+        if sched and changed == self._changes():
             self._use_statistics(comp, sched, out)
         self._memo[cid] = out
         return out
+
+    def _changes(self) -> int:
+        """Ops run so far at a price other than XLA's: where one did, XLA's statistics no longer
+        describe the computation and the replay is used."""
+        return sum(self.repriced.values()) + self.n_priced
 
     def _use_statistics(self, comp: Comp, sched: Scheduled, out: _Run) -> None:
         """XLA's own totals where nothing was repriced: its total cycles with each control op's
@@ -288,6 +300,13 @@ class _Composer:
         if self.unknown_trips:
             notes.append(f"loops without a known trip count, counted once: "
                          f"{', '.join(sorted(self.unknown_trips))}")
+        priced = None
+        if r.priced.get("calls"):
+            priced = {"calls": int(r.priced["calls"]), "xla_s": r.priced["xla"] * us,
+                      "priced_s": r.priced["ours"] * us}
+            notes.append(f"{priced['calls']} fused-attention calls priced from their shapes "
+                         f"(roofline, {priced['priced_s'] * 1e3:.3f} ms), not at XLA's flat "
+                         f"price ({priced['xla_s'] * 1e3:.3f} ms)")
         if self.gaps:
             worst = max(self.gaps, key=lambda k: abs(self.gaps[k]))
             notes.append(f"the timeline (a replay) and XLA's statistics, whose totals are used, "
@@ -300,10 +319,11 @@ class _Composer:
             per_op=per_op,
             scheduled_computations=sorted(self.comps[c].name for c in self.scheduled
                                           if c in self.comps),
-            unpriced_ops=len(self.unpriced), notes=notes)
+            unpriced_ops=len(self.unpriced), notes=notes, fused_attention=priced)
 
 
-def estimate_from_schedule(text: str, max_ops: int = MAX_OPS) -> XlaEstimate:
+def estimate_from_schedule(text: str, max_ops: int = MAX_OPS,
+                           prices: dict[str, float] | None = None) -> XlaEstimate:
     """Compose XLA's estimate from one `<module>.schedule.txt`.
 
     The dump holds the module as the scheduler saw it, and a `computation_schedules` entry for
@@ -333,37 +353,31 @@ def estimate_from_schedule(text: str, max_ops: int = MAX_OPS) -> XlaEstimate:
     wraps (a note counts them). A collective in flight across a loop is scored as XLA scores it,
     each computation on its own, so the loop does not hide it. The timeline is this replay (the
     dump's own timestamps come from XLA's bottom-up list scheduler, which puts a stall right
-    after a collective's start instead of before its done)."""
+    after a collective's start instead of before its done).
+
+    A second departure: `prices` (seconds by instruction name) replaces XLA's price of those
+    instructions, and a computation holding one is replayed rather than read from XLA's
+    statistics. `xla_compile` passes cuDNN's fused-attention calls, which XLA prices at a flat
+    10 us whatever their size (FLOPs it cannot see), priced by the simulator's roofline."""
     proto = parse_text_proto(text)
     if not proto.get("hlo_module"):
         raise ValueError("not a latency-hiding-schedule dump: no hlo_module")
     comps, entry = read_module(proto["hlo_module"][0])
     scheduled = read_schedules(proto.get("computation_schedules", []))
-    return _Composer(comps, scheduled).estimate(entry, max_ops)
+    return _Composer(comps, scheduled, _in_us(prices)).estimate(entry, max_ops)
 
 
-def estimate_from_hlo_text(text: str, max_ops: int = MAX_OPS) -> XlaEstimate:
+def _in_us(prices: dict[str, float] | None) -> dict[str, float]:
+    return {name: s * 1e6 for name, s in (prices or {}).items()}
+
+
+def estimate_from_hlo_text(text: str, max_ops: int = MAX_OPS,
+                           prices: dict[str, float] | None = None) -> XlaEstimate:
     """The estimate of a compiled program XLA scheduled without the latency-hiding scheduler
     (no async collective anywhere, so no schedule dump): the "sol" prices in its HLO text,
-    composed as for unscheduled computations in `estimate_from_schedule`."""
-    from oases_jax.analysis.hlo import parse_module
-
-    module = parse_module(text)
-    ids = {name: i for i, name in enumerate(module.computations)}
-    comps = {}
-    for name, c in module.computations.items():
-        index = {instr.name: j for j, instr in enumerate(c.instrs)}
-        ops = {}
-        for j, instr in enumerate(c.instrs):
-            called = [ids[n] for n in instr.called if n in ids]
-            if instr.opcode == "while":  # body first, as in the dump
-                body = (instr.attr("body") or "").lstrip("%")
-                cond = (instr.attr("condition") or "").lstrip("%")
-                called = [ids[n] for n in (body, cond) if n in ids]
-            operands = [index[o] for o in instr.operands if o in index]
-            ops[j] = Op(j, instr.name, instr.opcode, called, instr.backend_config, operands)
-        comps[ids[name]] = Comp(ids[name], name, ops, list(ops), False)
-    return _Composer(comps, {}).estimate(ids[module.entry], max_ops)
+    composed as for unscheduled computations in `estimate_from_schedule` (`prices` as there)."""
+    comps, entry = read_hlo_text(text)
+    return _Composer(comps, {}, _in_us(prices)).estimate(entry, max_ops)
 
 
 def collective_prices(text: str) -> list[tuple[str, str, float | None]]:
@@ -382,59 +396,3 @@ def collective_prices(text: str) -> list[tuple[str, str, float | None]]:
             if coll:
                 out.append((op.name, coll[0], None if coll[1] is None else coll[1] * 1e-6))
     return out
-
-
-# Compiling with the dump.
-
-
-@contextlib.contextmanager
-def schedule_dump() -> Iterator[tuple[dict, pathlib.Path]]:
-    """Compiler options that dump the schedule into a fresh directory, removed on exit (errors
-    included): `with schedule_dump() as (options, where): lowered.compile(compiler_options={
-    **mine, **options})`, then `read_dump(where)`."""
-    where = pathlib.Path(tempfile.mkdtemp(prefix="oases-xla-dump-"))
-    try:
-        yield {"xla_dump_to": str(where), **DUMP_OPTIONS}, where
-    finally:
-        shutil.rmtree(where, ignore_errors=True)
-
-
-def schedule_files(where: pathlib.Path) -> list[pathlib.Path]:
-    return sorted(where.glob("*.schedule.txt"))
-
-
-def read_dump(where: pathlib.Path, compiled_text: str | None = None) -> XlaEstimate:
-    """The estimate from a dump directory holding one compiled module. Without a schedule file
-    (nothing was asynchronous, so the scheduler had nothing to schedule) it is composed from
-    `compiled_text`, the compiled HLO, which carries the same "sol" prices."""
-    files = schedule_files(where)
-    if len(files) > 1 and compiled_text:  # the compiled module's own schedule
-        name = re.match(r"HloModule (\S+?),", compiled_text)
-        files = [f for f in files if name and f.name == f"{name.group(1)}.schedule.txt"] or files
-    if len(files) > 1:
-        raise ValueError(f"dump {where} holds {len(files)} schedules; compile one module per dump")
-    if files:
-        return estimate_from_schedule(files[0].read_text())
-    if compiled_text is None:
-        raise ValueError(f"dump {where} holds no *.schedule.txt and no compiled HLO was given")
-    if re.search(r"(?:async|all-reduce|all-gather|collective-permute)-start\(", compiled_text):
-        raise ValueError(
-            "the compiled program has asynchronous collectives but XLA wrote no schedule dump: "
-            "a persistent compilation-cache hit skips the compiler; compile with "
-            "jax.config.update('jax_enable_compilation_cache', False)")
-    return estimate_from_hlo_text(compiled_text)
-
-
-def compile_with_estimate(lowered, compiler_options: dict | None = None):
-    """`lowered.compile(...)` with the schedule dump on, for a GPU target: (compiled, estimate).
-    The dump directory is removed before this returns or raises. An XLA that refuses the dump
-    options gets a plain compile and the estimate is None (a warning says why)."""
-    with schedule_dump() as (options, where):
-        try:
-            compiled = lowered.compile(compiler_options={**(compiler_options or {}), **options})
-        except Exception as e:  # retried without the dump; a genuine failure raises again
-            compiled = lowered.compile(compiler_options=compiler_options or {})
-            warnings.warn(f"XLA's schedule dump is unavailable ({str(e)[:200]}); "
-                          "no XLA estimate", stacklevel=2)
-            return compiled, None
-        return compiled, read_dump(where, compiled.as_text())

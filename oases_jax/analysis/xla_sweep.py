@@ -17,7 +17,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from oases_jax.analysis.simulate import collective_time
-from oases_jax.analysis.xla_estimate import collective_prices, estimate_from_hlo_text, schedule_dump
+from oases_jax.analysis.xla_compile import schedule_dump
+from oases_jax.analysis.xla_estimate import collective_prices, estimate_from_hlo_text
 
 KIB, MIB = 2**10, 2**20
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")

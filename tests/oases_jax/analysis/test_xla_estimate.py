@@ -14,13 +14,10 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from oases_jax.analysis import xla_dump, xla_estimate
+from oases_jax.analysis import xla_compile, xla_dump, xla_estimate
 from oases_jax.analysis.targets import get_target, has_gpu_aot
-from oases_jax.analysis.xla_estimate import (
-    compile_with_estimate,
-    estimate_from_schedule,
-    schedule_dump,
-)
+from oases_jax.analysis.xla_compile import compile_with_estimate, schedule_dump
+from oases_jax.analysis.xla_estimate import estimate_from_schedule
 from tests.hlo_programs import ppermute_ring_matmul
 
 gpu = pytest.mark.skipif(not has_gpu_aot(), reason="needs the gpu-aot extra")
@@ -117,6 +114,20 @@ def test_a_scheduled_computation_replaces_the_nominal_price_of_its_loop():
     assert post.name == "post" and post.end == pytest.approx(est.step_s)
 
 
+def test_a_priced_op_replaces_xlas_price_and_its_computation_is_replayed():
+    # The body's GEMM given 60 us (as `xla_compile` prices a fused-attention call XLA gave 10):
+    # the permute (50 us) now hides behind it, so the body is replayed, not read from XLA's
+    # statistics: start 1 + 60 + done 1 = 62 us, nothing exposed.
+    est = estimate_from_schedule(_hand_dump(), prices={"gemm": 60 * US})
+    assert est.step_s == pytest.approx((7 + 11 + 3 * 62 + 4 * 0.5) * US)
+    assert est.exposed_comm_s == {"total": 0}
+    assert est.fused_attention == {"calls": 3, "xla_s": pytest.approx(3 * 30 * US),
+                                   "priced_s": pytest.approx(3 * 60 * US)}
+    gemm = next(o for o in est.per_op if o.name == "gemm")
+    assert gemm.end - gemm.start == pytest.approx(60 * US)
+    assert estimate_from_schedule(_hand_dump()).fused_attention is None
+
+
 def test_text_format_strings_and_skipped_fields():
     proto = xla_dump.parse_text_proto(
         'hlo_module {\n  name: "a\\"b\\\\c\\n"\n  device_assignment {\n    x {\n    }\n  }\n'
@@ -161,9 +172,9 @@ def _compile_and_dump(f, *args) -> tuple[xla_estimate.XlaEstimate, str]:
     with schedule_dump() as (options, where):
         compiled = lowered.compile(compiler_options={
             "xla_gpu_enable_latency_hiding_scheduler": True, **options})
-        (path,) = xla_estimate.schedule_files(where)
+        (path,) = xla_compile.schedule_files(where)
         raw = path.read_text()
-        est = xla_estimate.read_dump(where, compiled.as_text())
+        est = xla_compile.read_dump(where, compiled.as_text())
     return est, raw
 
 
