@@ -6,13 +6,13 @@ logical names for the weights; they delegate to the strategy active for the segm
 being traced (`use`). Strategies (`registry.PROJECTIONS`; docs/parallelism.md):
 
     Gspmd           plain einsums; GSPMD inserts Megatron's all-reduces
-    GspmdSeq        Megatron-SP: the sequence-sharded residual stream is all-gathered before the
+    PerProjection   one shard_map per projection over a per-device strategy:
+      LocalSeq      Megatron-SP: the sequence-sharded residual stream is all-gathered before the
                     column projections and the row projections' sums reduce-scattered onto it
-    Ring            ppermute rings overlapping each chunk's GEMM, one shard_map per projection
+      LocalRing     ppermute rings overlapping each chunk's GEMM
     PrimePar        Cannon-style projections on the tp_row x tp_col square
     LocalAllReduce  inside a layer-wide shard_map: local partial sums, explicit all-reduces, and
                     the hooks the sub-batch executor uses to order them (Oases)
-    LocalRing       inside a layer-wide shard_map: the ring itself, per device
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 from oases_jax import primepar
 from oases_jax.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from oases_jax.registry import ScheduleSpec
-from oases_jax.rules import Logical, ShardingRules, constrain
+from oases_jax.rules import Logical, ShardingRules
 
 RESIDUAL: Logical = ("batch", "seq", "embed")
 
@@ -79,51 +79,51 @@ class Gspmd:
         return None
 
 
-class GspmdSeq(Gspmd):
-    """Megatron-SP (Korthikanti et al.): the residual stream stays sharded on `seq` between the
-    projections; the column projection's input is gathered over the sequence first (one
-    all-gather of [B, L, D]) and the row projection's sum is constrained back onto the sequence
-    (one reduce-scatter). The pins keep GSPMD from choosing another boundary, e.g. moving the
-    attention scores between devices with all-to-alls."""
+class PerProjection(Gspmd):
+    """Each projection in its own shard_map, running the per-device strategy `local` on the
+    blocks: the sequence-sharded residual stream goes in, the column outputs come out sharded
+    on their heads / mlp names, and the row output goes back onto the sequence."""
 
-    def column(self, x_BLD, weights, names) -> list[jax.Array]:
-        x_BLD = constrain(x_BLD, ("batch", None, "embed"))
-        return [constrain(y, ("batch", None, *n[1:])) for y, n in
-                zip(super().column(x_BLD, weights, names), names, strict=True)]
-
-    def row(self, h, w, names) -> jax.Array:
-        h = constrain(h, ("batch", None, *names[:-1]))
-        return constrain(einsum_row(h, w), RESIDUAL)
-
-
-class Ring(Gspmd):
-    """Each projection a ring of ppermutes in its own shard_map over `axis`: the column
-    projection gathers the sequence-sharded input chunk by chunk into its GEMMs, the row
-    projection reduce-scatters its partial sums back onto the sequence."""
-
-    gathers_in_column = True
-
-    def __init__(self, rules: ShardingRules, mesh: Mesh, axis: str = "tensor",
-                 bidirectional: bool = True):
-        self.rules, self.mesh, self.axis, self.bidirectional = rules, mesh, axis, bidirectional
+    def __init__(self, local: Gspmd, rules: ShardingRules, mesh: Mesh):
+        self.local, self.rules, self.mesh = local, rules, mesh
+        self.gathers_in_column = local.gathers_in_column
 
     def column(self, x_BLD, weights, names) -> list[jax.Array]:
         rules, mesh = self.rules, self.mesh
         x_spec = rules.act_spec(RESIDUAL, mesh)
         w_specs = [rules.param_spec(n, mesh) for n in names]
         out_specs = tuple(rules.act_spec(("batch", None, *n[1:]), mesh) for n in names)
-        local = LocalRing(self.axis, self.bidirectional)
-        outs = jax.shard_map(lambda x, *ws: tuple(local.column(x, ws, names)), mesh=mesh,
+        outs = jax.shard_map(lambda x, *ws: tuple(self.local.column(x, ws, names)), mesh=mesh,
                              in_specs=(x_spec, *w_specs), out_specs=out_specs)(x_BLD, *weights)
         return list(outs)
 
     def row(self, h, w, names) -> jax.Array:
         rules, mesh = self.rules, self.mesh
         h_spec = rules.act_spec(("batch", None, *names[:-1]), mesh)
-        local = LocalRing(self.axis, self.bidirectional)
-        return jax.shard_map(lambda h, w: local.row(h, w, names), mesh=mesh,
+        return jax.shard_map(lambda h, w: self.local.row(h, w, names), mesh=mesh,
                              in_specs=(h_spec, rules.param_spec(names, mesh)),
                              out_specs=rules.act_spec(RESIDUAL, mesh))(h, w)
+
+
+class LocalSeq(Gspmd):
+    """Megatron-SP (Korthikanti et al.) on per-device blocks, inside a shard_map over `axis`:
+    the column projections' input is all-gathered over the sequence once (their backward
+    reduce-scatters its gradient), and the row projection's partial sums are reduce-scattered
+    back onto the sequence (their backward all-gathers the gradient). Nothing else crosses
+    devices: attention runs on whole sequences of the local heads."""
+
+    gathers_in_column = True  # the gathered input is what `save_proj` keeps (`attn_in` too)
+
+    def __init__(self, axis: str = "tensor"):
+        self.axis = axis
+
+    def column(self, x_BLD, weights, names) -> list[jax.Array]:
+        x_BLD = jax.lax.all_gather(x_BLD, self.axis, axis=1, tiled=True)
+        return super().column(x_BLD, weights, names)
+
+    def row(self, h, w, names) -> jax.Array:
+        return jax.lax.psum_scatter(einsum_row(h, w), self.axis, scatter_dimension=1,
+                                    tiled=True)
 
 
 class LocalRing(Gspmd):
@@ -258,10 +258,10 @@ def strategy_for(spec: ScheduleSpec, rules: ShardingRules, mesh: Mesh, *, manual
         raise ValueError(f"schedule {spec.name} has no manual projection")
     if spec.projection == "primepar" and mesh.shape.get("tp_row", 1) > 1:
         return PrimePar(rules, mesh)
-    if spec.projection == "ring" and mesh.shape.get(axis, 1) > 1:
-        return Ring(rules, mesh, axis, bidirectional)
-    if spec.projection == "gspmd_sp":
-        return GspmdSeq()
+    if mesh.shape.get(axis, 1) > 1 and spec.projection == "ring":
+        return PerProjection(LocalRing(axis, bidirectional), rules, mesh)
+    if mesh.shape.get(axis, 1) > 1 and spec.projection == "seq_parallel":
+        return PerProjection(LocalSeq(axis), rules, mesh)
     return Gspmd()
 
 

@@ -16,11 +16,12 @@ from oases_jax.errors import UserError
 
 # Projection strategies (`oases_jax.projections.strategy_for` builds them):
 #   gspmd     plain einsums; the partitioner inserts Megatron's collectives
-#   gspmd_sp  plain einsums with Megatron-SP's explicit all-gather / reduce-scatter boundaries
+#   seq_parallel  Megatron-SP: all-gather before the column projections, reduce-scatter after
+#             the row projections, one shard_map per projection
 #   ring      ppermute rings overlapping each chunk's GEMM (shard_map per projection)
 #   manual    local projections inside a layer-wide shard_map, explicit all-reduces (Oases)
 #   primepar  Cannon-style projections on a tp_row x tp_col square
-PROJECTIONS = ("gspmd", "gspmd_sp", "ring", "manual", "primepar")
+PROJECTIONS = ("gspmd", "seq_parallel", "ring", "manual", "primepar")
 # How a segment of layers is run (`oases_jax.stacks`): a scan of layers whose projections
 # carry their own communication, one shard_map per layer ordering sub-batches, or one
 # shard_map over the whole segment with the Oases cross-layer overlap.
@@ -93,7 +94,7 @@ SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType({s.name: s for s in (
                  "the row projections"),
     ScheduleSpec(name="megatron_sp", summary="Megatron + sequence parallelism: all-gather before "
                  "the column projections, reduce-scatter after the row projections",
-                 sequence_parallel=True, projection="gspmd_sp"),
+                 sequence_parallel=True, projection="seq_parallel"),
     # Two permutes in flight at once: a backward ring step moves a block and a partial sum. The
     # dot merger would fuse GEMMs that share an operand (a ring step's two chunks) into one,
     # which then waits for both inputs' collectives.
