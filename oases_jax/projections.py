@@ -6,6 +6,8 @@ logical names for the weights; they delegate to the strategy active for the segm
 being traced (`use`). Strategies (`registry.PROJECTIONS`; docs/parallelism.md):
 
     Gspmd           plain einsums; GSPMD inserts Megatron's all-reduces
+    GspmdPinned     plain einsums with the model dimension pinned around them (XLA's own
+                    windowed einsum rewrites these)
     PerProjection   one shard_map per projection over a per-device strategy:
       LocalSeq      Megatron-SP: the sequence-sharded residual stream is all-gathered before the
                     column projections and the row projections' sums reduce-scattered onto it
@@ -29,7 +31,7 @@ from jax.sharding import Mesh
 from oases_jax import primepar
 from oases_jax.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from oases_jax.registry import ScheduleSpec
-from oases_jax.rules import Logical, ShardingRules
+from oases_jax.rules import Logical, ShardingRules, constrain
 
 RESIDUAL: Logical = ("batch", "seq", "embed")
 
@@ -77,6 +79,21 @@ class Gspmd:
 
     def after_step(self, x) -> None:
         return None
+
+
+class GspmdPinned(Gspmd):
+    """Plain einsums whose model dimension is pinned: each column projection's output and each
+    row projection's input stay sharded on heads / mlp. Without the pin GSPMD may compute the
+    backward of a row projection (dH = dY W^T) by passing W around the ring rather than the
+    sequence-sharded dY, which XLA's windowed-einsum pass cannot rewrite (it aborts on a cycle,
+    docs/xla_estimate.md); with it the partitioner always moves the activation."""
+
+    def column(self, x_BLD, weights, names) -> list[jax.Array]:
+        return [constrain(y, ("batch", None, *n[1:])) for y, n in
+                zip(super().column(x_BLD, weights, names), names, strict=True)]
+
+    def row(self, h, w, names) -> jax.Array:
+        return einsum_row(constrain(h, ("batch", None, *names[:-1])), w)
 
 
 class PerProjection(Gspmd):
@@ -262,6 +279,8 @@ def strategy_for(spec: ScheduleSpec, rules: ShardingRules, mesh: Mesh, *, manual
         return PerProjection(LocalRing(axis, bidirectional), rules, mesh)
     if mesh.shape.get(axis, 1) > 1 and spec.projection == "seq_parallel":
         return PerProjection(LocalSeq(axis), rules, mesh)
+    if spec.projection == "gspmd_pinned":
+        return GspmdPinned()
     return Gspmd()
 
 

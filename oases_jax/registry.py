@@ -16,12 +16,13 @@ from oases_jax.errors import UserError
 
 # Projection strategies (`oases_jax.projections.strategy_for` builds them):
 #   gspmd     plain einsums; the partitioner inserts Megatron's collectives
+#   gspmd_pinned  plain einsums with their model dimension pinned (XLA's windowed einsum)
 #   seq_parallel  Megatron-SP: all-gather before the column projections, reduce-scatter after
 #             the row projections, one shard_map per projection
 #   ring      ppermute rings overlapping each chunk's GEMM (shard_map per projection)
 #   manual    local projections inside a layer-wide shard_map, explicit all-reduces (Oases)
 #   primepar  Cannon-style projections on a tp_row x tp_col square
-PROJECTIONS = ("gspmd", "seq_parallel", "ring", "manual", "primepar")
+PROJECTIONS = ("gspmd", "gspmd_pinned", "seq_parallel", "ring", "manual", "primepar")
 # How a segment of layers is run (`oases_jax.stacks`): a scan of layers whose projections
 # carry their own communication, one shard_map per layer ordering sub-batches, or one
 # shard_map over the whole segment with the Oases cross-layer overlap.
@@ -116,11 +117,13 @@ SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType({s.name: s for s in (
                  manual_projection="ring", gpu_options=_opts(
                      xla_gpu_experimental_parallel_collective_overlap_limit=3,
                      xla_gpu_collective_permute_combine_threshold_bytes=0, **_NO_DOT_MERGER)),
-    # A threshold of 0 MiB makes XLA's windowed-einsum pass abort (a cycle found by the
-    # algebraic simplifier) on the attention einsums of jax 0.12.0.1; 1 MiB still rewrites
-    # every projection.
+    # The pinned projections keep XLA's windowed-einsum pass from the case it aborts on
+    # (docs/xla_estimate.md); thresholds of 0 and 1 MiB give the same programs on GPT-2 1.5B,
+    # and 1 MiB leaves the small model's tiny einsums alone. A child process still guards the
+    # compile of shapes nobody has tried.
     ScheduleSpec(name="xla_auto", summary="XLA's own windowed einsum (collective matmul) over "
-                 "Megatron-SP's einsums", sequence_parallel=True, may_abort=True, planned=False,
+                 "sequence-parallel einsums", sequence_parallel=True, projection="gspmd_pinned",
+                 may_abort=True, planned=False,
                  gpu_options=_opts(xla_gpu_threshold_for_windowed_einsum_mib=1,
                                    xla_gpu_multi_streamed_windowed_einsum=True)),
     # A primepar backward step has three permutes in flight (two blocks and a partial sum);
