@@ -10,6 +10,7 @@ import json
 import shlex
 import sys
 
+from oases_jax import registry
 from oases_jax.cli import Parser, add_runtime_flags, init_runtime, run_main, write_atomic
 from training.flags import add_model_flags, model_from_flags
 
@@ -28,7 +29,8 @@ def parse_args(argv=None):
     g.add_argument(
         "--schedules",
         metavar="A,B,...",
-        help="one variant per schedule on --mesh/--rules (default: all, if no --variant)",
+        help=f"one variant per schedule on --mesh/--rules, of {', '.join(registry.SCHEDULES)} "
+        "(default: all but the square ones, if no --variant)",
     )
     g.add_argument("--mesh", default="data=2,tensor=4", help="mesh for --schedules")
     g.add_argument("--rules", default="tp", help="rule set for --schedules and --variant")
@@ -53,7 +55,6 @@ def parse_args(argv=None):
 
 
 def build_config(args):
-    from oases_jax import registry
     from tools.bench import BenchConfig, parse_variant
 
     model = model_from_flags(args)

@@ -14,6 +14,7 @@ import os
 import pathlib
 import sys
 
+from oases_jax import registry
 from oases_jax.cli import Parser, add_runtime_flags, init_runtime, run_main, write_atomic
 from training.flags import add_model_flags, model_from_flags
 
@@ -27,7 +28,8 @@ def parse_args(argv=None):
     # Defaults of the flags a plan sets; None in the parser to tell them from a given value.
     p.add_argument("--mesh", help=f"mesh over the target's devices (default {DEFAULTS['mesh']})")
     p.add_argument("--rules", help=f"rule set (default {DEFAULTS['rules']})")
-    p.add_argument("--schedule", help=f"tensor-parallel schedule (default {DEFAULTS['schedule']})")
+    p.add_argument("--schedule", help=f"tensor-parallel schedule: {', '.join(registry.SCHEDULES)} "
+                   f"(default {DEFAULTS['schedule']})")
     p.add_argument("--sub-batches", type=int, help="oases schedules: sub-batches (default 2)")
     p.add_argument("--plan", help="a plan JSON from scripts/plan.py: its mesh, rules, batch, "
                    "micro-batches and per-layer strategies")

@@ -9,6 +9,7 @@ import datetime
 import pathlib
 import statistics
 
+from oases_jax import registry
 from oases_jax.cli import Parser, add_runtime_flags, init_runtime, run_main
 from training.flags import add_model_flags, model_from_flags
 
@@ -19,7 +20,8 @@ def parse_args(argv=None):
     g = p.add_argument_group("parallelism")
     g.add_argument("--mesh", default="data=2,tensor=4", help="ordered axes, one may be -1")
     g.add_argument("--rules", default="tp", help="dp, fsdp, tp, tp_sp or fsdp_tp (default tp)")
-    g.add_argument("--schedule", default="megatron", help="tensor-parallel schedule")
+    g.add_argument("--schedule", default="megatron",
+                   help=f"tensor-parallel schedule: {', '.join(registry.SCHEDULES)}")
     g.add_argument("--sub-batches", type=int, default=2, help="oases schedules: sub-batches")
     g.add_argument("--plan", help="a plan JSON from scripts/plan.py, or `auto` to plan for the "
                    "local devices (sets mesh, rules, micro-batches and each layer's strategy)")
@@ -105,7 +107,6 @@ def plan_config(args, model):
     """(ParallelConfig, batch size, micro-batches, seq len) from --plan FILE or --plan auto."""
     import jax
 
-    from oases_jax.layer_plan import LayerSpec
     from planner import local_cluster, make_plan
     from planner import plan as plans
     from planner.profile import Profile, default_profile_path
@@ -127,10 +128,8 @@ def plan_config(args, model):
     else:
         plan = plans.load(args.plan)
     plan.check_model(model)
-    layers = tuple(LayerSpec(schedule=s.schedule, sub_batches=s.sub_batches, remat=s.remat)
-                   for s in plan.layers)
     parallel = ParallelConfig(mesh=plan.mesh, rules=plan.rules, schedule=plan.schedule,
-                              layers=layers)
+                              layers=tuple(plan.layers))
     return parallel, plan.global_batch, plan.microbatches, plan.seq_len
 
 

@@ -78,7 +78,7 @@ class Inspection:
 def inspect_isolated(spec: CompileSpec, target: str, timeline: str | None = None,
                      timeout_s: int = 900) -> dict:
     """`inspect_program` in a child process, returning its report. XLA aborts the whole process
-    on some graphs (see `GPU_OPTIONS`); here that becomes a report with an `error`."""
+    on some graphs (`ScheduleSpec.may_abort`); here that becomes a report with an `error`."""
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = pathlib.Path(tmp, "spec.json"), pathlib.Path(tmp, "report.json")
         spec_path.write_text(json.dumps(spec.to_json()))

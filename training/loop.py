@@ -146,6 +146,8 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
         model = init_sharded(cfg.model, rules, mesh, cfg.seed)
         state = new_state(to_stored(nnx.state(model)), fns, cfg.seed)
     step_fn = program.compile()  # with the XLA options its schedules need on this platform
+    if jax.process_index() == 0 and cfg.progress and program.options:
+        print("XLA options: " + " ".join(f"{k}={v}" for k, v in sorted(program.options.items())))
     try:
         return _run(cfg, state, fns, step_fn, train_batches, val_batches, ckpt,
                     corpus.describe())

@@ -129,9 +129,10 @@ def _abstract(tree, shardings):
 
 def _lower_layer(spec: CompileSpec, mesh: Mesh) -> jax.stages.Lowered:
     """Forward and backward of one block, run by the runtime as in a train step:
-    sum(block(x) * dy) and its gradients w.r.t. params and x, for an output gradient dy that is
-    an input as in a stack (a constant one would let XLA fold the collectives it passes
-    through); the value keeps the forward alive."""
+    sum(block(x)^2) / 2 and its gradients w.r.t. params and x. The output's gradient is the
+    output itself: like a stack's, it depends on the forward (an input would let the backward
+    start before the forward ends) and is no constant (which would let XLA fold the collectives
+    it passes through); the value keeps the forward alive."""
     cfg, par = spec.model, spec.parallel
     rules = get_rules(par.rules_name)
     block = nnx.eval_shape(lambda: Block(cfg, FAMILY_NORM[cfg.family], rngs=nnx.Rngs(0)))
@@ -144,14 +145,14 @@ def _lower_layer(spec: CompileSpec, mesh: Mesh) -> jax.stages.Lowered:
     seg = parallel.segment(parallel.default)
     fns = block_fns(graphdef)
 
-    def fwd_bwd(p, x_BLD, dy_BLD):
+    def fwd_bwd(p, x_BLD):
         with use_parallel(parallel):
             def f(p, x):
                 y = run_layer(seg, fns, p, constrain(x, ("batch", "seq", "embed")))
-                return jnp.sum(y.astype(jnp.float32) * dy_BLD.astype(jnp.float32))
+                return jnp.sum(jnp.square(y.astype(jnp.float32))) / 2
 
             return jax.value_and_grad(seg.wrap(f, in_scan=False), argnums=(0, 1))(p, x_BLD)
 
     with jax.set_mesh(mesh):
         out_sh = (NamedSharding(mesh, P()), (p_sh, x_sh))
-        return jax.jit(fwd_bwd, out_shardings=out_sh).lower(_abstract(params, p_sh), x, x)
+        return jax.jit(fwd_bwd, out_shardings=out_sh).lower(_abstract(params, p_sh), x)

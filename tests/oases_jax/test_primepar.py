@@ -203,11 +203,11 @@ def _communicating(analysis) -> dict[str, int]:
                                          (16, "data=1,tp_row=4,tp_col=4")])
 def test_mlp_permutes_overlap_gemms_on_h100(n, mesh_spec):
     """The MLP compiled for H100s: every permute is asynchronous with a GEMM in its window."""
-    from tools.inspection import GPU_OPTIONS
+    from oases_jax import registry
 
     mesh = make_mesh(mesh_spec, get_target(f"h100:{n}").devices)
     compiled = _mlp_program(mesh, (8, 1024, 1600, 6400), jnp.bfloat16).compile(
-        compiler_options=GPU_OPTIONS["primepar"])
+        compiler_options=registry.compiler_options("primepar", "gpu"))
     analysis = analyze(compiled, mesh)[0]
     assert set(_communicating(analysis)) == {"collective-permute"}
     assert analysis.overlap_share(require="gemm", kinds=["collective-permute"]) >= 0.9

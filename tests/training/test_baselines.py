@@ -34,9 +34,9 @@ def _layer(target, remat: str):
     # attention-out and MLP-out projections; backward: the mirror of each (the gathers'
     # gradients are reduce-scatters and the other way round).
     ("none", 2 + 2, 2 + 2),
-    # Full recomputation gathers both inputs again and scatters the attention output again
-    # (the MLP's output is the layer's and is not needed by the backward).
-    ("full", 2 + 2 + 2, 2 + 1 + 2),
+    # Full recomputation runs the forward's two gathers and two scatters again (the layer
+    # program's value, sum(y^2)/2, is inside the recomputed function, so y is recomputed too).
+    ("full", 2 + 2 + 2, 2 + 2 + 2),
 ])
 def test_megatron_sp_layer_has_only_its_collectives(h100, remat, gathers, scatters):
     a = _layer(h100, remat)
@@ -51,3 +51,23 @@ def test_megatron_sp_layer_has_only_its_collectives(h100, remat, gathers, scatte
     # Attention scores never cross devices: no collective is larger than the residual stream
     # a combiner may pair up.
     assert max(c.bytes for c in a.collectives) <= 2 * residual
+
+
+@pytest.mark.gpu_aot
+def test_xla_auto_compiles_xlas_windowed_einsum_on_gpt2_layer(h100):
+    """XLA's own collective matmul on the GPT-2 1.5B layer: the compile (in a child process,
+    where an XLA abort becomes an error) succeeds, and the tensor-parallel traffic is permutes
+    of XLA's windowed loops: no all-gather, reduce-scatter or all-to-all of the residual."""
+    from tools.inspection import inspect_isolated
+
+    spec = CompileSpec(model=CFG, batch_size=B, seq_len=L, layer=True,
+                       parallel=ParallelConfig(mesh=f"tensor={T}", schedule="xla_auto"))
+    report = inspect_isolated(spec, "h100:8")
+    assert "error" not in report, report.get("error")
+    counts = report["collective_counts"]
+    assert set(counts) == {"collective-permute", "all-reduce"}
+    # Only the replicated parameters' gradients and the value are all-reduced, as above.
+    assert report["collective_bytes"] - sum(
+        c["bytes"] * c["count"] for c in report["collectives"]
+        if c["kind"] == "collective-permute") == (4 + 2) * CFG.d_model * 4 + 4
+    assert counts["collective-permute"] >= 10 * (T - 1)  # ten loops of seven steps
