@@ -108,7 +108,8 @@ def inspect_program(spec: CompileSpec, target: Target) -> Inspection:
     prog = lower(spec, mesh)
     xla = None
     if target.is_gpu_aot:  # the same compile also dumps XLA's schedule and its time estimates
-        compiled, xla = compile_with_estimate(prog.lowered, prog.options)
+        compiled, xla = compile_with_estimate(prog.lowered, prog.options,
+                                              device=target.cluster.device_spec)
     else:
         compiled = prog.compile()
     compile_s = time.perf_counter() - t0
