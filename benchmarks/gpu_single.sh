@@ -26,10 +26,10 @@ step() {  # step NAME CMD...: run CMD, keep its stdout, put its stderr in the lo
 { nvidia-smi -L; python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax',
   flax.__version__, 'optax', optax.__version__, jax.devices())"; } | tee "$out/env.txt"
 
-want profile && step "profile_${tag}-1_gpt2-1.5b" python3 scripts/profile.py --model gpt2-1.5b --tokens 8192 \
+want profile && step "profile_${tag}-1_gpt2-1.5b" python3 scripts/calibrate.py --model gpt2-1.5b --tokens 8192 \
   --square-sizes 1024,2048,4096,8192 --dtypes bfloat16,float32 --memory-sizes 16M,64M,256M,1G \
   --out "$out/profile_${tag}-1_gpt2-1.5b.json"
-want profile_t8 && step "profile_${tag}-1_gpt2-1.5b_t8" python3 scripts/profile.py --model gpt2-1.5b --tokens 8192 \
+want profile_t8 && step "profile_${tag}-1_gpt2-1.5b_t8" python3 scripts/calibrate.py --model gpt2-1.5b --tokens 8192 \
   --tensor 8 --square-sizes 1024 --dtypes bfloat16,float32 --memory-sizes 16M,256M \
   --out "$out/profile_${tag}-1_gpt2-1.5b_t8.json"
 for remat in full save_proj; do

@@ -1,5 +1,5 @@
 """Measure GEMMs and collectives on the local devices for a calibration profile
-(scripts/profile.py), and print a profile as a table."""
+(scripts/calibrate.py), and print a profile as a table."""
 
 from __future__ import annotations
 

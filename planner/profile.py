@@ -1,4 +1,4 @@
-"""Calibration profiles: GEMM and collective costs measured on real devices (scripts/profile.py),
+"""Calibration profiles: GEMM and collective costs measured on real devices (scripts/calibrate.py),
 fitted to two-parameter lines, which the cost model prefers over datasheet numbers."""
 
 from __future__ import annotations
@@ -133,10 +133,10 @@ class Profile:
     def from_json(cls, d) -> Profile:
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise UserError(f"not a calibration profile (no \"format\": \"{FORMAT}\"); "
-                            "make one with scripts/profile.py")
+                            "make one with scripts/calibrate.py")
         if d.get("version") != VERSION:
             raise UserError(f"calibration profile version {d.get('version')!r} is not "
-                            f"{VERSION}; re-run scripts/profile.py")
+                            f"{VERSION}; re-run scripts/calibrate.py")
         try:
             gemm = {str(dt): GemmFit(float(f["flops_per_s"]), float(f["overhead_s"]))
                     for dt, f in d["gemm"].items()}
@@ -151,7 +151,7 @@ class Profile:
                        memory=memory)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise UserError(f"calibration profile is malformed ({e!r}); re-run "
-                            "scripts/profile.py") from None
+                            "scripts/calibrate.py") from None
         prof._validate()
         return prof
 
@@ -163,12 +163,12 @@ class Profile:
         path = pathlib.Path(path)
         if not path.is_file():
             raise UserError(f"calibration profile {str(path)!r} does not exist; make it with "
-                            f"`python scripts/profile.py --out {path}`")
+                            f"`python scripts/calibrate.py --out {path}`")
         try:
             data = json.loads(path.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise UserError(f"calibration profile {str(path)!r} is not valid JSON ({e}); "
-                            "re-run scripts/profile.py") from None
+                            "re-run scripts/calibrate.py") from None
         try:
             return cls.from_json(data)
         except UserError as e:

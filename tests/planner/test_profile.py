@@ -1,5 +1,5 @@
 """Calibration profiles: the fits recover hand-chosen parameters, costs by hand arithmetic, JSON
-files and their errors, the measured programs, and scripts/profile.py end to end."""
+files and their errors, the measured programs, and scripts/calibrate.py end to end."""
 
 import json
 import math
@@ -131,7 +131,7 @@ def test_json_round_trip_and_atomic_save(tmp_path):
     prof = profile(gemm={"float32": GemmFit(2e10, 5e-5)}, comm=comm,
                    samples={"gemm": [], "comm": [{"kind": "all-reduce", "n": 2, "bytes": 1,
                                                    "seconds": 1.0}]},
-                   meta={"command": "python scripts/profile.py"})
+                   meta={"command": "python scripts/calibrate.py"})
     data = json.loads(json.dumps(prof.to_json(), allow_nan=False))  # inf is stored as null
     assert Profile.from_json(data) == prof
     path = tmp_path / "sub" / "cpu-8.json"
@@ -147,7 +147,7 @@ def test_load_errors_are_one_line_with_the_fix(tmp_path):
         assert "\n" not in str(e.value) and str(path) in str(e.value)
         return str(e.value)
 
-    assert "does not exist; make it with `python scripts/profile.py" in error(tmp_path / "no.json")
+    assert "does not exist; make it with `python scripts/calibrate.py" in error(tmp_path / "no.json")
     (bad := tmp_path / "bad.json").write_text('{"format": "oases-jax-pro')
     assert "is not valid JSON" in error(bad)
     (other := tmp_path / "cluster.json").write_text(json.dumps({"name": "c", "levels": []}))
@@ -199,7 +199,7 @@ def test_measured_programs_run_every_call_in_a_chain():
 
 def test_profile_script_quick_writes_a_loadable_profile(tmp_path):
     out = tmp_path / "cpu-8.json"
-    r = run_script("profile.py", "--quick", "--out", str(out))
+    r = run_script("calibrate.py", "--quick", "--out", str(out))
     assert r.returncode == 0, r.stderr
     prof = Profile.load(out)
     assert (prof.source, prof.device, prof.n_devices) == ("profile", "cpu", 8)
@@ -220,7 +220,7 @@ def test_profile_script_quick_writes_a_loadable_profile(tmp_path):
 ])
 def test_profile_script_bad_input_exits_2_with_one_line(tmp_path, args, message):
     out = tmp_path / "p.json"
-    r = run_script("profile.py", *args, "--out", str(out))
+    r = run_script("calibrate.py", *args, "--out", str(out))
     assert r.returncode == 2 and message in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not out.exists() and not list(tmp_path.iterdir())

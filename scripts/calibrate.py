@@ -1,5 +1,5 @@
 """Measure GEMM and collective costs on the local devices and write a calibration profile.
-`python scripts/profile.py` profiles 8 virtual CPU devices (about a minute on 2 cores) and
+`python scripts/calibrate.py` measures 8 virtual CPU devices (about a minute on 2 cores) and
 writes profiles/cpu-8.json, which the planner prefers over datasheet numbers.
 
 Every flag is documented in docs/cli.md.
@@ -54,7 +54,7 @@ def _bytes(text: str) -> int:
 
 
 def parse_args(argv=None):
-    p = Parser(prog="profile.py", description=__doc__.splitlines()[0])
+    p = Parser(prog="calibrate.py", description=__doc__.splitlines()[0])
     g = p.add_argument_group("GEMMs")
     g.add_argument("--model", default="small",
                    help="preset whose layer projections are measured (default small)")
