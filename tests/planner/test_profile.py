@@ -147,7 +147,8 @@ def test_load_errors_are_one_line_with_the_fix(tmp_path):
         assert "\n" not in str(e.value) and str(path) in str(e.value)
         return str(e.value)
 
-    assert "does not exist; make it with `python scripts/calibrate.py" in error(tmp_path / "no.json")
+    assert "does not exist; make it with `python scripts/calibrate.py" in error(
+        tmp_path / "no.json")
     (bad := tmp_path / "bad.json").write_text('{"format": "oases-jax-pro')
     assert "is not valid JSON" in error(bad)
     (other := tmp_path / "cluster.json").write_text(json.dumps({"name": "c", "levels": []}))
