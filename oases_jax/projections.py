@@ -53,8 +53,9 @@ def einsum_row(h: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum(f"bl{letters},{letters}d->bld", h, w)
 
 
-class Gspmd:
-    """Plain einsums: the partitioner inserts whatever collectives the shardings need."""
+class Projection:
+    """The interface every strategy implements. Its own methods are plain einsums on whatever
+    arrays they are given, which GSPMD partitions outside shard_map."""
 
     gathers_in_column = False  # the column projection's outputs are not post-collective values
 
@@ -81,7 +82,11 @@ class Gspmd:
         return None
 
 
-class GspmdPinned(Gspmd):
+class Gspmd(Projection):
+    """Plain einsums: the partitioner inserts whatever collectives the shardings need."""
+
+
+class GspmdPinned(Projection):
     """Plain einsums whose model dimension is pinned: each column projection's output and each
     row projection's input stay sharded on heads / mlp. Without the pin GSPMD may compute the
     backward of a row projection (dH = dY W^T) by passing W around the ring rather than the
@@ -96,12 +101,12 @@ class GspmdPinned(Gspmd):
         return einsum_row(constrain(h, ("batch", None, *names[:-1])), w)
 
 
-class PerProjection(Gspmd):
+class PerProjection(Projection):
     """Each projection in its own shard_map, running the per-device strategy `local` on the
     blocks: the sequence-sharded residual stream goes in, the column outputs come out sharded
     on their heads / mlp names, and the row output goes back onto the sequence."""
 
-    def __init__(self, local: Gspmd, rules: ShardingRules, mesh: Mesh):
+    def __init__(self, local: Projection, rules: ShardingRules, mesh: Mesh):
         self.local, self.rules, self.mesh = local, rules, mesh
         self.gathers_in_column = local.gathers_in_column
 
@@ -122,7 +127,7 @@ class PerProjection(Gspmd):
                              out_specs=rules.act_spec(RESIDUAL, mesh))(h, w)
 
 
-class LocalSeq(Gspmd):
+class LocalSeq(Projection):
     """Megatron-SP (Korthikanti et al.) on per-device blocks, inside a shard_map over `axis`:
     the column projections' input is all-gathered over the sequence once (their backward
     reduce-scatters its gradient), and the row projection's partial sums are reduce-scattered
@@ -143,7 +148,7 @@ class LocalSeq(Gspmd):
                                     tiled=True)
 
 
-class LocalRing(Gspmd):
+class LocalRing(Projection):
     """The ring projections on per-device blocks, inside a shard_map over `axis`."""
 
     gathers_in_column = True
@@ -164,7 +169,7 @@ class LocalRing(Gspmd):
                                      self.axis, bidirectional)
 
 
-class LocalAllReduce(Gspmd):
+class LocalAllReduce(Projection):
     """Megatron inside a layer-wide shard_map: local partial sums and explicit all-reduces over
     `axis`, with the hooks the sub-batch executor uses to keep one sub-batch's all-reduce beside
     another's compute. Holds per-trace state: build one per traced layer."""
@@ -208,7 +213,7 @@ class LocalAllReduce(Gspmd):
         self._partials = []
 
 
-class PrimePar(Gspmd):
+class PrimePar(Projection):
     """Projections on the `rows` x `cols` square (oases_jax.primepar): column projections return
     the skewed layout that row projections take; `add_bias` adds a bias in it."""
 
@@ -257,9 +262,6 @@ class PrimePar(Gspmd):
         return jax.shard_map(local, mesh=self.mesh,
                              in_specs=(y_spec, self.rules.param_spec(names, self.mesh)),
                              out_specs=y_spec)(y, b)
-
-
-Projection = Gspmd  # the interface every strategy implements
 
 
 def strategy_for(spec: ScheduleSpec, rules: ShardingRules, mesh: Mesh, *, manual: bool = False,
