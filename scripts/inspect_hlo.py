@@ -163,13 +163,10 @@ def load_plan(args, model, n_devices: int):
 
 def plan_spec(plan, model):
     """The CompileSpec of a plan's whole train step: every layer under its own strategy."""
-    from oases_jax.layer_plan import LayerSpec
     from training.config import ParallelConfig
     from training.program import CompileSpec
 
-    layers = tuple(LayerSpec(schedule=s.schedule, sub_batches=s.sub_batches, remat=s.remat)
-                   for s in plan.layers)
-    parallel = ParallelConfig(mesh=plan.mesh, rules=plan.rules, layers=layers)
+    parallel = ParallelConfig(mesh=plan.mesh, rules=plan.rules, layers=tuple(plan.layers))
     return CompileSpec(model=model, parallel=parallel, batch_size=plan.global_batch,
                        seq_len=plan.seq_len, microbatches=plan.microbatches)
 
