@@ -62,9 +62,11 @@ def test_megatron_layer_on_h100_exposes_its_communication(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     megatron, sp = json.loads(out.read_text())
     assert megatron["target"] == "h100:8" and megatron["cluster"] == "h100:8"
-    # Megatron's all-reduces wait for the projection that feeds them: nearly all exposed.
+    # Megatron's all-reduces wait for the projection that feeds them: nearly all exposed. The
+    # forward's two (half the bytes) cannot have a GEMM beside them; the backward's may sit
+    # beside the independent weight-gradient GEMMs.
     assert megatron["exposed_comm_s"] >= 0.8 * megatron["comm_s"] > 0
-    assert megatron["gemm_overlap_share"] < 0.5
+    assert megatron["gemm_overlap_share"] <= 0.5
     assert {c["kind"] for c in megatron["collectives"]} == {"all-reduce"}
     assert {"all-gather", "reduce-scatter"} <= {c["kind"] for c in sp["collectives"]}
     assert png.exists() and (tmp_path / "t-megatron_sp.png").exists()

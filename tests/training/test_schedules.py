@@ -145,9 +145,13 @@ def _h100_layer(model, schedule):
 ])
 def test_overlapped_layer_hides_collectives_on_h100(model, schedule):
     """One layer forward+backward for 8 H100s with tensor=8: at least 90% of the tensor-parallel
-    bytes move in async collectives with a GEMM inside their window."""
+    bytes move in async collectives with a GEMM inside their window. Under `oases` one of its
+    eight equal all-reduces (k = 2) has none by construction: the layer's last, mlp(1)'s, whose
+    result the program's value needs at once (in a stack the next layer's attn(0) hides it,
+    `test_overlapped_stack_*`)."""
     analysis = _h100_layer(model, schedule)
-    assert analysis.overlap_share(require="gemm", axes=["tensor"]) >= 0.9
+    floor = 1 - 1 / 8 if schedule == "oases" else 0.9
+    assert analysis.overlap_share(require="gemm", axes=["tensor"]) >= floor - 1e-9
 
 
 @pytest.mark.gpu_aot
