@@ -88,11 +88,14 @@ def inspect_isolated(spec: CompileSpec, target: str, timeline: str | None = None
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
         if proc.returncode == 0 and out_path.exists():
             return json.loads(out_path.read_text())
-    reason = next((ln for ln in proc.stderr.splitlines() if "Check failed" in ln or "rror" in ln),
-                  f"exit code {proc.returncode}")
+    lines = proc.stderr.strip().splitlines()
+    if proc.returncode < 0:  # killed by a signal: XLA's CHECK failures abort the process
+        reason = next((ln for ln in lines if "Check failed" in ln), f"signal {-proc.returncode}")
+        error = f"XLA aborted the compile: {reason.strip()[:300]}"
+    else:  # a Python error in compiling or analysing: its last line says what
+        error = f"inspection failed: {(lines[-1] if lines else f'exit {proc.returncode}')[:300]}"
     return {"schedule": "plan" if spec.parallel.layers else spec.parallel.schedule,
-            "target": target,
-            "error": f"XLA aborted the compile: {reason.strip()[:300]}"}
+            "target": target, "error": error}
 
 
 def may_abort(spec: CompileSpec) -> bool:

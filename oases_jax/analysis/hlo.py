@@ -207,7 +207,9 @@ def parse_module(text: str) -> HloModule:
                 if current.is_entry:
                     entry = current.name
             continue
-        if line.strip() == "}":
+        # A computation ends at its closing brace, which may carry attributes: XLA's
+        # multi-streamed windowed einsum puts GEMMs on another thread, `}, execution_thread=...`.
+        if line.startswith("}"):
             computations[current.name] = current
             current = None
             continue

@@ -136,6 +136,28 @@ ENTRY %main (a: f32[4,8]) -> f32[4,8] {
     assert w.result_bytes == 4 + 4 * 8 * 4
 
 
+def test_parser_ends_computations_on_another_execution_thread():
+    """XLA's multi-streamed windowed einsum puts computations on a second thread; their closing
+    brace carries the thread, and the computation after one must still be read as its own."""
+    text = """HloModule m
+
+%gemm (a: f32[4,8], b: f32[8,2]) -> f32[4,2] {
+  %a = f32[4,8]{1,0} parameter(0)
+  %b = f32[8,2]{1,0} parameter(1)
+  ROOT %d = f32[4,2]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}, execution_thread="parallel"
+
+ENTRY %main (a: f32[4,8], b: f32[8,2]) -> f32[4,2] {
+  %a = f32[4,8]{1,0} parameter(0)
+  %b = f32[8,2]{1,0} parameter(1)
+  ROOT %c = f32[4,2]{1,0} call(%a, %b), to_apply=%gemm
+}
+"""
+    m = parse_module(text)
+    assert set(m.computations) == {"gemm", "main"} and m.entry == "main"
+    assert [i.name for i in m.computations["gemm"].instrs] == ["a", "b", "d"]
+
+
 def test_attribute_values_in_every_replica_group_form():
     text = """HloModule m
 
