@@ -2,8 +2,9 @@
 `planner.prices`, the two-stream `planner.replay`, one layer `planner.layer_work`,
 `planner.layer_cost` and `planner.primepar_cost`, the whole step `planner.step_cost`),
 calibration profiles (`planner.profile`, measured by `planner.calibrate`), an exact per-layer
-search (`planner.search`) and JSON plans (`planner.plan`). `make_plan` is the one-call entry
-point."""
+search (`planner.search`), JSON plans (`planner.plan`) and their check against compiled
+programs (`planner.verify`, imported on use: it loads the compile path). `make_plan` is the
+one-call entry point."""
 
 from __future__ import annotations
 

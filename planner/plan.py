@@ -5,7 +5,8 @@
      "layers": [{"schedule": "oases", "sub_batches": 2, "remat": "none"}, ...],
      "predicted_step_s": ..., "predicted_peak_memory_bytes": ..., "predicted_exposed_comm_s": ...,
      "memory": {...}, "baselines": {"megatron": {...}, "best_uniform": {...}},
-     "search_s": ..., "cost_source": "datasheet" | "profile", "alternatives": [...]}
+     "search_s": ..., "cost_source": "datasheet" | "profile", "alternatives": [...],
+     "verified": {...}}  # with `plan.py --verify N` only (`planner.verify`)
 """
 
 from __future__ import annotations
@@ -13,12 +14,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+from typing import TYPE_CHECKING
 
 from models.config import ModelConfig
 from oases_jax.cli import write_atomic
 from oases_jax.errors import UserError
 from oases_jax.layer_plan import LayerSpec
 from planner.search import SCHEDULES, Candidate, SearchResult
+
+if TYPE_CHECKING:  # the compile path loads Flax and optax: only when a plan is compiled
+    from training.config import ParallelConfig
+    from training.program import CompileSpec
 
 FORMAT = "oases-jax-plan/1"
 
@@ -30,8 +36,11 @@ def candidate_json(c: Candidate) -> dict:
 
 
 def plan_json(result: SearchResult, *, model: str, cfg: ModelConfig, cluster: str,
-              cost_source: str, alternatives: int = 5) -> dict:
-    best = result.best
+              cost_source: str, alternatives: int = 5, best: Candidate | None = None) -> dict:
+    """The plan of `best` (default: the search's best) with what it predicts and beat; the
+    alternatives are the next-ranked other plans."""
+    best = best or result.best
+    others = [c for c in result.ranked if c is not best]
     return {
         "format": FORMAT,
         "model": model,
@@ -50,7 +59,7 @@ def plan_json(result: SearchResult, *, model: str, cfg: ModelConfig, cluster: st
         "baselines": {k: candidate_json(v) for k, v in result.baselines.items()},
         "search_s": result.search_s,
         "cost_source": cost_source,
-        "alternatives": [candidate_json(c) for c in result.ranked[1:alternatives + 1]],
+        "alternatives": [candidate_json(c) for c in others[:alternatives]],
     }
 
 
@@ -72,6 +81,34 @@ class Plan:
         weights are stored in primepar's block layout; megatron otherwise (each layer then
         runs its own entry's schedule)."""
         return "primepar" if self.layers[0].schedule == "primepar" else "megatron"
+
+    def parallel(self) -> ParallelConfig:
+        """The parallel config a run of this plan trains and compiles with."""
+        from training.config import ParallelConfig
+
+        return ParallelConfig(mesh=self.mesh, rules=self.rules, schedule=self.schedule,
+                              layers=self.layers)
+
+    def compile_spec(self, model: ModelConfig) -> CompileSpec:
+        """The whole train step this plan describes, every layer under its own strategy."""
+        from training.program import CompileSpec
+
+        return CompileSpec(model=model, parallel=self.parallel(), batch_size=self.global_batch,
+                           seq_len=self.seq_len, microbatches=self.microbatches)
+
+    def model(self, where: str = "plan") -> ModelConfig:
+        """The model the plan was made for: its `model_config`, else its `model` preset."""
+        from models.presets import get_preset
+
+        if self.raw.get("model_config"):
+            try:
+                return ModelConfig(**self.raw["model_config"])
+            except TypeError as e:
+                raise UserError(f"{where}: `model_config` is not a model of this version ({e}); "
+                                "plan again with scripts/plan.py, or pass --model") from None
+        if self.raw.get("model"):
+            return get_preset(self.raw["model"])
+        raise UserError(f"{where} names no model (no `model` or `model_config`); pass --model")
 
     def check_model(self, cfg: ModelConfig) -> None:
         if len(self.layers) != cfg.n_layers:

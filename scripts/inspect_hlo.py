@@ -25,14 +25,16 @@ DEFAULTS = {"mesh": "tensor=-1", "rules": "tp", "schedule": "megatron", "sub_bat
 def parse_args(argv=None):
     p = Parser(prog="inspect_hlo.py", description=__doc__.splitlines()[0])
     add_model_flags(p)
+    # None tells "not given" apart: with --plan the model comes from the plan.
+    p.set_defaults(model=None)
     # Defaults of the flags a plan sets; None in the parser to tell them from a given value.
     p.add_argument("--mesh", help=f"mesh over the target's devices (default {DEFAULTS['mesh']})")
     p.add_argument("--rules", help=f"rule set (default {DEFAULTS['rules']})")
     p.add_argument("--schedule", help=f"tensor-parallel schedule: {', '.join(registry.SCHEDULES)} "
                    f"(default {DEFAULTS['schedule']})")
     p.add_argument("--sub-batches", type=int, help="oases schedules: sub-batches (default 2)")
-    p.add_argument("--plan", help="a plan JSON from scripts/plan.py: its mesh, rules, batch, "
-                   "micro-batches and per-layer strategies")
+    p.add_argument("--plan", help="a plan JSON from scripts/plan.py: its model (unless --model "
+                   "is given), mesh, rules, batch, micro-batches and per-layer strategies")
     p.add_argument("--target", default="local", help="local, h100:N, h200:N or a100:N")
     p.add_argument("--layer", action="store_true", help="one layer's forward+backward only")
     p.add_argument("--batch-size", type=int, help="global batch (default 8)")
@@ -63,12 +65,16 @@ def main() -> int:
     from training.config import ParallelConfig
     from training.program import CompileSpec
 
-    model = model_from_flags(args)
+    if args.model is None and not args.plan:
+        args.model = "small"
+    model = model_from_flags(args) if args.model else None
     target = get_target(args.target)
     if args.timeline_source == "xla" and not target.is_gpu_aot:
         raise UserError(f"--timeline-source xla needs a GPU target (--target h100:8), not "
                         f"{args.target!r}: XLA's estimate comes from its GPU scheduler")
-    plan = load_plan(args, model, len(target.devices)) if args.plan else None
+    plan = None
+    if args.plan:
+        plan, model = load_plan(args, model, len(target.devices))
     for key, value in DEFAULTS.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -83,7 +89,7 @@ def main() -> int:
     def inspect(schedule: str, first: bool = True) -> dict:
         """The report of one schedule (and its timeline PNG when asked)."""
         if plan:
-            spec = plan_spec(plan, model)
+            spec = plan.compile_spec(model)
         else:
             spec = CompileSpec(model=model, batch_size=args.batch_size, seq_len=seq_len,
                                layer=args.layer,
@@ -129,7 +135,9 @@ def main() -> int:
 
 
 def load_plan(args, model, n_devices: int):
-    """The plan of --plan, checked against the model, the other flags and the target."""
+    """The plan of --plan and its model, checked against the other flags and the target. The
+    model is the plan's own (`Plan.model`) with --model-set, --dtype, --remat and --scan
+    applied, or --model's when given; either way it must be the model the plan was made for."""
     from oases_jax.errors import UserError
     from oases_jax.mesh import parse_mesh
     from planner import plan as plans
@@ -140,15 +148,18 @@ def load_plan(args, model, n_devices: int):
         raise UserError(f"--plan sets the mesh, rules, schedules, batch and sequence length; "
                         f"drop {', '.join(given)}")
     plan = plans.load(args.plan)
+    source = f"--model {args.model}" if model else "--model-set/--dtype"
+    if model is None:
+        model = model_from_plan(args, plan.model(f"plan {args.plan!r}"))
     plan.check_model(model)
     # The plan's prediction is only comparable on the model it was made for.
     planned = plan.raw.get("model_config") or {}
     for key, value in dataclasses.asdict(model).items():
         if key not in ("remat", "scan_layers") and planned.get(key, value) != value:
             raise UserError(f"plan {args.plan!r} was made for model {plan.raw.get('model')!r} "
-                            f"with {key}={planned[key]!r}, but --model {args.model} has "
-                            f"{key}={value!r}; pass the model the plan was made for (--model, "
-                            f"--model-set, --dtype)")
+                            f"with {key}={planned[key]!r}, but {source} gives "
+                            f"{key}={value!r}; drop --model to take the plan's, or pass the model "
+                            f"the plan was made for (--model, --model-set, --dtype)")
     need = math.prod(parse_mesh(plan.mesh).shape)
     if need != n_devices:
         gpu = plan.raw.get("cluster", "h100").split("-")[0].split(":")[0]
@@ -158,17 +169,15 @@ def load_plan(args, model, n_devices: int):
         raise UserError(f"plan {args.plan!r} has mesh {plan.mesh} ({need} devices) but target "
                         f"{args.target} has {n_devices}; use {fix}, or plan again for "
                         f"{n_devices} devices")
-    return plan
+    return plan, model
 
 
-def plan_spec(plan, model):
-    """The CompileSpec of a plan's whole train step: every layer under its own strategy."""
-    from training.config import ParallelConfig
-    from training.program import CompileSpec
-
-    parallel = ParallelConfig(mesh=plan.mesh, rules=plan.rules, layers=tuple(plan.layers))
-    return CompileSpec(model=model, parallel=parallel, batch_size=plan.global_batch,
-                       seq_len=plan.seq_len, microbatches=plan.microbatches)
+def model_from_plan(args, model):
+    """The plan's model with the model flags given beside it applied (as `model_from_flags`
+    applies them to a preset)."""
+    model = model.with_overrides(args.model_set)
+    given = (("dtype", args.dtype), ("remat", args.remat), ("scan_layers", args.scan))
+    return model.replace(**{k: v for k, v in given if v is not None})
 
 
 if __name__ == "__main__":

@@ -23,6 +23,13 @@ def parse_args(argv=None):
     g.add_argument("--memory-fraction", type=float, default=0.9,
                    help="share of each device's memory a plan may use")
     g.add_argument("--schedules", metavar="A,B,...", help="restrict the per-layer schedules")
+    g.add_argument("--verify", type=int, default=0, metavar="N",
+                   help="compile the top N plans (by predicted step) for the cluster (without a "
+                        "GPU for GPU clusters), report each one's compiled peak memory, our "
+                        "simulated step, XLA's estimate and GEMM-in-window share beside the "
+                        "prediction, and write the plan that fits the device memory with the "
+                        "fastest simulated step (our simulator ranks, not the prediction nor "
+                        "XLA); costs a compile per plan. 0: off (default)")
     g = p.add_argument_group("costs")
     g.add_argument("--cost-source", default="datasheet", help="datasheet, profile or xla")
     g.add_argument("--profile", help="calibration profile JSON (default: profiles/DEVICE-N.json)")
@@ -142,6 +149,24 @@ def compare_profiles(args, cluster) -> dict:
             for s in sources}
 
 
+def setup_verify(n: int, cluster) -> None:
+    """Before JAX starts a backend: the devices `--verify` compiles for (`planner.verify`), on
+    the CPU backend: the cluster's count of CPU devices, or a GPU target compiled from the CPU."""
+    import os
+
+    import jax
+
+    from oases_jax.errors import UserError
+    from planner.verify import compile_target
+
+    if n < 0:
+        raise UserError(f"--verify {n} must be >= 0 (0: no verification)")
+    if compile_target(cluster) == "local":
+        jax.config.update("jax_num_cpu_devices", cluster.n_devices)
+    if not os.environ.get("JAX_PLATFORMS"):  # CPU devices, or GPUs compiled for from the CPU
+        jax.config.update("jax_platforms", "cpu")
+
+
 def main() -> int:
     args = parse_args()
     import time
@@ -166,6 +191,8 @@ def main() -> int:
     seq_len = args.seq_len or cfg.max_seq_len
     if args.global_batch <= 0:
         raise UserError(f"--global-batch {args.global_batch} must be positive")
+    if args.verify:
+        setup_verify(args.verify, cluster)
     schedules = SCHEDULES
     if args.schedules:
         schedules = tuple(s.strip() for s in args.schedules.split(","))
@@ -194,6 +221,14 @@ def main() -> int:
         print(explain(result, cfg, Hardware.of(cluster, profile)))
     if compared:
         print(compare_table(args, cluster, compared, schedules))
+    if args.verify:
+        from planner.verify import verify_plan
+
+        plan, _, chosen = verify_plan(result, cfg, cluster, args.verify, model=args.model,
+                                      cost_source=args.cost_source,
+                                      log=lambda s: print(s, flush=True))
+        print(f"chosen: {chosen.candidate.summary()} (predicted rank {chosen.rank}, "
+              f"simulated {chosen.simulated_step_s * 1e3:.2f} ms)")
     if args.json:
         save(plan, args.json)
         print(f"plan written to {args.json}")

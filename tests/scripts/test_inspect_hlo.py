@@ -1,5 +1,6 @@
 """scripts/inspect_hlo.py end to end: local and GPU targets, reports, comparisons, bad input."""
 
+import dataclasses
 import json
 
 import pytest
@@ -131,3 +132,23 @@ def test_bad_plan(tmp_path, case, needle):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     errors = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
     assert len(errors) == 1 and needle in errors[0], proc.stderr
+
+
+def test_plan_without_model_flag_takes_the_plans_model(tmp_path):
+    """A plan naming only its preset (no `model_config`) compiles that preset without --model;
+    with neither, --model is asked for."""
+    layers = [{"schedule": "megatron"}] * 2
+    out = tmp_path / "r.json"
+    proc = run("--plan", _write_plan(tmp_path / "plan.json", layers), "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from models import get_preset
+
+    assert json.loads(out.read_text())["model"] == dataclasses.asdict(get_preset("tiny"))
+    path = tmp_path / "anon.json"
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    del plan["model"]
+    path.write_text(json.dumps(plan))
+    proc = run("--plan", str(path))
+    errors = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
+    assert proc.returncode == 2 and len(errors) == 1 and "names no model" in errors[0], \
+        proc.stderr[-2000:]
