@@ -269,8 +269,11 @@ def block_fns(graphdef: nnx.GraphDef) -> LayerFns:
     merge = lambda state: nnx.merge(graphdef, state)  # noqa: E731
 
     def zero_pending(partial0, state):
-        bias = "b_out" in state["mlp"]
-        return partial0, (jnp.zeros(partial0.shape[-1:], partial0.dtype) if bias else None)
+        # The zero bias derives from the real one, so it varies over the same mesh axes.
+        if "b_out" not in state["mlp"]:
+            return partial0, None
+        b = jax.tree.leaves(state["mlp"]["b_out"])[0]
+        return partial0, (b * 0).astype(partial0.dtype)
 
     return LayerFns(
         ops=lambda state: merge(state).ops(),

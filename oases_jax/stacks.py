@@ -155,6 +155,32 @@ def _local_specs(fns: LayerFns, state, seg: Segment, stacked: bool):
                         fns.state_names(state), is_leaf=lambda n: isinstance(n, tuple))
 
 
+def _gather_shards(fns: LayerFns, state, seg: Segment):
+    """One layer's parameters inside a layer-wide shard_map, gathered over every mesh axis but
+    the segment's tensor axis (FSDP's all-gather, layer by layer; autodiff turns it into the
+    gradients' reduce-scatter). Parameters enter the shard_map as sharded as they are stored."""
+
+    def gather(names, sub):
+        spec = seg.rules.param_spec(names, seg.mesh)
+
+        def one(a):
+            for dim, entry in enumerate(spec):
+                axes = entry if isinstance(entry, tuple) else (entry,) if entry else ()
+                other = tuple(ax for ax in axes if ax != seg.axis)
+                if other and len(other) < len(axes):
+                    raise ValueError(f"parameter dim {dim} of {names} is split over {axes}: a "
+                                     f"layer-wide shard_map gathers only dims not also split "
+                                     f"over {seg.axis!r}")
+                if other:
+                    a = jax.lax.all_gather(a, other, axis=dim, tiled=True)
+            return a
+
+        return jax.tree.map(one, sub)
+
+    return jax.tree.map(gather, fns.state_names(state), state,
+                        is_leaf=lambda n: isinstance(n, tuple))
+
+
 def run_stack(fns: LayerFns, stacked, x_BLD: jax.Array, *, scan: bool = True,
               remat_default: str | None = None) -> jax.Array:
     """All layers of `stacked` (leading layers axis) on x under the active `Parallel`: each
@@ -208,6 +234,7 @@ def run_layer(seg: Segment, fns: LayerFns, state, x_BLD: jax.Array) -> jax.Array
     x_spec = seg.rules.act_spec(RESIDUAL, seg.mesh)
 
     def local(state, x):
+        state = _gather_shards(fns, state, seg)
         with suspend_rules(), projections.use(seg.projection(manual=True)) as proj:
             return step_order.run(seg.order, x, fns.ops(state), before_step=proj.before_step,
                                   after_step=proj.after_step)
@@ -231,6 +258,7 @@ def _run_overlapped(seg: Segment, fns: LayerFns, stacked, x_BLD, scan: bool):
 
     def layer(carry, state):
         xs, pending = carry
+        state = _gather_shards(fns, state, seg)
         # A fresh order-pinning state for each traced layer.
         with projections.use(seg.projection(manual=True)) as proj:
             carry = step_order.run_overlapped(order, xs, pending, fns.ops(state),
@@ -247,7 +275,8 @@ def _run_overlapped(seg: Segment, fns: LayerFns, stacked, x_BLD, scan: bool):
                 # carry keeps one structure and one scan runs every layer: no peeled first
                 # layer, no sliced copy of the stacked parameters.
                 x_last = xs[order.steps[-1].sub_batch]
-                zero = fns.zero_pending(zero_partial(x_last, seg.axis), _at(stacked, 0))
+                zero = fns.zero_pending(zero_partial(x_last, seg.axis),
+                                        _gather_shards(fns, _at(stacked, 0), seg))
                 carry, _ = jax.lax.scan(seg.wrap(layer, True), (xs, zero), stacked)
             else:
                 carry = (xs, None)

@@ -163,10 +163,10 @@ def test_megatron_layer_overlaps_little_on_h100(model):
     assert analysis.overlap_share(require="gemm", axes=["tensor"]) <= 0.5
 
 
-def _stack_loss_and_grads(cfg, schedule, mesh, plan=None):
+def _stack_loss_and_grads(cfg, schedule, mesh, plan=None, rules="tp"):
     from models.transformer import Transformer, cross_entropy
 
-    rules = get_rules("tp")
+    rules = get_rules(rules)
     graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
     params = jax.device_put(params, param_shardings(params, rules, mesh))
     tokens = jax.random.randint(jax.random.key(1), (8, 33), 0, cfg.vocab_size)
@@ -199,6 +199,23 @@ def test_overlapped_oases_stack_matches_megatron(remat, scan, plan):
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("sub_batches", [2, 1])
+def test_oases_under_fsdp_tp_matches_megatron(sub_batches):
+    """Under FSDP x tensor parallel the layer-wide shard_maps (the overlapped stack with two
+    sub-batches, one shard_map per layer with one) gather each layer's parameters over `data`
+    themselves, and give megatron's loss and gradients, sharded as stored."""
+    cfg = get_preset("tiny").replace(n_layers=3)
+    mesh = make_mesh("data=2,tensor=4")
+    ref_loss, ref_grads = _stack_loss_and_grads(cfg, "megatron", mesh)
+    layers = [LayerSpec(schedule="oases", sub_batches=sub_batches)] * cfg.n_layers
+    loss, grads = _stack_loss_and_grads(cfg, "megatron", mesh, layers, rules="fsdp_tp")
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    embed_in = grads["blocks"]["mlp"]["w_in"]
+    assert "data" in str(jax.tree.leaves(embed_in)[0].sharding.spec)  # still FSDP-sharded
 
 
 def test_overlapped_stack_recomputation_is_communication_free():
