@@ -190,7 +190,10 @@ def run_stack(fns: LayerFns, stacked, x_BLD: jax.Array, *, scan: bool = True,
     n = _n_layers(stacked)
     if parallel is None:  # no mesh: every layer in order, under the remat policy asked for
         policy = remat.policy(remat_default or "none")
-        layer = lambda x, st: step_order.run(step_order.sequential(), x, fns.ops(st))  # noqa
+
+        def layer(x, state):
+            return step_order.run(step_order.sequential(), x, fns.ops(state))
+
         if policy is not None:
             layer = jax.checkpoint(layer, policy=policy, prevent_cse=not scan)
         return _scan(layer, stacked, x_BLD, scan)
@@ -205,7 +208,11 @@ def run_stack(fns: LayerFns, stacked, x_BLD: jax.Array, *, scan: bool = True,
 
 
 def _scan(layer: Callable, stacked, x_BLD, scan: bool):
-    body = lambda x, st: (layer(x, st), None)  # noqa: E731
+    """`layer(x, state)` over the stacked states: one lax.scan, or a Python loop."""
+
+    def body(x, state):
+        return layer(x, state), None
+
     if scan:
         return jax.lax.scan(body, x_BLD, stacked)[0]
     for i in range(_n_layers(stacked)):
