@@ -19,7 +19,6 @@ from oases_jax.errors import UserError
 from oases_jax.mesh import make_mesh
 from oases_jax.rules import get_rules
 from training.checkpoint import Checkpointer
-from training.checks import check_shapes
 from training.config import TrainConfig
 from training.data import BatchSampler, load_corpus
 from training.metrics import MetricsWriter, peak_flops_per_device, throughput
@@ -106,9 +105,8 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
     """Train as `cfg` says, on `devices` (default: all devices of all processes)."""
     mesh = make_mesh(cfg.parallel.mesh, devices)
     rules = get_rules(cfg.parallel.rules_name)
-    check_shapes(batch_size=cfg.batch_size, microbatches=cfg.microbatches, seq_len=cfg.seq_len,
-                 rules=get_rules("tp_sp") if cfg.parallel.sequence_parallel else rules,
-                 mesh=mesh, sub_batches=cfg.parallel.layer_sub_batches)
+    program = step_program(cfg, mesh)  # checks the shapes against the mesh first
+    fns = program.fns
     corpus = load_corpus(cfg.data, vocab_size=cfg.model.vocab_size)
     train_batches = BatchSampler(
         tokens=corpus.train, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed
@@ -116,8 +114,6 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
     val_batches = BatchSampler(
         tokens=corpus.val, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed, stream=1
     )
-    program = step_program(cfg, mesh)
-    fns = program.fns
     # Checkpoints hold the standard layout whatever the schedule stores (primepar: permuted).
     to_stored, to_standard = layout_fns(cfg.parallel.schedule, rules, mesh)
     ckpt = (

@@ -112,8 +112,7 @@ def lower(spec: CompileSpec, mesh: Mesh, tx: optax.GradientTransformation | None
     if spec.layer:
         return StepProgram(spec, mesh, _lower_layer(spec, mesh), options)
     tx = tx or make_optimizer(OptimConfig(), total_steps=1000)
-    fns = build_step_fns(spec.model, tx, rules, mesh, par.schedule, par.sub_batches,
-                         layers=par.layers)
+    fns = build_step_fns(spec.model, tx, Parallel(mesh, rules, par.default_layer, par.layers))
     m = spec.microbatches
     batch = jax.ShapeDtypeStruct((m, spec.batch_size // m, spec.seq_len + 1), jnp.int32,
                                  sharding=fns.batch_sharding)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -14,8 +14,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from models.config import ModelConfig
 from models.sharding import abstract_model, param_shardings
 from models.transformer import cross_entropy
-from oases_jax.layer_plan import LayerSpec
-from oases_jax.rules import ShardingRules
 from oases_jax.stacks import Parallel, use_parallel
 
 TrainState = (
@@ -42,13 +40,11 @@ def loss_fn(graphdef: nnx.GraphDef, params: nnx.State, tokens_BL: jax.Array, voc
     return cross_entropy(logits_BLV, tokens_BL[:, 1:], vocab)
 
 
-def build_step_fns(
-    cfg: ModelConfig, tx: optax.GradientTransformation, rules: ShardingRules, mesh: Mesh,
-    schedule: str = "megatron", sub_batches: int = 2,
-    layers: Sequence[LayerSpec] | None = None,
-) -> StepFns:
-    """`layers`: per-layer strategies of a plan (see `oases_jax.layer_plan`); None runs every
-    layer under `schedule`."""
+def build_step_fns(cfg: ModelConfig, tx: optax.GradientTransformation,
+                   parallel: Parallel) -> StepFns:
+    """The jitted step, evaluation and optimizer init for `cfg` run as `parallel` says (its
+    mesh, rule set and per-layer strategies)."""
+    rules, mesh = parallel.rules, parallel.mesh
     graphdef, abstract_params = abstract_model(cfg)
     p_sh = param_shardings(abstract_params, rules, mesh)
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -87,9 +83,6 @@ def build_step_fns(
             "rng": state["rng"],
         }
         return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
-
-    parallel = Parallel(mesh, rules, LayerSpec(schedule=schedule, sub_batches=sub_batches),
-                        tuple(layers) if layers is not None else None)
 
     def traced(fn):
         # Trace under the mesh, rules and layer strategies, so the model's `constrain` calls and
