@@ -1,0 +1,210 @@
+"""A pipeline schedule as plain data, and its tick table: the form one SPMD program runs.
+
+A `Schedule` holds each stage's ordered actions. `place` runs those lists as a list scheduler
+(every stage does its next action as soon as what it waits for is done); with unit durations
+the start times are ticks, and the `TickTable` gives, for each global tick, each stage's action
+(or IDLE) and the transfers that happen after the tick. An SPMD executor loops over the ticks,
+switches on each stage's op code, and moves the tick's transfers with one ppermute per direction
+between ticks.
+
+A non-circular schedule (GPipe, 1F1B, Merak's, ZB-H1) has no wrap-around edge: activations only
+go device s -> s+1 and gradients s -> s-1, so each direction is a shift of S-1 pairs, never a
+ring (a ring over `stage` is what XLA's cycle decomposer can zero, openxla/xla#45222). Only
+interleaved schedules wrap (device S-1 -> 0 between one chunk and the next, and back).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from fractions import Fraction
+
+from oases_jax.pipeline.actions import (
+    CODES,
+    IDLE,
+    RECOMPUTES,
+    Action,
+    InvalidSchedule,
+    Transfer,
+    event,
+    inputs,
+    vstage,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Per-stage ordered actions of one training step: S stages (devices), M micro-batches, v
+    chunks (virtual stages) per device. The builders are in `oases_jax.pipeline.schedules`."""
+
+    name: str
+    stages: int
+    microbatches: int
+    chunks: int
+    actions: tuple[tuple[Action, ...], ...]
+
+    @property
+    def virtual(self) -> int:
+        return self.stages * self.chunks
+
+    @property
+    def split_backward(self) -> bool:
+        """Whether the backward is split into B (input gradient) and W (weight gradient)."""
+        return any(a.kind == "W" for acts in self.actions for a in acts)
+
+    def recomputed(self) -> set[tuple[int, int]]:
+        """(mb, virtual stage) pairs that are recomputed (by R or RrG) before their B."""
+        return {(a.mb, vstage(s, a, self.stages)) for s, acts in enumerate(self.actions)
+                for a in acts if a.kind in RECOMPUTES}
+
+    def ticks(self) -> TickTable:
+        return tick_table(self)
+
+    def pretty(self) -> str:
+        """One row per stage, one column per tick (see `TickTable.pretty`)."""
+        return self.ticks().pretty()
+
+
+Placement = dict[tuple[int, int], tuple[Fraction, Fraction]]  # (stage, index) -> start, finish
+
+
+def place(schedule: Schedule, duration: Callable[[int, Action], Fraction],
+          latency: Callable[[Transfer], Fraction]) -> Placement:
+    """Start and finish of every action when each stage runs its list in order, each action as
+    soon as its stage is free and its inputs are done (plus `latency` for those that cross a
+    link). Raises InvalidSchedule naming the blocked actions when the lists deadlock."""
+    S, V = schedule.stages, schedule.virtual
+    recomputed = schedule.recomputed()
+    done: dict[tuple[str, int, int], Fraction] = {}
+    out: Placement = {}
+    free = [Fraction(0)] * S
+    nxt = [0] * S
+    total = sum(len(a) for a in schedule.actions)
+    while len(out) < total:
+        progress = False
+        for s, acts in enumerate(schedule.actions):
+            while nxt[s] < len(acts):
+                a = acts[nxt[s]]
+                j = vstage(s, a, S)
+                needs = inputs(a.kind, a.mb, j, V, (a.mb, j) in recomputed)
+                if any(key not in done for key, _ in needs):
+                    break
+                start = max([free[s], *(done[key] + (latency(_link(key, j))
+                                                     if remote and key[2] % S != j % S else 0)
+                                        for key, remote in needs)])
+                key = event(a.kind, a.mb, j)
+                if key in done:
+                    raise InvalidSchedule(f"stage {s} runs {a.label(schedule.chunks)} twice "
+                                          f"(or another action produces its {key[0]})")
+                free[s] = done[key] = start + duration(s, a)
+                out[(s, nxt[s])] = (start, free[s])
+                nxt[s] += 1
+                progress = True
+        if not progress:
+            raise InvalidSchedule(_deadlock(schedule, nxt, done, recomputed))
+    return out
+
+
+def _link(key: tuple[str, int, int], j: int) -> Transfer:
+    kind, mb, src = key
+    return Transfer("act" if kind == "fwd" else "grad", mb, src, j)
+
+
+def _deadlock(schedule: Schedule, nxt: list[int], done: dict, recomputed: set) -> str:
+    S, V = schedule.stages, schedule.virtual
+    stuck = []
+    for s, acts in enumerate(schedule.actions):
+        if nxt[s] < len(acts):
+            a = acts[nxt[s]]
+            j = vstage(s, a, S)
+            missing = [f"{k[0]} of mb {k[1]} on virtual stage {k[2]}"
+                       for k, _ in inputs(a.kind, a.mb, j, V, (a.mb, j) in recomputed)
+                       if k not in done]
+            stuck.append(f"stage {s} at {a.label(schedule.chunks)} waits for "
+                         + ", ".join(missing))
+    return f"{schedule.name} deadlocks: " + "; ".join(stuck)
+
+
+def _unit(stage: int, action: Action) -> Fraction:
+    return Fraction(1)
+
+
+def _no_latency(transfer: Transfer) -> Fraction:
+    return Fraction(0)
+
+
+@dataclasses.dataclass(frozen=True)
+class TickTable:
+    """`ticks[t][s]`: stage s's action at tick t (IDLE when it waits); `transfers[t]`: what
+    moves after tick t; `consumed[x]`: the tick whose action first reads transfer x."""
+
+    schedule: Schedule
+    ticks: tuple[tuple[Action, ...], ...]
+    transfers: tuple[tuple[Transfer, ...], ...]
+    consumed: dict[Transfer, int]
+
+    def codes(self) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+        """`[T][S]` of (op code, micro-batch, chunk): the table an executor switches on
+        (`actions.CODES`; IDLE is 0 with micro-batch -1)."""
+        return tuple(tuple((CODES[a.kind], a.mb, a.chunk) for a in row) for row in self.ticks)
+
+    def pairs(self, kind: str) -> set[tuple[int, int]]:
+        """The (source, destination) devices that ever carry `kind` ("act" or "grad"): the
+        ppermute pairs of that direction."""
+        S = self.schedule.stages
+        return {x.devices(S) for row in self.transfers for x in row if x.kind == kind}
+
+    def wraps(self) -> bool:
+        """Whether any transfer closes a ring (only interleaved schedules do)."""
+        return any(x.wraps(self.schedule.stages) for row in self.transfers for x in row)
+
+    def held_peak(self, kind: str) -> tuple[int, ...]:
+        """Per device, the most `kind` transfers received and not yet read at once (the slots
+        of its receive buffer): sent after tick t_s, held from t_s+1 through the reading tick."""
+        S = self.schedule.stages
+        delta = [[0] * (len(self.ticks) + 2) for _ in range(S)]
+        for t, row in enumerate(self.transfers):
+            for x in row:
+                if x.kind == kind:
+                    dst = x.devices(S)[1]
+                    delta[dst][t + 1] += 1
+                    delta[dst][self.consumed[x] + 1] -= 1
+        peaks = []
+        for d in delta:
+            held = peak = 0
+            for v in d:
+                held += v
+                peak = max(peak, held)
+            peaks.append(peak)
+        return tuple(peaks)
+
+    def pretty(self) -> str:
+        """One row per stage, one column per tick; `F3` is micro-batch 3's forward (`F3.1` its
+        chunk 1 when devices hold several), `.` an idle tick."""
+        sch = self.schedule
+        cells = [[a.label(sch.chunks) for a in row] for row in self.ticks]
+        width = max([len(str(len(cells) - 1)), *(len(c) for row in cells for c in row)])
+        head = f"{sch.name}: S={sch.stages} stages, M={sch.microbatches} micro-batches"
+        head += f", v={sch.chunks} chunks per stage" if sch.chunks > 1 else ""
+        lines = [head, "tick    " + " ".join(f"{t:>{width}}" for t in range(len(cells)))]
+        for s in range(sch.stages):
+            lines.append(f"stage {s:<2d}" + " ".join(f"{row[s]:>{width}}" for row in cells))
+        return "\n".join(lines)
+
+
+def tick_table(schedule: Schedule) -> TickTable:
+    """Place every action on unit ticks: an action runs at the first tick after everything it
+    waits for, and transfers happen between ticks. Raises InvalidSchedule on a deadlock."""
+    placed = place(schedule, _unit, _no_latency)
+    T = int(max((f for _, f in placed.values()), default=0))
+    grid = [[IDLE] * schedule.stages for _ in range(T)]
+    sends: list[list[Transfer]] = [[] for _ in range(T)]
+    consumed: dict[Transfer, int] = {}
+    for (s, i), (start, _) in placed.items():
+        a = schedule.actions[s][i]
+        t = int(start)
+        grid[t][s] = a
+        sends[t].extend(a.sends)
+        for x in a.recvs:
+            consumed[x] = t
+    return TickTable(schedule, tuple(map(tuple, grid)), tuple(map(tuple, sends)), consumed)

@@ -1,0 +1,133 @@
+"""The event simulator against formulas and hand-worked timelines."""
+
+from fractions import Fraction
+
+import pytest
+
+from oases_jax.errors import UserError
+from oases_jax.pipeline import schedules
+from oases_jax.pipeline.events import Costs, lockstep_makespan, simulate
+
+COSTS = [(1, 1), (1, 2), (2, 3)]
+
+
+@pytest.mark.parametrize("S", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("extra", [0, 1, 3, 7])
+@pytest.mark.parametrize("f,b", COSTS)
+def test_gpipe_and_1f1b_bubble_is_exact(S, extra, f, b):
+    M = S + extra
+    for sch in (schedules.gpipe(S, M), schedules.one_f_one_b(S, M)):
+        t = simulate(sch, Costs(f=f, b=b))
+        assert t.makespan == (M + S - 1) * (f + b)
+        assert t.bubble == Fraction(S - 1, M + S - 1)
+        assert t.busy == (M * (f + b),) * S
+
+
+@pytest.mark.parametrize("S", [2, 3, 4, 8])
+@pytest.mark.parametrize("groups", [1, 2, 3])
+@pytest.mark.parametrize("v", [2, 3, 4])
+@pytest.mark.parametrize("f,b", COSTS)
+def test_interleaved_bubble_is_exact(S, groups, v, f, b):
+    M = S * groups
+    t = simulate(schedules.interleaved(S, M, v), Costs(f=f, b=b))
+    assert t.bubble == Fraction(S - 1, v * M + S - 1)
+    assert t.makespan == Fraction((v * M + S - 1) * (f + b), v)
+
+
+@pytest.mark.parametrize("S", [1, 2, 4, 8])
+@pytest.mark.parametrize("extra", [0, 1, 5])
+@pytest.mark.parametrize("f,b,w", [(1, 2, 1), (1, 3, 1), (2, 3, 1), (1, 2, 0)])
+def test_zb_h1_bubble_is_the_papers(S, extra, f, b, w):
+    """ZB-H1 idles (S-1)(F+B-2W) per stage (B the whole backward), 1F1B (S-1)(F+B)."""
+    M = S + extra
+    t = simulate(schedules.zb_h1(S, M), Costs(f=f, b=b, w=w))
+    assert t.makespan == M * (f + b) + (S - 1) * (f + b - 2 * w)
+    assert t.idle == ((S - 1) * (f + b - 2 * w),) * S
+
+
+UNIT = Costs(f=1, b=2, r=1)
+# Merak S=4, M=8 under F=1, B=2, R=1, worked by hand (start times). Stage 3 never recomputes: each
+# F waits for stage 2's forward, each B follows at once. Stage 2 runs PF0 PF1 F2 back to back,
+# recomputes mb 0 (RrG0 at 5) before its gradient comes (6), and mb 1 between B0 and B1; from F3 it
+# recomputes after each gradient (R at 12, 16, ...). Stages 1 and 0 hoist their last micro-batches'
+# recompute (RrG) into the gaps left waiting for gradients: stage 0's RrG5 at 29 runs while stage 1
+# computes B5 (28-30), so its B5 starts the moment the gradient lands.
+MERAK_HAND = {
+    3: "F0@3 B0@4 F1@6 B1@7 F2@9 B2@10 F3@12 B3@13 F4@16 B4@17 F5@20 B5@21 F6@24 B6@25 F7@28 B7@29",
+    2: "PF0@2 PF1@3 F2@4 RrG0@5 B0@6 RrG1@8 B1@9 F3@11 R2@12 B2@13 F4@15 R3@16 B3@17 F5@19 R4@20 "
+       "B4@21 F6@23 R5@24 B5@25 F7@27 R6@28 B6@29 R7@31 B7@32",
+    1: "PF0@1 F1@2 F2@3 RrG0@4 B0@8 F3@10 R1@11 B1@12 F4@14 R2@15 B2@16 F5@18 R3@19 B3@20 PF6@22 "
+       "R4@23 B4@24 PF7@26 R5@27 B5@28 RrG6@30 B6@31 RrG7@33 B7@34",
+    0: "F0@0 F1@1 F2@2 F3@3 R0@10 B0@11 F4@13 R1@14 B1@15 PF5@17 R2@18 B2@19 PF6@21 R3@22 B3@23 "
+       "PF7@25 R4@26 B4@27 RrG5@29 B5@30 RrG6@32 B6@33 RrG7@35 B7@36",
+}
+
+
+def starts(timeline, stage):
+    return " ".join(f"{a.label()}@{t}" for a, t, _ in timeline.spans[stage])
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_merak_timeline_by_hand(stage):
+    assert starts(simulate(schedules.merak(4, 8), UNIT), stage) == MERAK_HAND[stage]
+
+
+def test_merak_beats_full_recompute_1f1b_by_more_than_ten_percent():
+    """S=4, M=8, F=1, B=2, R=1. By hand: 1F1B with full recompute is 1F1B with a 3-unit backward
+    (R then B), so (M+S-1)(F+R+B) = 11 * 4 = 44; sparing the last stage its recompute gives 42;
+    Merak's table above ends with stage 0's B7 at 36 + 2 = 38 (= 0.864 * 44). The notes' larger
+    case, S=8, M=16: 92 against 82."""
+    makespan = {
+        "1f1b full recompute": simulate(schedules.one_f_one_b(4, 8, recompute=True), UNIT),
+        "1f1b, last stage no recompute": simulate(
+            schedules.one_f_one_b(4, 8, recompute=(True, True, True, False)), UNIT),
+        "merak": simulate(schedules.merak(4, 8), UNIT),
+    }
+    assert {k: t.makespan for k, t in makespan.items()} == {
+        "1f1b full recompute": 44, "1f1b, last stage no recompute": 42, "merak": 38}
+    assert makespan["merak"].makespan <= Fraction(9, 10) * makespan["1f1b full recompute"].makespan
+    assert simulate(schedules.one_f_one_b(8, 16, recompute=True), UNIT).makespan == 92
+    assert simulate(schedules.merak(8, 16), UNIT).makespan == 82
+    # Same work, less waiting: every stage but the last recomputes all 8 micro-batches either way.
+    assert makespan["merak"].recompute == (8, 8, 8, 0)
+    assert makespan["1f1b full recompute"].recompute == (8, 8, 8, 8)
+
+
+def test_transfer_time_by_hand():
+    """GPipe S=2, M=1, F=1, B=2, p2p=1/2: F0 [0, 1) on stage 0, [1.5, 2.5) on stage 1, B0
+    [2.5, 4.5) on stage 1, [5, 7) on stage 0."""
+    t = simulate(schedules.gpipe(2, 1), Costs(f=1, b=2, p2p=Fraction(1, 2)))
+    assert [(a.label(), s, f) for a, s, f in t.spans[1]] == [
+        ("F0", Fraction(3, 2), Fraction(5, 2)), ("B0", Fraction(5, 2), Fraction(9, 2))]
+    assert t.makespan == 7 and t.start(0, "B0") == 5
+
+
+def test_per_stage_costs():
+    """A slow last stage (F=2, B=4) in GPipe S=2, M=2: forwards end at 1+2+2 = 5, backwards take
+    4+4 on stage 1 then stage 0's second B (2) after stage 1's last: 5 + 8 + 2 = 15."""
+    t = simulate(schedules.gpipe(2, 2), Costs(f=(1, 2), b=(2, 4)))
+    assert t.makespan == 15
+    assert t.busy == (6, 12)
+
+
+def test_lockstep_tick_program_by_hand():
+    """1F1B S=2, M=2, F=1, B=2 run tick by tick (ticks F0/., F1/F0, ./B0, B0/F1, ./B1, B1/.):
+    1 + 1 + 2 + 2 + 2 + 2 = 10, against 9 when each stage runs ahead on its own."""
+    sch = schedules.one_f_one_b(2, 2)
+    assert lockstep_makespan(sch.ticks(), Costs(f=1, b=2)) == 10
+    assert simulate(sch, Costs(f=1, b=2)).makespan == 9
+    assert lockstep_makespan(sch.ticks(), Costs(f=1, b=2, p2p=1)) == 10 + 4  # 4 ticks send
+
+
+def test_in_flight_and_recompute_share():
+    t = simulate(schedules.one_f_one_b(4, 8, recompute=True), UNIT)
+    assert t.peak_inflight == (4, 3, 2, 1)
+    assert t.recompute_share == Fraction(4 * 8, 4 * 44)
+
+
+def test_bad_costs_are_one_line():
+    for costs, text in [(Costs(f=-1), "cost f=-1"), (Costs(b=(1, 2)), "2 values for S=4"),
+                        (Costs(w=3), "w=3 exceeds"), (Costs(p2p=-1), "p2p=-1")]:
+        with pytest.raises(UserError, match=text) as e:
+            simulate(schedules.one_f_one_b(4, 4), costs)
+        assert "\n" not in str(e.value)
