@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 
 from oases_jax.errors import UserError
@@ -37,6 +38,12 @@ class ModelConfig:
     max_seq_len: int = 1024
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # Llama-3 RoPE scaling (Hugging Face rope_type "llama3"; `models.layers.rope_frequencies`):
+    # a factor of 1.0 leaves the frequencies as they are.
+    rope_scaling_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
     tie_embeddings: bool | None = None  # None: the family's default
     vocab_multiple: int = 128  # the embedding table is padded to a multiple of this
     dtype: str = "float32"  # compute dtype; parameters are always float32
@@ -69,6 +76,20 @@ class ModelConfig:
             )
         if self.family == "llama" and self.k_dim % 2:
             raise UserError(f"RoPE needs an even head_dim, got {self.k_dim}")
+        if self.rope_scaling_factor != 1.0:
+            self._check_rope_scaling()
+
+    def _check_rope_scaling(self) -> None:
+        lo, hi = self.rope_low_freq_factor, self.rope_high_freq_factor
+        if self.family != "llama":
+            raise UserError(f"rope_scaling_factor={self.rope_scaling_factor} needs the llama "
+                            "family (RoPE); leave it at 1.0")
+        if not (math.isfinite(self.rope_scaling_factor) and self.rope_scaling_factor > 0
+                and math.isfinite(hi) and 0 < lo < hi and self.rope_original_max_len > 0):
+            raise UserError(
+                f"Llama-3 rope scaling needs factor > 0, 0 < low_freq_factor < high_freq_factor "
+                f"and original_max_len > 0, got {self.rope_scaling_factor}, {lo}, {hi}, "
+                f"{self.rope_original_max_len}; fix them or set rope_scaling_factor=1.0")
 
     @property
     def fused_attention_fits(self) -> bool:

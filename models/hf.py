@@ -3,10 +3,13 @@ export a model back to the Hugging Face layout (config.json + model.safetensors)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -14,166 +17,48 @@ import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
-from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from models.config import ModelConfig
+from models.hf_config import config_from_hf, config_to_hf, read_json
+from models.hf_tensors import Checkpoint
+from models.layers import rope_frequencies
 from models.sharding import abstract_model, param_shardings
 from models.transformer import Transformer
 from oases_jax.errors import UserError
 from oases_jax.rules import ShardingRules, get_rules
 
-# Options our blocks implement; any other value would silently load a different model.
-_SUPPORTED = {
-    "gpt2": {
-        "activation_function": ("gelu_new", "gelu_pytorch_tanh"),
-        "scale_attn_weights": (True,),
-        "scale_attn_by_inverse_layer_idx": (False,),
-    },
-    "llama": {
-        "hidden_act": ("silu",),
-        "rope_scaling": (None,),
-        "attention_bias": (False,),
-        "mlp_bias": (False,),
-    },
-}
 # Tensor names of a GPT-2 checkpoint may carry the prefix of GPT2LMHeadModel or not (GPT2Model).
 _PREFIXES = {"gpt2": ("transformer.", ""), "llama": ("",)}
-_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
-_REQUIRED = object()
-# HF config key -> (ModelConfig field it sets, ModelConfig attribute exported, default if absent).
-_CONFIG_KEYS = {
-    "gpt2": {
-        "vocab_size": ("vocab_size", "vocab_size", _REQUIRED),
-        "n_embd": ("d_model", "d_model", _REQUIRED),
-        "n_layer": ("n_layers", "n_layers", _REQUIRED),
-        "n_head": ("n_heads", "n_heads", _REQUIRED),
-        "n_inner": ("d_ff", "ff_dim", None),
-        "n_positions": ("max_seq_len", "max_seq_len", _REQUIRED),
-        "layer_norm_epsilon": ("norm_eps", "norm_eps", 1e-5),
-        "tie_word_embeddings": ("tie_embeddings", "tied", True),
-    },
-    "llama": {
-        "vocab_size": ("vocab_size", "vocab_size", _REQUIRED),
-        "hidden_size": ("d_model", "d_model", _REQUIRED),
-        "num_hidden_layers": ("n_layers", "n_layers", _REQUIRED),
-        "num_attention_heads": ("n_heads", "n_heads", _REQUIRED),
-        "num_key_value_heads": ("n_kv_heads", "kv_heads", None),
-        "head_dim": ("head_dim", "k_dim", None),
-        "intermediate_size": ("d_ff", "ff_dim", _REQUIRED),
-        "max_position_embeddings": ("max_seq_len", "max_seq_len", 2048),
-        "rms_norm_eps": ("norm_eps", "norm_eps", 1e-6),
-        "rope_theta": ("rope_theta", "rope_theta", 10000.0),
-        "tie_word_embeddings": ("tie_embeddings", "tied", False),
-    },
-}
-
-
-def config_from_hf(hf: dict, **overrides) -> ModelConfig:
-    """Our ModelConfig for a Hugging Face config.json dict; `overrides` set dtype, remat, ..."""
-    family = hf.get("model_type")
-    if family not in _SUPPORTED:
-        raise UserError(
-            f"config.json model_type {family!r} is not supported; use a gpt2 or llama checkpoint"
-        )
-    for key, allowed in _SUPPORTED[family].items():
-        if hf.get(key, allowed[0]) not in allowed:
-            raise UserError(
-                f"config.json {key}={hf[key]!r} is not supported for model_type {family!r}; "
-                f"supported values: {allowed}"
-            )
-    fields = {}
-    for key, (field, _, default) in _CONFIG_KEYS[family].items():
-        if default is _REQUIRED and key not in hf:
-            raise UserError(f"config.json (model_type {family!r}) has no {key!r}; add it")
-        fields[field] = hf.get(key, default)
-    return ModelConfig(family=family, **fields, **overrides)
-
-
-def config_to_hf(cfg: ModelConfig) -> dict:
-    """The Hugging Face config.json dict for `cfg` (inverse of `config_from_hf`)."""
-    return {
-        "model_type": cfg.family,
-        "architectures": [_ARCHITECTURES[cfg.family]],
-        **{key: getattr(cfg, attr) for key, (_, attr, _) in _CONFIG_KEYS[cfg.family].items()},
-        **{key: allowed[0] for key, allowed in _SUPPORTED[cfg.family].items()},
-        "torch_dtype": "float32",
-    }
-
-
-# Reading checkpoints.
-
-
-def _read_json(file: Path) -> dict:
-    try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{file} is not valid JSON ({e}); re-download or fix it") from None
-
-
-def _corrupt(file: Path, e: Exception) -> UserError:
-    return UserError(f"safetensors file {file} is corrupt or truncated ({e}); re-download it")
-
-
-def _safetensors_files(path: Path) -> list[Path]:
-    """The shard files named by the index (sharded checkpoints), else every *.safetensors file."""
-    index = path / "model.safetensors.index.json"
-    if not index.exists():
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise UserError(
-                f"no *.safetensors files in {path}; save the checkpoint with "
-                "save_pretrained(safe_serialization=True)"
-            )
-        return files
-    files = sorted({path / f for f in _read_json(index).get("weight_map", {}).values()})
-    for f in files:
-        if not f.exists():
-            raise UserError(f"{index} lists shard {f.name}, which is missing; fetch every shard")
-    return files
-
-
-class _Tensors:
-    """A checkpoint's tensors by name. Files are memory-mapped, so one tensor is read at a time."""
-
-    def __init__(self, path: Path, prefixes: tuple[str, ...]):
-        self.path, self.prefixes, self.where = path, prefixes, {}
-        for file in _safetensors_files(path):
-            try:
-                handle = safe_open(file, framework="np")
-            except SafetensorError as e:
-                raise _corrupt(file, e) from None
-            self.where |= {key: (file, handle) for key in handle.keys()}
-
-    def __call__(self, key: str, shape: tuple[int, ...]) -> np.ndarray:
-        name = next((p + key for p in self.prefixes if p + key in self.where), None)
-        if name is None:
-            raise UserError(
-                f"tensor {key!r} is missing from the safetensors files in "
-                f"{self.path}; the checkpoint does not match its config.json"
-            )
-        file, handle = self.where[name]
-        try:
-            array = handle.get_tensor(name)
-        except SafetensorError as e:
-            raise _corrupt(file, e) from None
-        if array.shape != shape:
-            raise UserError(
-                f"tensor {name!r} in {file} has shape {array.shape} but config.json "
-                f"implies {shape}; use the config.json that matches the checkpoint"
-            )
-        return array.astype(np.float32)  # parameters are float32 whatever the checkpoint holds
 
 
 # HF -> ours. Each entry reads one HF tensor (of layer i for block parameters) and converts it.
 
 
-def _t(template: str, shape: tuple[int, ...], convert=lambda a: a):
-    return lambda get, i=0: convert(get(template.format(i=i), shape))
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """One HF tensor (`template` formatted with the layer index) and its conversion."""
+
+    template: str
+    shape: tuple[int, ...]
+    convert: Callable[[np.ndarray], np.ndarray] = lambda a: a
+
+    def name(self, i: int = 0) -> str:
+        return self.template.format(i=i)
+
+    def __call__(self, ckpt: Checkpoint, i: int = 0) -> np.ndarray:
+        return self.convert(ckpt.read(self.name(i), self.shape))
+
+
+_t = _Entry
 
 
 def _pad_rows(a: np.ndarray, rows: int) -> np.ndarray:
     return np.pad(a, ((0, rows - a.shape[0]), (0, 0)))  # zero rows for the padded vocabulary
+
+
+def _untied(cfg: ModelConfig, top: dict) -> dict:
+    return {k: e for k, e in top.items() if k != "head" or not cfg.tied}  # tied: no head
 
 
 def _gpt2_import(cfg: ModelConfig) -> tuple[dict, dict]:
@@ -212,7 +97,7 @@ def _gpt2_import(cfg: ModelConfig) -> tuple[dict, dict]:
         "norm_f.bias": _t("ln_f.bias", (d,)),
         "head": _t("lm_head.weight", (v, d), lambda a: _pad_rows(a, vp).T),
     }
-    return layer, top
+    return layer, _untied(cfg, top)
 
 
 def _llama_import(cfg: ModelConfig) -> tuple[dict, dict]:
@@ -236,7 +121,61 @@ def _llama_import(cfg: ModelConfig) -> tuple[dict, dict]:
         "norm_f.scale": _t("model.norm.weight", (d,)),
         "head": _t("lm_head.weight", (v, d), lambda a: _pad_rows(a, vp).T),
     }
-    return layer, top
+    return layer, _untied(cfg, top)
+
+
+def _layer_of(name: str) -> int | None:
+    match = re.search(r"(?:^|\.)(?:h|layers)\.(\d+)\.", name)
+    return int(match.group(1)) if match else None
+
+
+def _check_buffer(ckpt: Checkpoint, cfg: ModelConfig, name: str) -> bool:
+    """Whether unused tensor `name` is a buffer of what our blocks compute (GPT-2's causal mask
+    `attn.bias` and `attn.masked_bias`, LLaMA's `rotary_emb.inv_freq`, a tied head's copy of the
+    embedding); such a buffer is checked against our computation and counted as used."""
+    layer = _layer_of(name)
+    if layer is not None and layer >= cfg.n_layers:
+        return False
+    p, k = cfg.max_seq_len, cfg.k_dim
+    if cfg.family == "gpt2" and name.endswith(".attn.bias"):
+        want = np.tril(np.ones((p, p), bool))[None, None]
+        check = lambda a: a.shape == want.shape and np.array_equal(a != 0, want)  # noqa: E731
+    elif cfg.family == "gpt2" and name.endswith(".attn.masked_bias"):
+        check = lambda a: a.size == 1 and float(a.reshape(())) <= -1e4  # noqa: E731
+    elif cfg.family == "llama" and name.endswith(".self_attn.rotary_emb.inv_freq"):
+        want = np.asarray(rope_frequencies(cfg))
+        check = lambda a: a.shape == (k // 2,) and np.allclose(a, want, rtol=1e-5)  # noqa: E731
+    elif name == "lm_head.weight" and cfg.tied:
+        want = ckpt.read_raw(ckpt.name("wte.weight" if cfg.family == "gpt2"
+                                       else "model.embed_tokens.weight"))
+        check = lambda a: np.array_equal(a, want)  # noqa: E731
+    else:
+        return False
+    if not check(np.asarray(ckpt.read_raw(name))):
+        raise UserError(f"tensor {name!r} in {ckpt.path} does not match what config.json "
+                        "describes (a mask, rotary frequencies or tied head of other settings); "
+                        "use the checkpoint's own config.json")
+    ckpt.used.add(name)
+    return True
+
+
+def _check_headers(ckpt: Checkpoint, cfg: ModelConfig, layer: dict, top: dict) -> None:
+    """Every tensor the model needs is present with a float dtype and its shape, and every
+    tensor present is needed: from the headers, before any weight is read."""
+    for entry in top.values():
+        ckpt.check(entry.name(), entry.shape)
+    for i in range(cfg.n_layers):  # stops at the first missing layer, whatever n_layers says
+        for entry in layer.values():
+            ckpt.check(entry.name(i), entry.shape)
+    unused = [n for n in ckpt.unused() if not _check_buffer(ckpt, cfg, n)]
+    if unused:
+        more = f" (and {len(unused) - 1} more)" if len(unused) > 1 else ""
+        index = _layer_of(unused[0])
+        why = (f"layer {index} is beyond config.json's {cfg.n_layers} layers"
+               if index is not None and index >= cfg.n_layers
+               else "the model config.json describes has no such parameter")
+        raise UserError(f"tensor {unused[0]!r}{more} in {ckpt.path} is not used: {why}; a "
+                        "checkpoint loads whole or not at all, so use its own config.json")
 
 
 def load_hf(
@@ -248,30 +187,37 @@ def load_hf(
     remat: str = "none",
     scan_layers: bool = True,
 ) -> Transformer:
-    """Load a Hugging Face GPT-2 or LLaMA checkpoint directory, each parameter born on its shard."""
+    """Load a Hugging Face GPT-2 or LLaMA checkpoint directory, each parameter born on its shard.
+
+    The model is exactly the checkpoint's, or a one-line UserError says why not: config keys
+    are read by `models.hf_config`, every tensor's header is checked before any is read, and a
+    tensor the model does not use is refused.
+    """
     path = Path(path)
     if not path.is_dir():
         raise UserError(
             f"checkpoint directory {path} does not exist; pass a Hugging Face model directory "
             "holding config.json and *.safetensors"
         )
-    if not (path / "config.json").is_file():
+    if not (path / "config.json").exists():
         raise UserError(f"checkpoint directory {path} has no config.json; add the model's config")
     rules = get_rules(rules) if isinstance(rules, str) else rules
     cfg = config_from_hf(
-        _read_json(path / "config.json"), dtype=dtype, remat=remat, scan_layers=scan_layers
+        read_json(path / "config.json", "config.json"), dtype=dtype, remat=remat,
+        scan_layers=scan_layers
     )
-    get = _Tensors(path, _PREFIXES[cfg.family])
+    ckpt = Checkpoint(path, _PREFIXES[cfg.family])
     layer, top = (_gpt2_import if cfg.family == "gpt2" else _llama_import)(cfg)
+    _check_headers(ckpt, cfg, layer, top)
     graphdef, abstract = abstract_model(cfg)
     shardings = param_shardings(abstract, rules, mesh)  # checks divisibility before any reading
 
     def place(keypath, var: nnx.Variable, sharding) -> nnx.Variable:
         name = ".".join(str(getattr(p, "key", p)) for p in keypath)
         if name.startswith("blocks."):
-            host = np.stack([layer[name[7:]](get, i) for i in range(cfg.n_layers)])
+            host = np.stack([layer[name[7:]](ckpt, i) for i in range(cfg.n_layers)])
         else:
-            host = top[name](get)
+            host = top[name](ckpt)
         assert host.shape == var.get_value().shape, (name, host.shape)
         if isinstance(sharding, nnx.Variable):  # param_shardings keeps the Variable wrappers
             sharding = sharding.get_value()

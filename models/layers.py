@@ -70,10 +70,25 @@ class RMSNorm(nnx.Module):
         return y.astype(x_BLD.dtype)
 
 
-def rope(x_BLHK: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding, half-split convention (the Hugging Face LLaMA layout)."""
+def rope_frequencies(cfg: ModelConfig) -> jax.Array:
+    """RoPE's K/2 inverse frequencies f_i = theta^(-2i/K). Under Llama-3 scaling (factor s,
+    frequency factors l < h, original context C) a frequency of wavelength w = 2 pi / f above C/l
+    becomes f/s, one below C/h stays f, and one between blends them: (1 - a) f/s + a f with
+    a = (C/w - l) / (h - l) (transformers' `_compute_llama3_parameters`)."""
+    k, s = cfg.k_dim, cfg.rope_scaling_factor
+    inv_freq = cfg.rope_theta ** (-jnp.arange(0, k, 2, dtype=jnp.float32) / k)
+    if s == 1.0:
+        return inv_freq
+    lo, hi = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    wavelength = 2 * math.pi / inv_freq
+    blend = jnp.clip((cfg.rope_original_max_len / wavelength - lo) / (hi - lo), 0.0, 1.0)
+    return (1 - blend) * inv_freq / s + blend * inv_freq
+
+
+def rope(x_BLHK: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary embedding, half-split convention (the Hugging Face LLaMA layout), at the
+    `rope_frequencies` of the model."""
     _, length, _, k = x_BLHK.shape
-    inv_freq = theta ** (-jnp.arange(0, k, 2, dtype=jnp.float32) / k)
     angles_LK = jnp.arange(length, dtype=jnp.float32)[:, None] * inv_freq[None, :]
     angles_LK = jnp.concatenate([angles_LK, angles_LK], axis=-1)
     cos, sin = jnp.cos(angles_LK)[:, None, :], jnp.sin(angles_LK)[:, None, :]
@@ -165,7 +180,8 @@ class Attention(nnx.Module):
             v_BLGK = proj.add_bias(v_BLGK, _cast(self.bv, dt), ("kv_heads", "head_dim"))
         q_BLHK, k_BLGK, v_BLGK = (checkpoint_name(t, "attn_qkv") for t in (q_BLHK, k_BLGK, v_BLGK))
         if not cfg.learned_positions:
-            q_BLHK, k_BLGK = rope(q_BLHK, cfg.rope_theta), rope(k_BLGK, cfg.rope_theta)
+            inv_freq = rope_frequencies(cfg)
+            q_BLHK, k_BLGK = rope(q_BLHK, inv_freq), rope(k_BLGK, inv_freq)
         q_BLHK = constrain(q_BLHK, ("batch", None, "heads", "head_dim"))
         k_BLGK = constrain(k_BLGK, ("batch", None, "kv_heads", "head_dim"))
         v_BLGK = constrain(v_BLGK, ("batch", None, "kv_heads", "head_dim"))

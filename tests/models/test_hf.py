@@ -1,244 +1,44 @@
 """Hugging Face interop: tiny random checkpoints, checked against plain-numpy forward passes written
-from the Hugging Face GPT-2 and LLaMA definitions (not from our model code)."""
+from the Hugging Face GPT-2 and LLaMA definitions (not from our model code), and every way a
+checkpoint could load as a different model refused in one line."""
 
 import json
+import os
 
-import jax
-import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 import models.hf
+import models.hf_tensors
+from models import hf_config
 from models.hf import config_from_hf, config_to_hf, export_hf, load_hf
+from models.layers import rope_frequencies
 from models.sharding import abstract_model, param_shardings
 from oases_jax.errors import UserError
-from oases_jax.mesh import make_mesh
-from oases_jax.rules import get_rules, use_rules
-
-VOCAB, SEQ = 300, 16  # 300 is not a multiple of 128, so the embedding gets padded
-
-GPT2 = dict(
-    model_type="gpt2",
-    vocab_size=VOCAB,
-    n_embd=64,
-    n_layer=2,
-    n_head=4,
-    n_positions=64,
-    layer_norm_epsilon=1e-5,
-    activation_function="gelu_new",
+from oases_jax.rules import get_rules
+from tests.models.hf_reference import (
+    GPT2,
+    KINDS,
+    LLAMA,
+    LLAMA3,
+    LLAMA3_LEGACY,
+    TOKENS,
+    VOCAB,
+    forward,
+    gpt2_tensors,
+    inv_frequencies,
+    llama_layer,
+    llama_reference,
+    make_checkpoint,
+    mesh_of,
+    params,
+    reference,
+    write_checkpoint,
 )
-LLAMA = dict(
-    model_type="llama",
-    vocab_size=VOCAB,
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    intermediate_size=160,
-    max_position_embeddings=64,
-    rms_norm_eps=1e-6,
-    rope_theta=10000.0,
-    hidden_act="silu",
-    tie_word_embeddings=False,
-)
+from tests.models.hf_reference import llama_tensors as _llama_tensors
 
-# kind -> (config, gpt2 key prefix, number of safetensors shards, stored dtype)
-KINDS = {
-    "gpt2": (GPT2, "transformer.", 1, np.float32),  # as GPT2LMHeadModel.save_pretrained writes
-    "gpt2_bare": (GPT2, "", 2, np.float32),  # as the original GPT2Model checkpoints: no prefix
-    "llama": (LLAMA, "", 3, np.float32),
-    "llama_tied": (LLAMA | {"tie_word_embeddings": True}, "", 1, np.float32),
-    "llama_bf16": (LLAMA, "", 1, ml_dtypes.bfloat16),  # as most LLaMA checkpoints are stored
-}
-
-
-# Checkpoints.
-
-
-def _gpt2_tensors(c: dict, rng: np.random.Generator, prefix: str) -> dict[str, np.ndarray]:
-    d = c["n_embd"]
-    n = lambda *shape: (0.1 * rng.standard_normal(shape)).astype(np.float32)
-    t = {
-        "wte.weight": n(VOCAB, d),
-        "wpe.weight": n(c["n_positions"], d),
-        "ln_f.weight": 1 + n(d),
-        "ln_f.bias": n(d),
-    }
-    for i in range(c["n_layer"]):
-        t |= {
-            f"h.{i}.{key}": a
-            for key, a in {
-                "ln_1.weight": 1 + n(d),
-                "ln_1.bias": n(d),
-                "ln_2.weight": 1 + n(d),
-                "ln_2.bias": n(d),
-                "attn.c_attn.weight": n(d, 3 * d),
-                "attn.c_attn.bias": n(3 * d),
-                "attn.c_proj.weight": n(d, d),
-                "attn.c_proj.bias": n(d),
-                "mlp.c_fc.weight": n(d, 4 * d),
-                "mlp.c_fc.bias": n(4 * d),
-                "mlp.c_proj.weight": n(4 * d, d),
-                "mlp.c_proj.bias": n(d),
-            }.items()
-        }
-    return {prefix + key: a for key, a in t.items()}
-
-
-def _llama_tensors(c: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
-    d, f, k = c["hidden_size"], c["intermediate_size"], c["hidden_size"] // c["num_attention_heads"]
-    h, g = c["num_attention_heads"], c["num_key_value_heads"]
-    n = lambda *shape: (0.1 * rng.standard_normal(shape)).astype(np.float32)
-    t = {"model.embed_tokens.weight": n(VOCAB, d), "model.norm.weight": 1 + n(d)}
-    if not c["tie_word_embeddings"]:
-        t["lm_head.weight"] = n(VOCAB, d)
-    for i in range(c["num_hidden_layers"]):
-        t |= {
-            f"model.layers.{i}.{key}": a
-            for key, a in {
-                "input_layernorm.weight": 1 + n(d),
-                "post_attention_layernorm.weight": 1 + n(d),
-                "self_attn.q_proj.weight": n(h * k, d),
-                "self_attn.k_proj.weight": n(g * k, d),
-                "self_attn.v_proj.weight": n(g * k, d),
-                "self_attn.o_proj.weight": n(d, h * k),
-                "mlp.gate_proj.weight": n(f, d),
-                "mlp.up_proj.weight": n(f, d),
-                "mlp.down_proj.weight": n(d, f),
-            }.items()
-        }
-    return t
-
-
-def write_checkpoint(path, config: dict, tensors: dict, shards: int = 1) -> None:
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
-    if shards == 1:
-        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-        return
-    names = [f"model-{j + 1:05d}-of-{shards:05d}.safetensors" for j in range(shards)]
-    weight_map = {key: names[j % shards] for j, key in enumerate(sorted(tensors))}
-    for name in names:
-        save_file({k: a for k, a in tensors.items() if weight_map[k] == name}, path / name)
-    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
-    (path / "model.safetensors.index.json").write_text(json.dumps(index))
-
-
-def make_checkpoint(kind: str, path, seed: int = 0) -> tuple[dict, dict]:
-    config, prefix, shards, dtype = KINDS[kind]
-    rng = np.random.default_rng(seed)
-    if config["model_type"] == "gpt2":
-        tensors = _gpt2_tensors(config, rng, prefix)
-    else:
-        tensors = _llama_tensors(config, rng)
-    tensors = {k: a.astype(dtype) for k, a in tensors.items()}
-    write_checkpoint(path, config, tensors, shards)
-    return config, tensors
-
-
-# Plain-numpy references (float64), following transformers' modeling_gpt2 / modeling_llama.
-
-
-def _layer_norm(x, w, b, eps):
-    mean = x.mean(-1, keepdims=True)
-    return (x - mean) / np.sqrt(x.var(-1, keepdims=True) + eps) * w + b
-
-
-def _rms_norm(x, w, eps):
-    return x / np.sqrt(np.mean(x**2, -1, keepdims=True) + eps) * w
-
-
-def _heads(x, n):  # [B, L, n*K] -> [B, n, L, K]
-    b, length, _ = x.shape
-    return x.reshape(b, length, n, -1).transpose(0, 2, 1, 3)
-
-
-def _attention(q, k, v):  # [B, H, L, K] each -> [B, L, H*K]
-    scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(q.shape[-1])
-    length = q.shape[2]
-    scores = np.where(np.tril(np.ones((length, length), bool)), scores, -np.inf)
-    probs = np.exp(scores - scores.max(-1, keepdims=True))
-    out = (probs / probs.sum(-1, keepdims=True)) @ v
-    b, h, _, kd = out.shape
-    return out.transpose(0, 2, 1, 3).reshape(b, length, h * kd)
-
-
-def _gelu_new(x):
-    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
-
-
-def gpt2_reference(c: dict, tensors: dict, tokens: np.ndarray) -> np.ndarray:
-    t = {k.removeprefix("transformer."): a.astype(np.float64) for k, a in tensors.items()}
-    h, eps = c["n_head"], c["layer_norm_epsilon"]
-    x = t["wte.weight"][tokens] + t["wpe.weight"][: tokens.shape[1]]
-    for i in range(c["n_layer"]):
-        p = {k.removeprefix(f"h.{i}."): a for k, a in t.items() if k.startswith(f"h.{i}.")}
-        a = _layer_norm(x, p["ln_1.weight"], p["ln_1.bias"], eps)
-        q, k, v = np.split(a @ p["attn.c_attn.weight"] + p["attn.c_attn.bias"], 3, axis=-1)
-        o = _attention(_heads(q, h), _heads(k, h), _heads(v, h))
-        x = x + o @ p["attn.c_proj.weight"] + p["attn.c_proj.bias"]
-        m = _layer_norm(x, p["ln_2.weight"], p["ln_2.bias"], eps)
-        m = _gelu_new(m @ p["mlp.c_fc.weight"] + p["mlp.c_fc.bias"])
-        x = x + m @ p["mlp.c_proj.weight"] + p["mlp.c_proj.bias"]
-    x = _layer_norm(x, t["ln_f.weight"], t["ln_f.bias"], eps)
-    return x @ t["wte.weight"].T  # GPT2LMHeadModel ties lm_head to wte
-
-
-def _rope(x, theta):  # [B, H, L, K]; LlamaRotaryEmbedding + rotate_half
-    length, k = x.shape[2], x.shape[3]
-    inv_freq = 1.0 / theta ** (np.arange(0, k, 2) / k)
-    freqs = np.arange(length)[:, None] * inv_freq[None, :]
-    emb = np.concatenate([freqs, freqs], -1)
-    rotated = np.concatenate([-x[..., k // 2 :], x[..., : k // 2]], -1)
-    return x * np.cos(emb) + rotated * np.sin(emb)
-
-
-def llama_reference(c: dict, tensors: dict, tokens: np.ndarray) -> np.ndarray:
-    t = {k: a.astype(np.float64) for k, a in tensors.items()}
-    h, g, eps = c["num_attention_heads"], c["num_key_value_heads"], c["rms_norm_eps"]
-    x = t["model.embed_tokens.weight"][tokens]
-    for i in range(c["num_hidden_layers"]):
-        pre = f"model.layers.{i}."
-        p = {k.removeprefix(pre): a for k, a in t.items() if k.startswith(pre)}
-        a = _rms_norm(x, p["input_layernorm.weight"], eps)
-        q = _rope(_heads(a @ p["self_attn.q_proj.weight"].T, h), c["rope_theta"])
-        k = _rope(_heads(a @ p["self_attn.k_proj.weight"].T, g), c["rope_theta"])
-        v = _heads(a @ p["self_attn.v_proj.weight"].T, g)
-        k, v = np.repeat(k, h // g, axis=1), np.repeat(v, h // g, axis=1)  # repeat_kv
-        x = x + _attention(q, k, v) @ p["self_attn.o_proj.weight"].T
-        m = _rms_norm(x, p["post_attention_layernorm.weight"], eps)
-        gate = m @ p["mlp.gate_proj.weight"].T
-        x = x + (gate / (1 + np.exp(-gate)) * (m @ p["mlp.up_proj.weight"].T)) @ (
-            p["mlp.down_proj.weight"].T
-        )
-    x = _rms_norm(x, t["model.norm.weight"], eps)
-    return x @ t.get("lm_head.weight", t["model.embed_tokens.weight"]).T
-
-
-REFERENCE = {"gpt2": gpt2_reference, "llama": llama_reference}
-
-
-# Helpers.
-
-
-def mesh_of(text: str):
-    devices = jax.devices()[:1] if text == "data=1" else jax.devices()
-    return make_mesh(text, devices)
-
-
-def forward(model, tokens, rules, mesh) -> np.ndarray:
-    with jax.set_mesh(mesh), use_rules(rules, mesh):
-        return np.asarray(nnx.jit(lambda m, t: m(t))(model, tokens))
-
-
-def params(model) -> dict[str, np.ndarray]:
-    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
-    return {".".join(map(str, path)): np.asarray(var.get_value()) for path, var in flat}
-
-
-TOKENS = np.random.default_rng(1).integers(0, VOCAB, (4, SEQ))
 MESHES = [
     ("data=1", "dp"),
     ("data=2,tensor=4", "tp"),
@@ -257,7 +57,7 @@ def test_logits_match_hf_reference(tmp_path, kind, mesh_text, rules_name):
     mesh, rules = mesh_of(mesh_text), get_rules(rules_name)
     model = load_hf(tmp_path, rules=rules, mesh=mesh)
     logits = forward(model, TOKENS, rules, mesh)
-    want = REFERENCE[config["model_type"]](config, tensors, TOKENS)
+    want = reference(config, tensors, TOKENS)
     np.testing.assert_allclose(logits[..., :VOCAB], want, rtol=1e-4, atol=1e-4)
     np.testing.assert_array_equal(np.asarray(model.embed[...])[VOCAB:], 0.0)
     # Every parameter sits on the sharding the rules give it.
@@ -298,7 +98,9 @@ def test_export_round_trip(tmp_path, kind):
     for key, array in tensors.items():
         np.testing.assert_array_equal(exported[key], array.astype(np.float32), err_msg=key)
     hf_config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert {k: hf_config[k] for k in config} == config
+    if not {"rope_parameters", "rope_scaling"} & set(config):  # rope: the layout all read
+        assert {k: hf_config[k] for k in config} == config
+    assert config_to_hf(config_from_hf(hf_config)) == config_to_hf(config_from_hf(config))
     reloaded = load_hf(tmp_path / "out", rules="fsdp", mesh=mesh_of("data=8"))
     assert config_to_hf(reloaded.cfg) == config_to_hf(model.cfg)
     want = params(model)
@@ -372,6 +174,32 @@ def _remove(name):
     return mutate
 
 
+def _add(extra: dict):
+    def mutate(path, config, tensors):
+        write_checkpoint(path, config, tensors | extra)
+
+    return mutate
+
+
+def _fifo(name: str):
+    def mutate(path, config, tensors):
+        write_checkpoint(path, config, tensors)
+        (path / name).unlink()
+        os.mkfifo(path / name)  # opening it for reading would wait for a writer forever
+
+    return mutate
+
+
+def _index(change):
+    def mutate(path, config, tensors):
+        write_checkpoint(path, config, tensors, shards=2)
+        index = json.loads((path / "model.safetensors.index.json").read_text())
+        index["weight_map"] = change(index["weight_map"])
+        (path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    return mutate
+
+
 def _config_only(path, config, tensors):
     path.mkdir()
     (path / "config.json").write_text(json.dumps(config))
@@ -406,7 +234,7 @@ BAD_INPUTS = {
     "missing_config_field": (_config(hidden_size="DROP"), r"has no 'hidden_size'"),
     "unsupported_option": (
         _config(rope_scaling={"type": "linear", "factor": 2.0}),
-        r"rope_scaling=.*is not supported",
+        r"rope_type='linear' is not implemented",
     ),
     "bad_json": (_raw_config("{not json"), r"config\.json is not valid JSON"),
     "missing_tensor": (
@@ -420,6 +248,85 @@ BAD_INPUTS = {
     ),
     "corrupt_file": (_corrupt(0), r"model\.safetensors is corrupt or truncated"),
     "truncated_file": (_corrupt(-100), r"model\.safetensors is corrupt or truncated"),
+    # Every tensor is used, with the dtype and shape the config implies.
+    "extra_tensor": (
+        _add({"model.extra.weight": np.zeros(4, np.float32)}),
+        r"tensor 'model\.extra\.weight' in .* is not used: the model config\.json describes has "
+        r"no such parameter",
+    ),
+    "q_proj_bias": (  # a Qwen-style checkpoint: loading it as a Llama would drop its biases
+        _add({"model.layers.0.self_attn.q_proj.bias": np.zeros(64, np.float32)}),
+        r"tensor 'model\.layers\.0\.self_attn\.q_proj\.bias' in .* is not used",
+    ),
+    "third_layer": (
+        _add(llama_layer(LLAMA, np.random.default_rng(1), 2)),
+        r"tensor 'model\.layers\.2\.input_layernorm\.weight' \(and 8 more\) in .* is not "
+        r"used: layer 2 is beyond config\.json's 2 layers",
+    ),
+    "int32_weight": (
+        _add({"model.norm.weight": np.ones(64, np.int32)}),
+        r"tensor 'model\.norm\.weight' in .* is stored as I32; a weight is one of F64, F32",
+    ),
+    # config.json that is not a config, or holds values of the wrong type.
+    "config_list": (_raw_config("[1, 2]"), r"config\.json holds a list, not an object"),
+    "size_as_string": (
+        _config(hidden_size="64"), r"hidden_size='64' must be a positive integer"),
+    "size_as_float": (
+        _config(num_hidden_layers=2.0), r"num_hidden_layers=2\.0 must be a positive integer"),
+    "size_as_bool": (
+        _config(num_attention_heads=True), r"num_attention_heads=True must be a positive"),
+    "rope_theta_string": (
+        _config(rope_theta="10000"), r"rope_theta='10000' must be a positive finite number"),
+    "nan": (_raw_config('{"model_type": "llama", "rms_norm_eps": NaN}'),
+            r"is not valid JSON \(NaN is not a number JSON allows\)"),
+    "duplicate_key": (_raw_config('{"model_type": "llama", "model_type": "gpt2"}'),
+                      r"is not valid JSON \(key 'model_type' appears twice\)"),
+    "deep_nesting": (_raw_config("[" * 100000 + "]" * 100000), r"is not valid JSON"),
+    "unknown_key": (_config(qk_layernorm=True), r"config\.json key 'qk_layernorm' is not known"),
+    "architecture": (
+        _config(architectures=["LlamaForSequenceClassification"]),
+        r"architecture 'LlamaForSequenceClassification' is not read by this loader",
+    ),
+    # Rope settings we do not implement, or that contradict each other.
+    "rope_yarn": (
+        _config(rope_parameters={"rope_type": "yarn", "factor": 4.0}),
+        r"rope_type='yarn' is not implemented",
+    ),
+    "llama3_missing_factor": (
+        _config(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
+        r"rope_type 'llama3' needs 'low_freq_factor'",
+    ),
+    "llama3_extra_setting": (
+        _config(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 256,
+                              "attention_factor": 2.0}),
+        r"rope setting 'attention_factor' is not implemented for rope_type 'llama3'",
+    ),
+    "llama3_bad_band": (
+        _config(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 256}),
+        r"0 < low_freq_factor < high_freq_factor",
+    ),
+    "two_rope_layouts": (
+        _config(rope_scaling={"rope_type": "default"}, rope_parameters={"rope_type": "default"}),
+        r"has both rope_parameters and rope_scaling",
+    ),
+    "theta_conflict": (
+        _config(rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
+        r"rope_theta=10000\.0 disagrees with rope_parameters rope_theta=500000\.0",
+    ),
+    # Files that are not what their names say.
+    "config_fifo": (_fifo("config.json"), r"config\.json .* is not a regular file"),
+    "weights_fifo": (_fifo("model.safetensors"), r"model\.safetensors is not a regular file"),
+    "index_escapes": (
+        _index(lambda m: {k: "../model-00001-of-00002.safetensors" for k in m}),
+        r"names shard '\.\./model-00001-of-00002\.safetensors', which is not a file name",
+    ),
+    "index_misplaces": (
+        _index(lambda m: {k: "model-00001-of-00002.safetensors" for k in m}),
+        r"index\.json maps tensor '.*' to model-00001-of-00002\.safetensors, which does not "
+        r"hold it",
+    ),
 }
 
 
@@ -443,3 +350,171 @@ def test_config_from_hf_overrides():
     cfg = config_from_hf(LLAMA, dtype="bfloat16")
     assert (cfg.family, cfg.dtype, cfg.tied) == ("llama", "bfloat16", False)
     assert (cfg.kv_heads, cfg.k_dim, cfg.ff_dim, cfg.padded_vocab) == (4, 8, 160, 384)
+
+
+def test_index_and_files_disagree(tmp_path):
+    config, tensors = LLAMA, _llama_tensors(LLAMA, np.random.default_rng(0))
+    write_checkpoint(tmp_path, config, tensors, shards=2)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    key = next(iter(index["weight_map"]))
+    index["weight_map"][key] = next(  # the other shard, which exists but does not hold it
+        f for f in set(index["weight_map"].values()) if f != index["weight_map"][key])
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(UserError, match=rf"tensor '{key}' is in .* but the index maps it to"):
+        load_hf(tmp_path, rules="dp", mesh=mesh_of("data=1"))
+
+
+# Each key that changes the computation is loaded exactly or refused.
+
+
+def _other_value(allowed: tuple):
+    """A value outside `allowed` of the same kind (a bool flipped, a string or size instead of
+    null)."""
+    first = allowed[0]
+    if isinstance(first, bool):
+        return not first
+    return "relu" if isinstance(first, str) else 4096
+
+
+@pytest.mark.parametrize("family,key", [
+    (family, key) for family, table in hf_config._PINNED.items() for key in table])
+def test_each_pinned_key_is_refused(tmp_path, family, key):
+    """Every key of the pinned table (computation we do not implement) is refused, naming it."""
+    base, tensors = (GPT2, gpt2_tensors(GPT2, np.random.default_rng(0))) if family == "gpt2" \
+        else (LLAMA, _llama_tensors(LLAMA, np.random.default_rng(0)))
+    value = _other_value(hf_config._PINNED[family][key])
+    write_checkpoint(tmp_path, base | {key: value}, tensors)
+    with pytest.raises(UserError, match=rf"config\.json {key}={value!r} is not implemented"):
+        load_hf(tmp_path, rules="dp", mesh=mesh_of("data=1"))
+    # The allowed values load (the refusal is about the value, not the key).
+    for allowed in hf_config._PINNED[family][key]:
+        write_checkpoint(tmp_path, base | {key: allowed}, tensors)
+        load_hf(tmp_path, rules="dp", mesh=mesh_of("data=1"))
+
+
+@pytest.mark.parametrize("value", [
+    {"rope_type": "linear", "factor": 2.0}, {"rope_type": "dynamic", "factor": 2.0},
+    {"rope_type": "yarn", "factor": 4.0}, {"rope_type": "longrope"}, {"type": "su"}])
+@pytest.mark.parametrize("layout", ["rope_scaling", "rope_parameters"])
+def test_other_rope_types_are_refused(value, layout):
+    kind = value.get("rope_type", value.get("type"))
+    with pytest.raises(UserError, match=rf"rope_type={kind!r} is not implemented"):
+        config_from_hf(LLAMA | {layout: value})
+
+
+def test_gpt2_config_with_fewer_layers_than_the_checkpoint(tmp_path):
+    write_checkpoint(tmp_path, GPT2 | {"n_layer": 1}, gpt2_tensors(GPT2, np.random.default_rng(0)))
+    with pytest.raises(UserError, match=r"tensor 'h\.1\.attn\.c_attn\.bias' \(and 11 more\) .* "
+                       r"layer 1 is beyond config\.json's 1 layers"):
+        load_hf(tmp_path, rules="dp", mesh=mesh_of("data=1"))
+
+
+def test_gpt2_names_with_and_without_prefix_are_refused(tmp_path):
+    tensors = gpt2_tensors(GPT2, np.random.default_rng(0))
+    write_checkpoint(tmp_path, GPT2, tensors | {"transformer.ln_f.bias": tensors["ln_f.bias"]})
+    with pytest.raises(UserError, match=r"tensor 'ln_f\.bias' in .* is not used"):
+        load_hf(tmp_path, rules="dp", mesh=mesh_of("data=1"))
+
+
+def test_headers_are_checked_before_any_weight_is_read(tmp_path, monkeypatch):
+    """A wrong dtype in the last tensor is refused before the first tensor's bytes are read."""
+    tensors = _llama_tensors(LLAMA, np.random.default_rng(0))
+    tensors["model.layers.1.mlp.down_proj.weight"] = np.zeros((64, 160), np.int32)
+    write_checkpoint(tmp_path, LLAMA, tensors)
+
+    def no_reading(self, name):
+        raise AssertionError(f"read {name} before checking every header")
+
+    monkeypatch.setattr(models.hf_tensors.Checkpoint, "read_raw", no_reading)
+    with pytest.raises(UserError, match=r"down_proj\.weight' in .* is stored as I32"):
+        load_hf(tmp_path, rules="dp", mesh=mesh_of("data=1"))
+
+
+# Buffers some checkpoints carry: checked against what we compute, then counted as used.
+
+
+def test_buffers_of_what_we_compute_load(tmp_path):
+    p = GPT2["n_positions"]
+    tensors = gpt2_tensors(GPT2, np.random.default_rng(0), "transformer.")
+    for i in range(GPT2["n_layer"]):
+        tensors[f"transformer.h.{i}.attn.bias"] = np.tril(np.ones((p, p), np.uint8))[None, None]
+        tensors[f"transformer.h.{i}.attn.masked_bias"] = np.array(-1e4, np.float32)
+    write_checkpoint(tmp_path / "gpt2", GPT2, tensors)
+    model = load_hf(tmp_path / "gpt2", rules="dp", mesh=mesh_of("data=1"))
+    want = reference(GPT2, tensors, TOKENS)
+    got = forward(model, TOKENS, get_rules("dp"), mesh_of("data=1"))[..., :VOCAB]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+    k = LLAMA["hidden_size"] // LLAMA["num_attention_heads"]
+    tensors = _llama_tensors(LLAMA, np.random.default_rng(0))
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = inv_frequencies(
+        k, LLAMA["rope_theta"], None).astype(np.float32)
+    write_checkpoint(tmp_path / "llama", LLAMA, tensors)
+    load_hf(tmp_path / "llama", rules="dp", mesh=mesh_of("data=1"))
+
+
+@pytest.mark.parametrize("case", ["mask", "inv_freq", "tied_head"])
+def test_buffers_that_disagree_are_refused(tmp_path, case):
+    if case == "mask":  # a mask that is not causal
+        config, tensors = GPT2, gpt2_tensors(GPT2, np.random.default_rng(0))
+        p = GPT2["n_positions"]
+        tensors["h.0.attn.bias"] = np.ones((1, 1, p, p), np.uint8)
+    elif case == "inv_freq":  # frequencies of another theta than config.json says
+        config, tensors = LLAMA, _llama_tensors(LLAMA, np.random.default_rng(0))
+        tensors["model.layers.1.self_attn.rotary_emb.inv_freq"] = inv_frequencies(
+            8, 500000.0, None).astype(np.float32)
+    else:  # tie_word_embeddings true, but a head that is not the embedding
+        config = LLAMA | {"tie_word_embeddings": True}
+        tensors = _llama_tensors(LLAMA, np.random.default_rng(0))
+    write_checkpoint(tmp_path, config, tensors)
+    with pytest.raises(UserError, match=r"does not match what config\.json describes"):
+        load_hf(tmp_path, rules="dp", mesh=mesh_of("data=1"))
+
+
+def test_tied_head_equal_to_the_embedding_loads(tmp_path):
+    config = LLAMA | {"tie_word_embeddings": True}
+    tensors = _llama_tensors(config, np.random.default_rng(0))
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
+    write_checkpoint(tmp_path, config, tensors)
+    assert load_hf(tmp_path, rules="dp", mesh=mesh_of("data=1")).cfg.tied
+
+
+# Llama-3 rope scaling.
+
+
+def test_llama3_scaling_changes_these_logits():
+    """The Llama-3 checkpoints of the logits test would fail it if the scaling were ignored:
+    their unscaled reference is far from the scaled one."""
+    tensors = _llama_tensors(LLAMA3, np.random.default_rng(0))
+    scaled = llama_reference(LLAMA3, tensors, TOKENS)
+    unscaled = llama_reference(LLAMA3, tensors, TOKENS, scaled=False)
+    assert np.abs(scaled - unscaled).max() > 100 * 1e-4
+
+
+@pytest.mark.parametrize("theta,factor,low,high,context", [
+    (500000.0, 8.0, 1.0, 4.0, 8192), (500000.0, 8.0, 1.0, 4.0, 256), (10000.0, 32.0, 1.0, 32.0, 64),
+    (10000.0, 2.0, 0.5, 1.5, 100)])
+def test_rope_frequencies_match_transformers(theta, factor, low, high, context):
+    cfg = config_from_hf(LLAMA | {"hidden_size": 256, "num_attention_heads": 2,
+                                  "num_key_value_heads": 2, "rope_parameters": {
+                                      "rope_type": "llama3", "rope_theta": theta,
+                                      "factor": factor, "low_freq_factor": low,
+                                      "high_freq_factor": high,
+                                      "original_max_position_embeddings": context}}
+                         | {"rope_theta": theta})
+    want = inv_frequencies(128, theta, {"factor": factor, "low_freq_factor": low,
+                                        "high_freq_factor": high,
+                                        "original_max_position_embeddings": context})
+    np.testing.assert_allclose(np.asarray(rope_frequencies(cfg)), want, rtol=2e-6)
+
+
+def test_rope_layouts_agree():
+    current, legacy = config_from_hf(LLAMA3), config_from_hf(LLAMA3_LEGACY)
+    assert current == legacy
+    assert (current.rope_theta, current.rope_scaling_factor, current.rope_low_freq_factor,
+            current.rope_high_freq_factor, current.rope_original_max_len) == (
+        500000.0, 8.0, 1.0, 4.0, 256)
+    assert config_from_hf(LLAMA).rope_scaling_factor == 1.0  # off unless config.json asks
+    plain = config_from_hf({k: v for k, v in LLAMA.items() if k != "rope_theta"}
+                           | {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})
+    assert plain == config_from_hf(LLAMA)
