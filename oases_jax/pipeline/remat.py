@@ -78,12 +78,28 @@ def uniform_stage_layers(num_layers: int, stages: int) -> tuple[int, ...]:
     return tuple(base + (i < extra) for i in range(stages))
 
 
-def parse_stage_layers(spec: str | Sequence[int] | None, num_layers: int, stages: int
-                       ) -> tuple[int, ...]:
+def parse_stage_layers(spec: str | Sequence[int] | None, num_layers: int, stages: int,
+                       chunks: int = 1) -> tuple[int, ...]:
     """Per-stage layer counts: None for the uniform split, else `5,6,6,7` (or a list) with one
-    positive count per stage summing to the model's layers."""
+    positive count per stage summing to the model's layers. With v `chunks` per stage
+    (interleaved), every count must split into v equal chunks."""
     if spec is None or spec == "":
-        return uniform_stage_layers(num_layers, stages)
+        counts = uniform_stage_layers(num_layers, stages)
+    else:
+        counts = _explicit(spec, num_layers, stages)
+    if chunks > 1 and any(n % chunks for n in counts):
+        text = ",".join(map(str, counts))
+        if num_layers % chunks == 0 and num_layers // chunks >= stages:
+            fix = "e.g. " + ",".join(
+                str(n * chunks) for n in uniform_stage_layers(num_layers // chunks, stages))
+        else:
+            fix = f"{num_layers} layers need v dividing them"
+        raise UserError(f"stage layers {text} do not split into v={chunks} equal chunks per "
+                        f"stage: give counts divisible by {chunks} ({fix}), or another v")
+    return counts
+
+
+def _explicit(spec: str | Sequence[int], num_layers: int, stages: int) -> tuple[int, ...]:
     text = spec if isinstance(spec, str) else ",".join(map(str, spec))
     try:
         counts = tuple(int(p) for p in text.split(","))

@@ -113,8 +113,9 @@ def _order_interleaved(stages: int, microbatches: int, chunks: int, s: int) -> O
 def interleaved(stages: int, microbatches: int, v: int = 2, *,
                 recompute: bool | Sequence[bool] = False) -> Schedule:
     """Megatron's interleaved 1F1B: device s holds v chunks, virtual stages s, s+S, ...,
-    s+(v-1)S. Bubble (S-1)/(v*M+S-1); needs M a multiple of S, S >= 2 and v >= 2; v times
-    the transfers of 1F1B, and a wrap-around edge (device S-1 -> 0) between chunks."""
+    s+(v-1)S. Bubble (S-1)/(v*M+S-1); needs M a multiple of S, S >= 2 and v >= 2 (and each
+    stage's layers divisible by v: `remat.parse_stage_layers(..., chunks=v)`); v times the
+    transfers of 1F1B, and a wrap-around edge (device S-1 -> 0) between chunks."""
     if not isinstance(v, int) or v < 2:
         raise UserError(f"interleaved needs v >= 2 chunks per stage, got v={v!r}: use v >= 2 "
                         f"(v=1 is the 1f1b schedule)")
@@ -154,7 +155,8 @@ def merak(stages: int, microbatches: int) -> Schedule:
     the last stage never recomputes (its B follows its F); the recomputation of each non-last
     stage's final micro-batches is hoisted (PF, then RrG) into the cool-down bubble before their
     gradient arrives; stage S-2 runs its third forward in its first backward slot, hoisting the
-    recompute of its first two micro-batches, and stage S-3 hoists its first. Needs M >= S."""
+    recompute of its first two micro-batches, and stage S-3 hoists its first. Needs M >= S
+    (Merak's generator also asserts M >= 4; this one validates for every M >= S, S=2 included)."""
     _check("merak", stages, microbatches, True)
     actions = []
     for s in range(stages):

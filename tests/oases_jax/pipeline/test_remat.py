@@ -56,6 +56,7 @@ def test_stage_layers():
     assert parse_stage_layers(None, 26, 4) == (7, 7, 6, 6)  # the first L mod S get one more
     assert parse_stage_layers("5,6,6,7", 24, 4) == (5, 6, 6, 7)
     assert parse_stage_layers([5, 6, 6, 7], 24, 4) == (5, 6, 6, 7)
+    assert parse_stage_layers("4,6,6,8", 24, 4, chunks=2) == (4, 6, 6, 8)  # interleaved, v=2
 
 
 def one_line(fn, *args, **kwargs) -> str:
@@ -72,6 +73,11 @@ def test_bad_input_is_one_line():
     assert "without layers" in one_line(parse_stage_layers, "0,8,8,8", 24, 4)
     assert "not integers" in one_line(parse_stage_layers, "5,6,x,7", 24, 4)
     assert "3 layers cannot fill S=4" in one_line(parse_stage_layers, None, 3, 4)
+    msg = one_line(parse_stage_layers, "5,6,6,7", 24, 4, chunks=2)
+    assert "5,6,6,7 do not split into v=2" in msg and "e.g. 6,6,6,6" in msg
+    msg = one_line(parse_stage_layers, None, 26, 4, chunks=2)  # uniform 7,7,6,6
+    assert "7,7,6,6 do not split into v=2" in msg and "e.g. 8,6,6,6" in msg
+    assert "25 layers need v dividing them" in one_line(parse_stage_layers, None, 25, 4, chunks=2)
     assert "r0=1.2" in one_line(stage_ratios, 4, 1.2)
     assert "not a number" in one_line(stage_ratios, 4, "abc")
     assert "3 recompute ratios" in one_line(parse_ratios, "0.8,0.7,0.4", 4)

@@ -20,6 +20,7 @@ def order(schedule, stage):
 @pytest.mark.parametrize("name,options", [
     ("gpipe", {}), ("gpipe", {"recompute": True}), ("1f1b", {}), ("1f1b", {"recompute": True}),
     ("merak", {}), ("zb_h1", {}), ("interleaved", {"v": 2}),
+    ("interleaved", {"v": 2, "recompute": True}),
 ])
 def test_every_schedule_validates_over_the_grid(name, options, S, M):
     if name == "interleaved" and (S == 1 or M % S):
