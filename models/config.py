@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import typing
 
@@ -17,6 +18,12 @@ DTYPES = ("float32", "bfloat16")
 # where it applies on a GPU mesh, a real one or a deviceless compile target alike (the program
 # compiled for `h100:8` holds the kernel the GPU run uses), and xla elsewhere (CPU meshes).
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+CHOICES = {"family": FAMILIES, "dtype": DTYPES, "remat": REMAT_POLICIES,
+           "attention": ATTENTION_IMPLS}
+# Every integer field is a size of at least 1 and every float field a positive finite scale.
+# The caps only catch typos and junk: they lie far beyond any published model (docs/cli.md).
+SIZE_CAP = 2**20
+SIZE_CAPS = {"vocab_size": 2**24, "d_model": 2**17, "n_layers": 2**12}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -52,18 +59,12 @@ class ModelConfig:
     attention: str = "auto"  # one of ATTENTION_IMPLS
 
     def __post_init__(self):
-        if self.family not in FAMILIES:
-            raise UserError(f"model family {self.family!r} is unknown; use one of {FAMILIES}")
-        if self.dtype not in DTYPES:
-            raise UserError(f"dtype {self.dtype!r} is unknown; use one of {DTYPES}")
-        if self.remat not in REMAT_POLICIES:
-            raise UserError(f"remat policy {self.remat!r} is unknown; use one of {REMAT_POLICIES}")
-        if self.attention not in ATTENTION_IMPLS:
-            raise UserError(f"attention {self.attention!r} is unknown; use one of "
-                            f"{ATTENTION_IMPLS}")
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
-            if getattr(self, name) <= 0:
-                raise UserError(f"model {name}={getattr(self, name)} must be positive")
+        for name, choices in CHOICES.items():
+            if getattr(self, name) not in choices:
+                raise UserError(f"model {name} {getattr(self, name)!r} is unknown; use one of "
+                                f"{', '.join(choices)}")
+        for name, (kind, _) in field_kinds().items():
+            _check_range(name, kind, getattr(self, name))
         if self.head_dim is None and self.d_model % self.n_heads:
             raise UserError(
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
@@ -179,6 +180,33 @@ class ModelConfig:
                 )
             kwargs[key] = _parse_value(key, value, hints[key])
         return self.replace(**kwargs)
+
+
+@functools.cache
+def field_kinds() -> dict[str, tuple[type, bool]]:
+    """Each ModelConfig field's type (int, float, bool or str) and whether it may be None."""
+    hints = typing.get_type_hints(ModelConfig)
+    out = {}
+    for f in dataclasses.fields(ModelConfig):
+        args = typing.get_args(hints[f.name])
+        out[f.name] = (next((a for a in args if a is not type(None)), hints[f.name]),
+                       type(None) in args)
+    return out
+
+
+def _check_range(name: str, kind: type, value) -> None:
+    """Sizes in 1..their cap (`SIZE_CAPS`), scales positive and finite; None passes."""
+    if value is None or isinstance(value, bool) or kind not in (int, float):
+        return
+    if kind is int:
+        cap = SIZE_CAPS.get(name, SIZE_CAP)
+        if value < 1:
+            raise UserError(f"model {name}={value} must be positive")
+        if value > cap:
+            raise UserError(f"model {name}={value:,} is more than {cap:,}, a sanity cap; "
+                            "check the value")
+    elif not (math.isfinite(value) and value > 0):
+        raise UserError(f"model {name}={value} must be a positive finite number")
 
 
 def _parse_value(key: str, value: str, hint) -> object:

@@ -1,12 +1,16 @@
 """Plans as plain JSON: what the search chose, what it predicts, and what it beat.
 
-    {"model": "small", "cluster": "cpu-8", "global_batch": 16, "seq_len": 128,
+    {"format": "oases-jax-plan/1", "version": 1, "model": "small", "model_config": {...},
+     "cluster": "cpu-8", "global_batch": 16, "seq_len": 128,
      "mesh": {"data": 2, "tensor": 4}, "rules": "tp", "microbatches": 1,
      "layers": [{"schedule": "oases", "sub_batches": 2, "remat": "none"}, ...],
      "predicted_step_s": ..., "predicted_peak_memory_bytes": ..., "predicted_exposed_comm_s": ...,
      "memory": {...}, "baselines": {"megatron": {...}, "best_uniform": {...}},
      "search_s": ..., "cost_source": "datasheet" | "profile", "alternatives": [...],
      "verified": {...}}  # with `plan.py --verify N` only (`planner.verify`)
+
+`load` and `from_json` validate a plan against its schema (`planner.plan_schema`) before anything
+runs: every problem is one UserError line naming the field.
 """
 
 from __future__ import annotations
@@ -19,15 +23,15 @@ from typing import TYPE_CHECKING
 from models.config import ModelConfig
 from oases_jax.cli import write_atomic
 from oases_jax.errors import UserError
+from oases_jax.files import read_json
 from oases_jax.layer_plan import LayerSpec
-from planner.search import SCHEDULES, Candidate, SearchResult
+from oases_jax.schema import validate
+from planner.plan_schema import FIX, FORMAT, VERSION, PlanFile, check
+from planner.search import Candidate, SearchResult
 
 if TYPE_CHECKING:  # the compile path loads Flax and optax: only when a plan is compiled
     from training.config import ParallelConfig
     from training.program import CompileSpec
-
-FORMAT = "oases-jax-plan/1"
-
 
 def candidate_json(c: Candidate) -> dict:
     return {"summary": c.summary(), "mesh": c.layout.mesh(), "microbatches": c.layout.microbatches,
@@ -43,6 +47,7 @@ def plan_json(result: SearchResult, *, model: str, cfg: ModelConfig, cluster: st
     others = [c for c in result.ranked if c is not best]
     return {
         "format": FORMAT,
+        "version": VERSION,
         "model": model,
         "model_config": dataclasses.asdict(cfg),
         "cluster": cluster,
@@ -74,6 +79,7 @@ class Plan:
     seq_len: int
     layers: tuple[LayerSpec, ...]
     raw: dict
+    config: ModelConfig | None = None  # the model it names (model_config, else its preset)
 
     @property
     def schedule(self) -> str:
@@ -98,17 +104,9 @@ class Plan:
 
     def model(self, where: str = "plan") -> ModelConfig:
         """The model the plan was made for: its `model_config`, else its `model` preset."""
-        from models.presets import get_preset
-
-        if self.raw.get("model_config"):
-            try:
-                return ModelConfig(**self.raw["model_config"])
-            except TypeError as e:
-                raise UserError(f"{where}: `model_config` is not a model of this version ({e}); "
-                                "plan again with scripts/plan.py, or pass --model") from None
-        if self.raw.get("model"):
-            return get_preset(self.raw["model"])
-        raise UserError(f"{where} names no model (no `model` or `model_config`); pass --model")
+        if self.config is None:
+            raise UserError(f"{where} names no model (no `model` or `model_config`); pass --model")
+        return self.config
 
     def check_model(self, cfg: ModelConfig) -> None:
         if len(self.layers) != cfg.n_layers:
@@ -124,56 +122,18 @@ def save(plan: dict, path: str | pathlib.Path) -> None:
 
 def load(path: str | pathlib.Path) -> Plan:
     """Read and validate a plan file; every problem is a one-line UserError."""
-    path = pathlib.Path(path)
-    if not path.exists():
-        raise UserError(f"plan file {str(path)!r} does not exist; make one with scripts/plan.py "
-                        "--json PLAN.json, or use --plan auto")
-    try:
-        d = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"plan file {str(path)!r} is not valid JSON ({e}); "
-                        "write it again with scripts/plan.py") from None
-    return from_json(d, str(path))
+    d = read_json(path, "plan file", "make one with scripts/plan.py --json PLAN.json, or use "
+                  "--plan auto")
+    return from_json(d, f"plan file {str(path)!r}")
 
 
-def from_json(d: dict, where: str = "plan") -> Plan:
-    try:
-        mesh = ",".join(f"{k}={int(v)}" for k, v in d["mesh"].items())
-        layers = [_layer(entry, i, where) for i, entry in enumerate(d["layers"])]
-        if not layers:
-            raise UserError(f"{where}: `layers` is empty; plan again with scripts/plan.py")
-        _check_primepar(layers, d, where)
-        return Plan(mesh=mesh, rules=d.get("rules", "tp"), microbatches=int(d["microbatches"]),
-                    global_batch=int(d["global_batch"]), seq_len=int(d["seq_len"]),
-                    layers=tuple(layers), raw=d)
-    except UserError:
-        raise
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise UserError(f"{where} is not a plan (missing or bad field {e}); "
-                        "write it again with scripts/plan.py") from None
-
-
-def _layer(entry: dict, i: int, where: str) -> LayerSpec:
-    """One `{"schedule", "sub_batches", "remat"}` entry (`LayerSpec.to_json`) of `layers`."""
-    if entry["schedule"] not in SCHEDULES:
-        raise UserError(f"{where}: layer {i} has unknown schedule {entry['schedule']!r}; "
-                        f"choose one of {', '.join(SCHEDULES)}")
-    try:
-        return LayerSpec(schedule=entry["schedule"], sub_batches=int(entry.get("sub_batches", 1)),
-                         remat=entry.get("remat", "none"))
-    except UserError as e:
-        raise UserError(f"{where}: layer {i}: {e}; plan again with scripts/plan.py") from None
-
-
-def _check_primepar(layers: list[LayerSpec], d: dict, where: str) -> None:
-    """primepar shards every layer's parameters over its square, and stacked layers share one
-    sharding: a plan runs primepar on every layer or on none, on a tp_row x tp_col mesh."""
-    n = sum(s.schedule == "primepar" for s in layers)
-    if n and n < len(layers):
-        raise UserError(f"{where}: {n} of {len(layers)} layers run primepar; primepar stores "
-                        "every layer's weights split over its tp_row x tp_col square, so a plan "
-                        "runs it on all layers or none; plan again with scripts/plan.py")
-    if n and (d.get("rules") != "primepar" or not {"tp_row", "tp_col"} <= set(d["mesh"])):
-        raise UserError(f"{where}: primepar layers need rules 'primepar' and a mesh with tp_row "
-                        f"and tp_col, not rules {d.get('rules')!r} on {d['mesh']}; plan again "
-                        "with scripts/plan.py")
+def from_json(d: object, where: str = "plan") -> Plan:
+    """A plan from its parsed JSON, validated (`planner.plan_schema`): one UserError line naming
+    the field, the value and the fix for whatever is wrong."""
+    p = validate(PlanFile, d, where=where, kind="plan", fix=FIX)
+    config = check(p, where)
+    layers = tuple(LayerSpec(schedule=s.schedule, sub_batches=s.sub_batches, remat=s.remat)
+                   for s in p.layers)
+    return Plan(mesh=",".join(f"{k}={v}" for k, v in p.mesh.items()), rules=p.rules,
+                microbatches=p.microbatches, global_batch=p.global_batch, seq_len=p.seq_len,
+                layers=layers, raw=d, config=config)

@@ -8,11 +8,25 @@ import json
 import math
 import pathlib
 from collections.abc import Iterable
+from typing import Annotated
 
 import numpy as np
+from pydantic import ConfigDict, Field
 
 from oases_jax.cli import write_atomic
 from oases_jax.errors import UserError
+from oases_jax.files import read_json
+from oases_jax.schema import (
+    MAX_DEVICES,
+    NonNegativeFloat,
+    PositiveFloat,
+    Strict,
+    Text,
+    at_most,
+    exactly,
+    one_of,
+    validate,
+)
 
 FORMAT = "oases-jax-profile"
 VERSION = 1
@@ -130,28 +144,24 @@ class Profile:
         }
 
     @classmethod
-    def from_json(cls, d) -> Profile:
-        if not isinstance(d, dict) or d.get("format") != FORMAT:
-            raise UserError(f"not a calibration profile (no \"format\": \"{FORMAT}\"); "
-                            "make one with scripts/calibrate.py")
-        if d.get("version") != VERSION:
-            raise UserError(f"calibration profile version {d.get('version')!r} is not "
-                            f"{VERSION}; re-run scripts/calibrate.py")
-        try:
-            gemm = {str(dt): GemmFit(float(f["flops_per_s"]), float(f["overhead_s"]))
-                    for dt, f in d["gemm"].items()}
-            comm = {(str(c["kind"]), int(c["n"])): CommFit(_none_to_inf(c["bytes_per_s"]),
-                                                           float(c["latency_s"]))
-                    for c in d["comm"]}
-            mem = d.get("memory")
-            memory = MemFit(float(mem["bytes_per_s"]), float(mem["overhead_s"])) if mem else None
-            prof = cls(source=str(d["source"]), device=str(d["device"]),
-                       n_devices=int(d["n_devices"]), gemm=gemm, comm=comm,
-                       samples=dict(d.get("samples") or {}), meta=dict(d.get("meta") or {}),
-                       memory=memory)
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise UserError(f"calibration profile is malformed ({e!r}); re-run "
-                            "scripts/calibrate.py") from None
+    def from_json(cls, d: object, where: str = "calibration profile") -> Profile:
+        """A profile from its parsed JSON, validated (`ProfileFile`): one UserError line naming
+        the field, the value and the fix for whatever is wrong."""
+        p = validate(ProfileFile, d, where=where, kind="calibration profile", fix=PROFILE_FIX)
+        comm: dict[tuple[str, int], CommFit] = {}
+        for i, c in enumerate(p.comm):
+            if (c.kind, c.n) in comm:
+                raise UserError(f"{where}: comm[{i}] repeats the fit of {c.kind} over {c.n} "
+                                f"devices; keep one; {PROFILE_FIX}")
+            if c.n > p.n_devices:
+                raise UserError(f"{where}: comm[{i}].n = {c.n} is more than n_devices="
+                                f"{p.n_devices}; {PROFILE_FIX}")
+            comm[(c.kind, c.n)] = CommFit(_none_to_inf(c.bytes_per_s), c.latency_s)
+        prof = cls(source=p.source, device=p.device, n_devices=p.n_devices,
+                   gemm={dt: GemmFit(f.flops_per_s, f.overhead_s) for dt, f in p.gemm.items()},
+                   comm=comm, samples=dict(d.get("samples") or {}),
+                   meta=dict(d.get("meta") or {}),
+                   memory=MemFit(p.memory.bytes_per_s, p.memory.overhead_s) if p.memory else None)
         prof._validate()
         return prof
 
@@ -160,19 +170,10 @@ class Profile:
 
     @classmethod
     def load(cls, path) -> Profile:
-        path = pathlib.Path(path)
-        if not path.is_file():
-            raise UserError(f"calibration profile {str(path)!r} does not exist; make it with "
-                            f"`python scripts/calibrate.py --out {path}`")
-        try:
-            data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise UserError(f"calibration profile {str(path)!r} is not valid JSON ({e}); "
-                            "re-run scripts/calibrate.py") from None
-        try:
-            return cls.from_json(data)
-        except UserError as e:
-            raise UserError(f"calibration profile {str(path)!r}: {e}") from None
+        """Read and validate a profile file (`oases_jax.files.read_json`, `from_json`)."""
+        data = read_json(path, "calibration profile",
+                         f"make it with `python scripts/calibrate.py --out {path}`")
+        return cls.from_json(data, f"calibration profile {str(path)!r}")
 
     # Fitting.
     @classmethod
@@ -252,6 +253,70 @@ class Profile:
             if not (f.bytes_per_s > 0 and f.latency_s >= 0):
                 raise UserError(f"collective fit ({kind}, {n}) {f} needs a positive bandwidth "
                                 "and a non-negative latency")
+
+
+PROFILE_FIX = "re-run scripts/calibrate.py (the format: docs/planner.md, \"The file\")"
+
+
+class GemmEntry(Strict):
+    flops_per_s: PositiveFloat
+    overhead_s: NonNegativeFloat
+
+
+class CommEntry(Strict):
+    kind: one_of(COMM_KINDS, "collective")
+    n: Annotated[int, Field(ge=2, le=MAX_DEVICES)]
+    bytes_per_s: PositiveFloat | None  # null: times did not grow with size (infinite)
+    latency_s: NonNegativeFloat
+
+
+class MemEntry(Strict):
+    bytes_per_s: PositiveFloat
+    overhead_s: NonNegativeFloat
+
+
+class _Sample(Strict):
+    model_config = ConfigDict(extra="allow")  # measurement details (calls, dtype) ride along
+    seconds: PositiveFloat
+
+
+class GemmSample(_Sample):
+    m: PositiveFloat
+    n: PositiveFloat
+    k: PositiveFloat
+    dtype: Text
+    chunks: PositiveFloat
+
+
+class CommSample(_Sample):
+    kind: one_of(COMM_KINDS, "collective")
+    n: PositiveFloat
+    bytes: PositiveFloat
+
+
+class MemSample(_Sample):
+    bytes: PositiveFloat
+
+
+class Samples(Strict):
+    gemm: list[GemmSample] = []
+    comm: list[CommSample] = []
+    memory: list[MemSample] = []
+
+
+class ProfileFile(Strict):
+    """A calibration profile file (`Profile.to_json`)."""
+
+    format: exactly(FORMAT, "format")
+    version: exactly(VERSION, "version")
+    source: one_of(SOURCES, "profile source")
+    device: Text
+    n_devices: at_most(MAX_DEVICES)
+    gemm: dict[Text, GemmEntry]
+    comm: list[CommEntry]
+    memory: MemEntry | None = None  # null: not measured (the cost model uses the datasheet)
+    samples: Samples = None
+    meta: dict = None
 
 
 def _fields(sample: dict, keys: tuple[str, ...], what: str) -> list[float]:

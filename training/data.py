@@ -7,6 +7,7 @@ process agrees on the global batch while materialising only the rows of its own 
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 import sysconfig
 
@@ -15,6 +16,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from oases_jax.errors import UserError
+from oases_jax.files import regular_file
 
 BYTE_VOCAB = 256
 VAL_EVERY = 20  # stdlib / directory corpora: every 20th file is held out for validation
@@ -49,8 +51,19 @@ def _split_tail(name: str, tokens: np.ndarray, vocab: int) -> Corpus:
     return Corpus(name=name, train=tokens[:cut], val=tokens[cut:], vocab_size=vocab)
 
 
+DATA_FIX = ("pass --data stdlib, a text file, a directory of *.txt files, a nanoGPT .bin, or a "
+            "directory holding train.bin and val.bin")
+
+
+def _file(path: pathlib.Path, what: str = "data file") -> pathlib.Path:
+    """A regular, non-empty file (never a FIFO or device: they would hang or never end)."""
+    if regular_file(path, what, DATA_FIX).st_size == 0:
+        raise UserError(f"{what} {str(path)!r} is empty; {DATA_FIX}")
+    return path
+
+
 def _bin(path: pathlib.Path) -> np.ndarray:
-    size = path.stat().st_size
+    size = _file(path, "token file").stat().st_size
     if size % 2:
         raise UserError(f"token file {path} has an odd size ({size} bytes); .bin files hold uint16")
     return np.memmap(path, dtype=np.uint16, mode="r")
@@ -78,26 +91,46 @@ def load_corpus(spec: str, vocab_size: int | None = None) -> Corpus:
     return corpus
 
 
-def _load(spec: str) -> Corpus:
+def data_files(spec: str) -> tuple[str, list[pathlib.Path]]:
+    """What `--data SPEC` names, checked without reading it: ("stdlib", []), ("split", [train.bin,
+    val.bin]), ("bin", [file]), ("text", [file]) or ("dir", [*.txt files]). Paths that do not
+    exist, are empty, or are FIFOs, devices or sockets are a UserError naming the path."""
     if spec == "stdlib":
-        return _split_files("stdlib", stdlib_files())
+        return "stdlib", []
+    if not spec:
+        raise UserError(f"--data is an empty path; {DATA_FIX}")
     path = pathlib.Path(spec)
-    if not path.exists():
-        raise UserError(f"data path {spec!r} does not exist; pass an existing file or 'stdlib'")
-    if path.is_dir() and (path / "train.bin").exists():
-        if not (path / "val.bin").exists():
+    if not os.path.isdir(path):
+        return ("bin" if path.suffix == ".bin" else "text"), [_file(path)]
+    if os.path.lexists(path / "train.bin"):
+        if not os.path.lexists(path / "val.bin"):
             raise UserError(f"{path} has train.bin but no val.bin; add it or pass train.bin alone")
-        train, val = _bin(path / "train.bin"), _bin(path / "val.bin")
-        return Corpus(name=str(path), train=train, val=val, vocab_size=_vocab(train, val))
-    if path.is_dir():
-        files = sorted(path.rglob("*.txt"))
-        if not files:
-            raise UserError(f"data directory {spec!r} has no *.txt files and no train.bin")
-        return _split_files(str(path), files)
-    if path.suffix == ".bin":
-        tokens = _bin(path)
-        return _split_tail(str(path), tokens, _vocab(tokens))
-    return _split_tail(str(path), _bytes_of([path]), BYTE_VOCAB)
+        return "split", [_file(path / "train.bin", "token file"),
+                         _file(path / "val.bin", "token file")]
+    files = [f for f in sorted(path.rglob("*.txt")) if not f.is_dir()]
+    for f in files:
+        regular_file(f, "data file", DATA_FIX)
+    if not files:
+        raise UserError(f"data directory {spec!r} has no *.txt files and no train.bin")
+    if not sum(f.stat().st_size for f in files):
+        raise UserError(f"data directory {spec!r} holds only empty *.txt files; {DATA_FIX}")
+    return "dir", files
+
+
+def _load(spec: str) -> Corpus:
+    kind, files = data_files(spec)
+    name = str(pathlib.Path(spec)) if spec else spec
+    if kind == "stdlib":
+        return _split_files("stdlib", stdlib_files())
+    if kind == "split":
+        train, val = _bin(files[0]), _bin(files[1])
+        return Corpus(name=name, train=train, val=val, vocab_size=_vocab(train, val))
+    if kind == "dir":
+        return _split_files(name, files)
+    if kind == "bin":
+        tokens = _bin(files[0])
+        return _split_tail(name, tokens, _vocab(tokens))
+    return _split_tail(name, _bytes_of(files), BYTE_VOCAB)
 
 
 def _vocab(*token_arrays: np.ndarray) -> int:

@@ -4,8 +4,22 @@ simulator and the planner."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Annotated
+
+from pydantic import Field
 
 from oases_jax.errors import UserError
+from oases_jax.files import read_json
+from oases_jax.schema import (
+    MAX_DEVICES,
+    NonNegativeFloat,
+    Pair,
+    PositiveFloat,
+    Strict,
+    Text,
+    at_most,
+    validate,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -112,8 +126,9 @@ class ClusterSpec:
 
     def __post_init__(self):
         spans = [s for s, _ in self.levels]
-        if spans != sorted(spans) or spans[-1] < self.n_devices:
-            raise UserError(f"cluster {self.name}: level spans {spans} must grow to n_devices")
+        if not spans or spans != sorted(spans) or spans[-1] < self.n_devices:
+            raise UserError(f"cluster {self.name}: the spans {spans} of its levels must grow "
+                            f"and reach n_devices={self.n_devices}")
 
     @property
     def device_spec(self) -> DeviceSpec:
@@ -138,28 +153,57 @@ class ClusterSpec:
         return {**dataclasses.asdict(self), "device_spec": dataclasses.asdict(self.device_spec)}
 
     @classmethod
-    def from_json(cls, data: dict) -> ClusterSpec:
-        """Inverse of `to_json`. A `device_spec` whose name is not built in registers that
-        device; `device_spec` may be left out for a built-in device."""
+    def from_json(cls, data: object, where: str = "cluster JSON") -> ClusterSpec:
+        """Inverse of `to_json`, validated (`ClusterFile`). A `device_spec` whose name is not
+        built in registers that device; `device_spec` may be left out for a built-in device."""
+        c = validate(ClusterFile, data, where=where, kind="cluster", fix=CLUSTER_FIX)
+        if c.device_spec is not None:
+            spec = DeviceSpec(**{**c.device_spec.model_dump(), "match": tuple(c.device_spec.match)})
+            if spec.name != c.device:
+                raise UserError(f"{where}: device_spec.name {spec.name!r} is not device "
+                                f"{c.device!r}; name the same device in both")
+            if DEVICES.setdefault(spec.name, spec) != spec:
+                raise UserError(f"{where}: device {spec.name!r} is built in with other numbers; "
+                                "give your device another name")
+        elif c.device not in DEVICES:
+            raise UserError(f"{where}: device {c.device!r} is not built in and the file has no "
+                            f"device_spec; use one of {', '.join(DEVICES)} or add its datasheet "
+                            "as device_spec (docs/inspection.md)")
+        levels = tuple((span, LinkSpec(**link.model_dump())) for span, link in c.levels)
         try:
-            if "device_spec" in data:
-                spec = data["device_spec"]
-                spec = DeviceSpec(**{**spec, "match": tuple(spec.get("match", ()))})
-                if spec.name != data["device"]:
-                    raise ValueError(f"device_spec names {spec.name!r}, device {data['device']!r}")
-                if spec.name not in DEVICES:
-                    DEVICES[spec.name] = spec
-                elif DEVICES[spec.name] != spec:
-                    raise ValueError(f"device {spec.name!r} is built in with other numbers; "
-                                     "give your device another name")
-            elif data["device"] not in DEVICES:
-                raise ValueError(f"device {data['device']!r} is not built in and the file has "
-                                 "no device_spec")
-            levels = tuple((int(s), LinkSpec(**link)) for s, link in data["levels"])
-            return cls(name=data["name"], device=data["device"], n_devices=int(data["n_devices"]),
-                       levels=levels)
-        except (KeyError, TypeError, ValueError) as e:
-            raise UserError(f"cluster JSON is malformed ({e!r}); see docs/inspection.md") from None
+            return cls(name=c.name, device=c.device, n_devices=c.n_devices, levels=levels)
+        except UserError as e:
+            raise UserError(f"{where}: levels: {e}; {CLUSTER_FIX}") from None
+
+
+CLUSTER_FIX = ("write one with scripts/plan.py --cluster h100-32 --save-cluster FILE and edit it "
+               "(docs/inspection.md)")
+
+
+class LinkEntry(Strict):
+    name: Text
+    bytes_per_s: PositiveFloat
+    latency_s: NonNegativeFloat
+
+
+class DeviceEntry(Strict):
+    name: Text
+    match: list[Text] = []
+    peak_flops: Annotated[dict[Text, PositiveFloat], Field(min_length=1)]
+    hbm_bytes_per_s: PositiveFloat
+    memory_bytes: PositiveFloat
+    fused_attention: bool = False
+
+
+class ClusterFile(Strict):
+    """A cluster JSON file (`ClusterSpec.to_json`): levels are [span, link] pairs."""
+
+    name: Text
+    device: Text
+    n_devices: at_most(MAX_DEVICES)
+    levels: Annotated[list[Annotated[tuple[at_most(MAX_DEVICES), LinkEntry], Pair]],
+                      Field(min_length=1)]
+    device_spec: DeviceEntry = None
 
 
 _NVLINK4 = LinkSpec(name="nvlink4", bytes_per_s=450e9, latency_s=3e-6)
@@ -199,9 +243,6 @@ _TARGET_LINKS = {"h100": (_NVLINK4, _IB_400), "h200": (_NVLINK4, _IB_400),
 
 def get_cluster(name: str) -> ClusterSpec:
     """A built-in cluster name, a GPU target like `h100:16` (nodes of 8), or a JSON file."""
-    import json
-    import pathlib
-
     if name in CLUSTERS:
         return CLUSTERS[name]
     if ":" in name:
@@ -212,14 +253,9 @@ def get_cluster(name: str) -> ClusterSpec:
             per_node = min(n, GPUS_PER_NODE)
             levels = ((per_node, intra),) + (((n, inter),) if n > per_node else ())
             return ClusterSpec(name=name, device=kind, n_devices=n, levels=levels)
-    path = pathlib.Path(name)
-    if path.suffix == ".json":
-        if not path.exists():
-            raise UserError(f"cluster file {name!r} does not exist")
-        try:
-            return ClusterSpec.from_json(json.loads(path.read_text()))
-        except json.JSONDecodeError as e:
-            raise UserError(f"cluster file {name!r} is not valid JSON ({e.msg})") from None
+    if name.endswith(".json"):
+        data = read_json(name, "cluster file", CLUSTER_FIX)
+        return ClusterSpec.from_json(data, f"cluster file {name!r}")
     raise UserError(
         f"unknown cluster {name!r}; use one of {', '.join(CLUSTERS)}, a target like h100:16, "
         "or a JSON file"

@@ -155,12 +155,12 @@ def test_load_errors_are_one_line_with_the_fix(tmp_path):
     assert "not a calibration profile" in error(other)
     good = profile(gemm={}, comm={}).to_json()
     (old := tmp_path / "old.json").write_text(json.dumps(good | {"version": 0}))
-    assert "version 0" in error(old)
+    assert "version = 0: this version reads version 1 only" in error(old)
     (broken := tmp_path / "broken.json").write_text(json.dumps(good | {"comm": [{"n": 2}]}))
-    assert "malformed" in error(broken)
+    assert "comm[0].kind is missing" in error(broken)
     (neg := tmp_path / "neg.json").write_text(json.dumps(
         good | {"gemm": {"float32": {"flops_per_s": -1, "overhead_s": 0}}}))
-    assert "finite positive rate" in error(neg)
+    assert "gemm.float32.flops_per_s = -1: must be > 0" in error(neg)
 
 
 def test_default_path_and_measurement_sizes():

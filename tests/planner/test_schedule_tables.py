@@ -65,6 +65,6 @@ def test_plan_entries_written_before_layer_spec_still_load():
     assert plans.from_json(d).layers == (
         LayerSpec(schedule="oases", sub_batches=2, remat="save_proj"), LayerSpec())
     d["layers"][1]["remat"] = "sometimes"
-    with pytest.raises(UserError, match="layer 1: unknown remat 'sometimes'") as e:
+    with pytest.raises(UserError, match=r"layers\[1\].remat: unknown remat 'sometimes'") as e:
         plans.from_json(d)
     assert "\n" not in str(e.value)
