@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import pathlib
+import re
 import sys
 import tempfile
 from collections.abc import Callable
@@ -43,9 +45,30 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
         default=8,
         help="virtual CPU devices per process when running on CPU (default 8)",
     )
-    g.add_argument("--coordinator", help="multi-host: coordinator address HOST:PORT")
+    g.add_argument("--coordinator", type=host_port,
+                   help="multi-host: coordinator address HOST:PORT")
     g.add_argument("--num-processes", type=int, help="multi-host: total number of processes")
     g.add_argument("--process-id", type=int, help="multi-host: this process's index")
+
+
+_HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
+
+
+def host_port(text: str) -> str:
+    """`--coordinator`: HOST:PORT (an IPv6 address as [ADDR]:PORT), port 1..65535, checked here
+    because jax.distributed crashes the process (a segmentation fault) on anything else."""
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            host = ""
+    elif not _HOST.fullmatch(host):
+        host = ""
+    if not (sep and host and port.isdigit() and 1 <= int(port) <= 65535):
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT with a port in 1..65535; "
+                                         "e.g. 10.0.0.1:1234 or [fd00::1]:1234")
+    return text
 
 
 _CLUSTER_ENV = ("JAX_COORDINATOR_ADDRESS", "SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE")

@@ -16,7 +16,7 @@ from oases_jax.errors import UserError
 MAX_JSON_BYTES = 64 * 2**20  # plans, clusters, profiles and configs are kilobytes
 MAX_JSON_DEPTH = 32  # objects and lists within each other; our formats nest 6 deep at most
 
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+_KINDS = ((stat.S_ISREG, "a file"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
           (stat.S_ISSOCK, "a socket"))
 

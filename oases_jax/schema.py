@@ -110,8 +110,7 @@ def describe(err: dict, where: str, kind: str, fix: str) -> str:
     """One pydantic error as one line: `WHERE: PATH = VALUE: PROBLEM; FIX`."""
     loc = tuple(err["loc"])
     if loc and loc[-1] == "[key]":
-        return (f"{where}: key {_value(loc[-2])} of {path_label(loc[:-2])} "
-                f"{_problem(err)}; {fix}")
+        return f"{where}: key {_value(loc[-2])} of {path_label(loc[:-2])}: {_problem(err)}; {fix}"
     path = path_label(loc)
     if err["type"] == "missing":
         return f"{where} is not a {kind}: {path} is missing; {fix}"
@@ -126,8 +125,17 @@ def describe(err: dict, where: str, kind: str, fix: str) -> str:
 
 def validate[M: pydantic.BaseModel](model: type[M], data: object, *, where: str, kind: str,
                                     fix: str) -> M:
-    """`model` read from parsed JSON `data`; the first problem is a UserError (`describe`)."""
+    """`model` read from parsed JSON `data` (or the same built in Python, tuples taken as JSON
+    lists); the first problem is a UserError (`describe`)."""
     try:
-        return model.model_validate(data)
+        return model.model_validate(_lists(data))
     except pydantic.ValidationError as e:
         raise UserError(describe(e.errors()[0], where, kind, fix)) from None
+
+
+def _lists(value: object) -> object:
+    if isinstance(value, dict):
+        return {k: _lists(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_lists(v) for v in value]
+    return value

@@ -40,6 +40,17 @@ def default_profile_path(device: str, n_devices: int) -> pathlib.Path:
     return ROOT / "profiles" / f"{device}-{n_devices}.json"
 
 
+def default_profile_out(device: str, n_devices: int) -> pathlib.Path:
+    """Where scripts/calibrate.py writes without --out: `default_profile_path` in a source
+    checkout; an installed package's own directory is never written into."""
+    installed = {"site-packages", "dist-packages"} & set(ROOT.parts)
+    if installed or not (ROOT / "pyproject.toml").is_file():
+        raise UserError(f"the planner is installed in {str(ROOT)!r}, not a source checkout, and "
+                        "calibrate.py does not write into an installed package; pass --out FILE "
+                        "(and --profile FILE to plan.py)")
+    return default_profile_path(device, n_devices)
+
+
 @dataclasses.dataclass(frozen=True)
 class GemmFit:
     """One GEMM call: time = overhead_s + flops / flops_per_s."""

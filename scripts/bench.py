@@ -55,8 +55,15 @@ def parse_args(argv=None):
 
 
 def build_config(args):
+    from oases_jax.files import output_file
     from tools.bench import BenchConfig, parse_variant
+    from training.config import check_seed
+    from training.data import data_files
 
+    check_seed(args.seed)
+    data_files(args.data)  # missing, empty, a FIFO or a device: now, not after the compiles
+    if args.json:
+        output_file(args.json, "--json")
     model = model_from_flags(args)
     variants = [parse_variant(v, rules=args.rules) for v in args.variant]
     if args.schedules is not None or not variants:

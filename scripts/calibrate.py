@@ -98,6 +98,23 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def check_args(args) -> None:
+    """Counts, times and the output path, before any device is touched."""
+    import math
+
+    from oases_jax.errors import UserError
+    from oases_jax.files import output_file
+
+    for flag, value, least in (("--tensor", args.tensor, 1), ("--tokens", args.tokens, 1),
+                               ("--repeats", args.repeats, 1), ("--warmup", args.warmup, 0)):
+        if value is not None and value < least:
+            raise UserError(f"{flag} {value} must be >= {least}")
+    if not (math.isfinite(args.min_program_ms) and args.min_program_ms > 0):
+        raise UserError(f"--min-program-ms {args.min_program_ms} must be a positive number")
+    if args.out:
+        output_file(args.out, "--out")
+
+
 def build_config(args, n_devices: int):
     from models.presets import get_preset
     from planner.calibrate import (
@@ -133,15 +150,18 @@ def build_config(args, n_devices: int):
 
 def main() -> int:
     args = parse_args()
+    check_args(args)
     init_runtime(args)
     import jax
 
-    from planner.calibrate import calibrate, format_table, local_device_name
-    from planner.profile import default_profile_path
+    from oases_jax.files import output_file
+    from planner.calibrate import calibrate, check_axis_sizes, format_table, local_device_name
+    from planner.profile import default_profile_out
 
     cfg = build_config(args, len(jax.devices()))
+    check_axis_sizes(cfg, len(jax.devices()))
     device = local_device_name()
-    out = args.out or default_profile_path(device, len(jax.devices()))
+    out = output_file(args.out or default_profile_out(device, len(jax.devices())), "--out")
     main_process = jax.process_index() == 0
 
     def log(msg: str) -> None:

@@ -50,8 +50,27 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def check_args(args) -> None:
+    """Sizes, output paths and --diff's reports, before anything compiles."""
+    from oases_jax.errors import UserError
+    from oases_jax.files import output_file
+    from oases_jax.schema import MAX_GLOBAL_BATCH, MAX_SEQ_LEN
+
+    for flag, value, cap in (("--batch-size", args.batch_size, MAX_GLOBAL_BATCH),
+                             ("--seq-len", args.seq_len, MAX_SEQ_LEN),
+                             ("--sub-batches", args.sub_batches, MAX_GLOBAL_BATCH)):
+        if value is not None and not 1 <= value <= cap:
+            raise UserError(f"{flag} {value} must be in 1..{cap:,}")
+    for flag, value in (("--json", args.json), ("--timeline", args.timeline)):
+        if value:
+            output_file(value, flag)
+    if args.diff is not None and len(args.diff.split(",")) != 2:
+        raise UserError(f"--diff {args.diff!r} needs two entries, e.g. megatron,xla_auto")
+
+
 def main() -> int:
     args = parse_args()
+    check_args(args)
     if args.target != "local" and not os.environ.get("JAX_PLATFORMS"):
         # Compiling for GPUs that are not here: keep the local backend on the CPU.
         import jax
@@ -114,11 +133,8 @@ def main() -> int:
 
     if args.diff:
         names = args.diff.split(",")
-        if len(names) != 2:
-            raise UserError(f"--diff {args.diff!r} needs two entries, e.g. megatron,xla_auto")
-        reports = [json.loads(pathlib.Path(n).read_text()) if n.endswith(".json")
-                   else inspect(n) for n in names]
-        print(report.diff(*reports))
+        files = {n: report.load_report(n) for n in names if n.endswith(".json")}  # before compiling
+        print(report.diff(*[files[n] if n in files else inspect(n) for n in names]))
         return 0
     schedules = args.compare.split(",") if args.compare else [args.schedule]
     reports = [inspect(s, i == 0) for i, s in enumerate(schedules)]

@@ -149,18 +149,41 @@ def compare_profiles(args, cluster) -> dict:
             for s in sources}
 
 
-def setup_verify(n: int, cluster) -> None:
+def check_args(args) -> None:
+    """Sizes, fractions, counts and output paths, before the cluster, profiles or search."""
+    import math
+
+    from oases_jax.errors import UserError
+    from oases_jax.files import output_file
+    from oases_jax.schema import MAX_GLOBAL_BATCH, MAX_SEQ_LEN
+
+    for flag, value, cap in (("--global-batch", args.global_batch, MAX_GLOBAL_BATCH),
+                             ("--seq-len", args.seq_len, MAX_SEQ_LEN)):
+        if value is not None and not 1 <= value <= cap:
+            raise UserError(f"{flag} {value} must be in 1..{cap:,}")
+    if not (math.isfinite(args.memory_fraction) and 0 < args.memory_fraction <= 1):
+        raise UserError(f"--memory-fraction {args.memory_fraction} must be in (0, 1]: the share "
+                        "of each device's memory a plan may use")
+    if args.verify < 0:
+        raise UserError(f"--verify {args.verify} must be >= 0 (0: no verification)")
+    if args.top < 1:
+        raise UserError(f"--top {args.top} must be >= 1 (rows of the ranked table)")
+    if args.schedules is not None and not args.schedules.strip(", "):
+        raise UserError(f"--schedules {args.schedules!r} names no schedule; e.g. megatron,oases")
+    for flag, value in (("--json", args.json), ("--save-cluster", args.save_cluster)):
+        if value:
+            output_file(value, flag)
+
+
+def setup_verify(cluster) -> None:
     """Before JAX starts a backend: the devices `--verify` compiles for (`planner.verify`), on
     the CPU backend: the cluster's count of CPU devices, or a GPU target compiled from the CPU."""
     import os
 
     import jax
 
-    from oases_jax.errors import UserError
     from planner.verify import compile_target
 
-    if n < 0:
-        raise UserError(f"--verify {n} must be >= 0 (0: no verification)")
     if compile_target(cluster) == "local":
         jax.config.update("jax_num_cpu_devices", cluster.n_devices)
     if not os.environ.get("JAX_PLATFORMS"):  # CPU devices, or GPUs compiled for from the CPU
@@ -169,6 +192,7 @@ def setup_verify(n: int, cluster) -> None:
 
 def main() -> int:
     args = parse_args()
+    check_args(args)
     import time
 
     from oases_jax.analysis.hardware import get_cluster
@@ -189,12 +213,10 @@ def main() -> int:
         return 0
     cfg = model_from_flags(args)
     seq_len = args.seq_len or cfg.max_seq_len
-    if args.global_batch <= 0:
-        raise UserError(f"--global-batch {args.global_batch} must be positive")
     if args.verify:
-        setup_verify(args.verify, cluster)
+        setup_verify(cluster)
     schedules = SCHEDULES
-    if args.schedules:
+    if args.schedules is not None:
         schedules = tuple(s.strip() for s in args.schedules.split(","))
         bad = [s for s in schedules if s not in SCHEDULES]
         if bad:

@@ -72,7 +72,7 @@ def build_config(args):
         )
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = pathlib.Path(args.out_dir or f"runs/{args.model}-{stamp}")
-    return TrainConfig(
+    cfg = TrainConfig(
         model=model,
         optim=OptimConfig(
             lr=args.lr,
@@ -101,6 +101,22 @@ def build_config(args):
         peak_tflops=args.peak_tflops,
         progress=not args.no_progress,
     )
+    check_paths(args, cfg)
+    return cfg
+
+
+def check_paths(args, cfg) -> None:
+    """The run's output and data paths, before anything compiles: a file where a directory
+    belongs (or the reverse), and data that is missing, empty, a FIFO or a device, are one line
+    now rather than a traceback after the compile."""
+    from oases_jax.files import output_dir, output_file
+    from training.data import data_files
+
+    if args.out_dir:
+        output_dir(args.out_dir, "--out-dir")
+    output_dir(cfg.ckpt.dir, "--ckpt-dir" if args.ckpt_dir else "--out-dir")
+    output_file(cfg.metrics_out, "--metrics-out" if args.metrics_out else "--out-dir")
+    data_files(cfg.data)
 
 
 def plan_config(args, model):

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import collections
+from typing import Annotated
+
+from pydantic import ConfigDict, Field
+
+from oases_jax.files import read_json
+from oases_jax.schema import NonNegativeFloat, Strict, Text, validate
 
 MIB = 2**20
 
@@ -246,3 +252,44 @@ def draw_timeline(events, r: dict, path: str, source: str = "sim") -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+class _Open(Strict):
+    model_config = ConfigDict(extra="allow")  # the fields `diff` does not read ride along
+
+
+class _Collective(_Open):
+    kind: Text
+    axes: list[str]
+    count: Annotated[int, Field(ge=0)]
+
+
+class _XlaComm(_Open):
+    total: NonNegativeFloat
+
+
+class _XlaEstimate(_Open):
+    step_s: NonNegativeFloat
+    exposed_comm_s: _XlaComm
+
+
+class ReportFile(_Open):
+    """What `diff` reads of a report JSON (`inspect_hlo.py --json` of one schedule)."""
+
+    schedule: Text
+    target: Text
+    collectives: list[_Collective]
+    peak_memory_bytes: NonNegativeFloat
+    collective_bytes: NonNegativeFloat
+    simulated_step_s: NonNegativeFloat
+    exposed_comm_s: NonNegativeFloat
+    xla_estimate: _XlaEstimate | None = None
+
+
+def load_report(path: str) -> dict:
+    """A report JSON for `diff`, checked (`ReportFile`): one UserError line for a missing file,
+    not JSON, or a report without what `diff` reads."""
+    fix = "pass a report written by inspect_hlo.py --json (of one schedule)"
+    data = read_json(path, "report", fix)
+    validate(ReportFile, data, where=f"report {path!r}", kind="report of one schedule", fix=fix)
+    return data

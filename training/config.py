@@ -11,6 +11,29 @@ from oases_jax.errors import UserError
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.mesh import parse_mesh
 from oases_jax.primepar import square_size
+from oases_jax.rules import RULE_SETS
+from oases_jax.schema import MAX_GLOBAL_BATCH, MAX_SEQ_LEN, MAX_TOKENS_PER_STEP
+
+MAX_SEED = 2**32 - 1
+
+
+def _finite(flag: str, value: float, *, low: float = 0.0, low_ok: bool = False,
+            high: float | None = None, high_ok: bool = False) -> None:
+    """`value` finite and above `low` (or equal, with `low_ok`), below `high` likewise."""
+    ok = math.isfinite(value) and (value >= low if low_ok else value > low)
+    if high is not None:
+        ok = ok and (value <= high if high_ok else value < high)
+    if not ok:
+        bound = f"{'>=' if low_ok else '>'} {low:g}"
+        if high is not None:
+            bound += f" and {'<=' if high_ok else '<'} {high:g}"
+        raise UserError(f"{flag} {value} must be finite and {bound}")
+
+
+def check_seed(seed: int, flag: str = "--seed") -> None:
+    """Seeds feed numpy's and JAX's generators, which take 0..2^32-1."""
+    if not 0 <= seed <= MAX_SEED:
+        raise UserError(f"{flag} {seed} must be in 0..{MAX_SEED}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -26,10 +49,15 @@ class OptimConfig:
     clip_norm: float = 1.0
 
     def __post_init__(self):
-        if not self.lr > 0:
-            raise UserError(f"--lr {self.lr} must be positive")
+        _finite("--lr", self.lr)
         if self.warmup_steps < 0:
             raise UserError(f"--warmup-steps {self.warmup_steps} must be >= 0")
+        _finite("min_lr_ratio", self.min_lr_ratio, low_ok=True, high=1.0, high_ok=True)
+        _finite("--weight-decay", self.weight_decay, low_ok=True)
+        _finite("b1", self.b1, low_ok=True, high=1.0)
+        _finite("b2", self.b2, low_ok=True, high=1.0)
+        # A negative max norm flips every update (training runs backwards); 0 zeroes them.
+        _finite("--clip-norm", self.clip_norm)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,8 +73,14 @@ class ParallelConfig:
 
     def __post_init__(self):
         spec = registry.get(self.schedule)
+        if self.rules not in RULE_SETS:
+            raise UserError(f"unknown --rules {self.rules!r}; choose one of "
+                            f"{', '.join(RULE_SETS)}")
         if self.sub_batches < 1:
             raise UserError(f"--sub-batches {self.sub_batches} must be >= 1")
+        if self.rules == "primepar" and not spec.square:
+            raise UserError(f"--rules primepar is the rule set of --schedule primepar, not of "
+                            f"--schedule {self.schedule}; drop --rules or pass --schedule primepar")
         if spec.sequence_parallel and self.rules not in ("tp", "tp_sp"):
             raise UserError(
                 f"--schedule {self.schedule} is tensor + sequence parallel and cannot use "
@@ -94,6 +128,10 @@ def _check_square_mesh(schedule: str, mesh: str, rules: str) -> None:
     if spec.size("tensor") != 1:
         raise UserError(f"--schedule {schedule} splits over tp_row x tp_col, not tensor; use "
                         f"e.g. --mesh data=2,tp_row=2,tp_col=2 instead of {mesh}")
+    missing = [a for a in registry.get(schedule).mesh_axes if a not in spec.names]
+    if missing:  # without its square it would run as plain data parallelism
+        raise UserError(f"--schedule {schedule} needs mesh axes tp_row and tp_col, and --mesh "
+                        f"{mesh} has no {missing[0]}; use e.g. --mesh data=2,tp_row=2,tp_col=2")
     if -1 not in (spec.size("tp_row"), spec.size("tp_col")):
         square_size(dict(spec.axes), "tp_row", "tp_col")
 
@@ -110,6 +148,8 @@ class CheckpointConfig:
             raise UserError("--resume needs --ckpt-dir DIR naming the checkpoints to resume from")
         if self.every <= 0:
             raise UserError(f"--ckpt-every {self.every} must be positive")
+        if self.keep < 1:  # Orbax would delete every checkpoint (0) or fail (negative)
+            raise UserError(f"--keep {self.keep} must be >= 1: the checkpoints kept")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -140,6 +180,18 @@ class TrainConfig:
                 )
         if self.eval_batches < 0:
             raise UserError(f"--eval-batches {self.eval_batches} must be >= 0 (0: no evaluation)")
+        if self.batch_size > MAX_GLOBAL_BATCH or self.seq_len > MAX_SEQ_LEN:
+            raise UserError(f"--batch-size {self.batch_size} x --seq-len {self.seq_len} is past "
+                            f"the sanity caps ({MAX_GLOBAL_BATCH:,} sequences of "
+                            f"{MAX_SEQ_LEN:,} tokens); check the values")
+        if self.tokens_per_step > MAX_TOKENS_PER_STEP:
+            raise UserError(f"--batch-size x --seq-len = {self.tokens_per_step:,} tokens per "
+                            f"step, more than {MAX_TOKENS_PER_STEP:,} (a sanity cap)")
+        if self.stop_after is not None and self.stop_after < 1:
+            raise UserError(f"--stop-after {self.stop_after} must be >= 1 (steps of this run)")
+        if self.peak_tflops is not None:
+            _finite("--peak-tflops", self.peak_tflops)
+        check_seed(self.seed)
         if self.batch_size % self.microbatches:
             raise UserError(
                 f"--batch-size {self.batch_size} is not divisible by --microbatches "

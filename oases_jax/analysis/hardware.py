@@ -149,8 +149,11 @@ class ClusterSpec:
 
     def to_json(self) -> dict:
         """The cluster and its device's datasheet (`device_spec`), so that a copy can describe
-        a device this module does not know."""
-        return {**dataclasses.asdict(self), "device_spec": dataclasses.asdict(self.device_spec)}
+        a device this module does not know; JSON's types (lists, not tuples)."""
+        spec = dataclasses.asdict(self.device_spec)
+        return {**dataclasses.asdict(self), "levels": [[s, dataclasses.asdict(link)]
+                                                       for s, link in self.levels],
+                "device_spec": {**spec, "match": list(spec["match"])}}
 
     @classmethod
     def from_json(cls, data: object, where: str = "cluster JSON") -> ClusterSpec:

@@ -250,3 +250,19 @@ def test_memory_chain_is_one_kernel_per_pass_on_gpu():
         hlo = jax.jit(_norm_chain(calls)).lower(x).compile().as_text()
         entry = hlo[hlo.index("ENTRY"):]
         assert entry.count(" fusion(") == calls
+
+
+def test_calibrate_writes_into_a_checkout_never_an_installed_package(tmp_path, monkeypatch):
+    import planner.profile as profile_module
+
+    checkout = tmp_path / "checkout"
+    (checkout / "profiles").mkdir(parents=True)
+    (checkout / "pyproject.toml").write_text("")
+    monkeypatch.setattr(profile_module, "ROOT", checkout)
+    assert profile_module.default_profile_out("cpu", 8) == checkout / "profiles" / "cpu-8.json"
+    installed = tmp_path / "lib" / "python3.12" / "site-packages"
+    installed.mkdir(parents=True)
+    (installed / "pyproject.toml").write_text("")  # even with one lying about
+    monkeypatch.setattr(profile_module, "ROOT", installed)
+    with pytest.raises(UserError, match="not a source checkout.*pass --out FILE"):
+        profile_module.default_profile_out("cpu", 8)
