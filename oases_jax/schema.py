@@ -1,6 +1,11 @@
 """Strict schemas (pydantic v2) for the files the scripts read, and the sanity caps they share
 with the flags. A wrong type (a float, boolean or list where an integer belongs), a value out of
-range or an unknown name is one UserError line: where, the JSON path, the value and the fix."""
+range or an unknown name is one UserError line: where, the JSON path, the value and the fix.
+
+pydantic rather than jsonschema: its strict mode refuses 8.0, true and "8" for an integer as it
+stands, each error carries its JSON path and input (the line names both), validators take their
+names from the registries in code (`one_of`), and what comes out is typed objects, not a dict
+checked once and then read with `int(d[...])` again."""
 
 from __future__ import annotations
 

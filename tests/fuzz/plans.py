@@ -103,6 +103,7 @@ def _runner(path: str):
 def plan_cases(tmp: pathlib.Path) -> list[Case]:
     rng = random.Random(SEED)
     bases = base_plans()
+    assert bases["fsdp"]["memory"] and bases["fsdp"]["alternatives"]  # the cases below use them
     b = Builder(tmp)
     names = list(bases)
 
@@ -211,7 +212,7 @@ def plan_cases(tmp: pathlib.Path) -> list[Case]:
                                 ("mixed", ("layers", 0), "schedule", "megatron"),
                                 ("fsdp", ("model_config",), "n_layers", 2),
                                 ("old", (), "rules", "tp"), ("primepar", (), "mesh", {"data": 8}),
-                                ("fsdp", ("memory",), "params", 1.0),
+                                ("fsdp", ("memory",), next(iter(bases["fsdp"]["memory"])), 1.0),
                                 ("primepar", ("layers", 1), "remat", "full")):
         doc = with_duplicate(bases[n], path, key, value)
         b.add("duplicate_keys", f"{n}: {label((*path, key))} twice",
@@ -233,7 +234,7 @@ def plan_cases(tmp: pathlib.Path) -> list[Case]:
         ("primepar square not square",
          {**bases["primepar"], "mesh": {"data": 1, "tp_row": 2, "tp_col": 4}}, "tp_row"),
         ("dp rules leave the tensor axis idle", {**bases["mixed"], "rules": "dp",
-                                                 "layers": [bases["fsdp"]["layers"][0]] * 2},
+                                                 "layers": [{"schedule": "megatron"}] * 2},
          "tensor"),
         ("one layer too many", {**bases["mixed"], "layers": bases["mixed"]["layers"] * 2},
          "layers"),
