@@ -52,7 +52,8 @@ def resharding_s(a: LayerSpec, b: LayerSpec, cfg: ModelConfig, layout: Layout,
 def static_memory(cfg: ModelConfig, layout: Layout) -> dict[str, float]:
     """Parameters, gradients and AdamW moments per device (fp32 each), sharded over tensor
     (the block matrices and the vocabulary) and fsdp; plus a gradient accumulator with more
-    than one micro-batch.
+    than one micro-batch; under a narrower compute dtype, the blocks' weights cast to it (XLA
+    casts the stacked layers once per step, outside the layer loop).
 
       params_local = (L * P_block + V D) / (t * f)   (norms and biases counted as sharded)
     """
@@ -60,6 +61,11 @@ def static_memory(cfg: ModelConfig, layout: Layout) -> dict[str, float]:
     emb = cfg.param_count() - blocks
     local = (blocks + emb) / (layout.tensor * layout.fsdp)
     mem = {"params": 4 * local, "grads": 4 * local, "optimizer": 8 * local}
+    e = elem_bytes(cfg)
+    if e < 4:
+        # XLA hoists the layers' casts to the compute dtype out of the layer loop: one copy of
+        # every block's weights, gathered over fsdp, lives from the forward to the backward.
+        mem["compute_weights"] = e * blocks / layout.tensor
     if layout.microbatches > 1:
         mem["grad_accumulator"] = 4 * local
     return mem

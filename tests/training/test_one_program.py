@@ -15,6 +15,7 @@ from training.loop import step_program
 
 # GPT-2 1.5B's layer shape (32 heads of 50), 4 layers, batch 8 x 1024 on tensor=8.
 SHAPE = {"n_heads": 32, "head_dim": 50, "n_layers": 4}
+GEMM_SHARE = {"oases": 0.6, "collective_matmul": 0.85}
 
 
 def _train_config(schedule: str) -> TrainConfig:
@@ -54,7 +55,13 @@ def test_trained_step_is_the_inspected_step_on_h100(schedule, tmp_path):
     assert analysis.collective_bytes() == report["collective_bytes"]
     assert analysis.overlap_share(require="gemm") == pytest.approx(
         report["gemm_overlap_share"], abs=1e-9)
-    assert report["gemm_overlap_share"] >= 0.85  # the overlap survives into training
+    # The overlap survives into training: the collective bytes async with compute in their
+    # window, and those with a GEMM there. oases's GEMM share is lower since the norms recompute
+    # their float32 internals (0.87 -> 0.65: XLA now hides one all-reduce per sub-batch behind
+    # the residual stores), in a step that is faster by both estimates (simulated 16.5 -> 15.2
+    # ms, XLA's 18.7 -> 15.0 ms) and 1 GiB smaller.
+    assert analysis.overlap_share() >= 0.85
+    assert report["gemm_overlap_share"] >= GEMM_SHARE[schedule]
 
 
 def test_cpu_run_compiles_without_gpu_options():
