@@ -54,7 +54,7 @@ class Verified:
 
 def compile_target(cluster: ClusterSpec) -> str:
     """The compile target of a cluster: `local` for CPU clusters (that many local CPU devices),
-    `GPU:N` for a GPU XLA compiles for without one (h100, h200, a100). A cluster JSON's own
+    `GPU:N` for a GPU XLA compiles for without one (h100, h200, a100, 3090). A cluster JSON's own
     device compiles as the CPU or GPU its `match` names (e.g. an H100 with less memory free)."""
     spec, n = cluster.device_spec, cluster.n_devices
     if spec.name == "cpu" or "cpu" in (m.lower() for m in spec.match):

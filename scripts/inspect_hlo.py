@@ -35,7 +35,8 @@ def parse_args(argv=None):
     p.add_argument("--sub-batches", type=int, help="oases schedules: sub-batches (default 2)")
     p.add_argument("--plan", help="a plan JSON from scripts/plan.py: its model (unless --model "
                    "is given), mesh, rules, batch, micro-batches and per-layer strategies")
-    p.add_argument("--target", default="local", help="local, h100:N, h200:N or a100:N")
+    p.add_argument("--target", default="local",
+                   help="local, or GPU:N with GPU h100, h200, a100 or 3090")
     p.add_argument("--layer", action="store_true", help="one layer's forward+backward only")
     p.add_argument("--batch-size", type=int, help="global batch (default 8)")
     p.add_argument("--seq-len", type=int, help="default: the model's max_seq_len, at most 1024")

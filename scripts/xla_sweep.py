@@ -19,7 +19,8 @@ from oases_jax.cli import Parser, add_runtime_flags, init_runtime, run_main, wri
 
 def parse_args(argv=None):
     p = Parser(prog="xla_sweep.py", description=__doc__.splitlines()[0])
-    p.add_argument("--target", default="h100:8", help="a GPU target: h100:N, h200:N or a100:N")
+    p.add_argument("--target", default="h100:8",
+                   help="a GPU target: GPU:N with GPU h100, h200, a100 or 3090")
     p.add_argument("--out", required=True, help="the profile JSON to write")
     p.add_argument("--table", metavar="OUT.md", help="also write the markdown tables here")
     p.add_argument("--quick", action="store_true",

@@ -241,7 +241,10 @@ CLUSTERS: dict[str, ClusterSpec] = {
 
 GPUS_PER_NODE = 8
 _TARGET_LINKS = {"h100": (_NVLINK4, _IB_400), "h200": (_NVLINK4, _IB_400),
-                 "a100": (_NVLINK3, LinkSpec(name="ib-200g", bytes_per_s=25e9, latency_s=8e-6))}
+                 "a100": (_NVLINK3, LinkSpec(name="ib-200g", bytes_per_s=25e9, latency_s=8e-6)),
+                 # `3090:N`: nodes of 8 on PCIe 4.0 (the built-in 3090-pcie-32 and
+                 # 3090-nvlink-32 are the 4-GPU nodes of the published runs).
+                 "3090": (_PCIE4, _IB_100)}
 
 
 def get_cluster(name: str) -> ClusterSpec:

@@ -40,6 +40,15 @@ GPU_FACTS: dict[str, dict] = {
         "core_count": 108, "fpus_per_core": 64, "memory_bandwidth": 2039000000000,
         "l2_cache_size": 41943040, "clock_rate_ghz": 1.41, "device_memory_size": 85899345920,
     },
+    # GA102 (NVIDIA's Ampere GA102 whitepaper): 82 SMs of 128 FP32 lanes, 100 KiB shared memory
+    # per SM (99 KiB per block), 1536 threads per SM, 6 MiB L2, 936 GB/s GDDR6X, 24 GiB.
+    "3090": {
+        **_COMMON, "description": "NVIDIA GeForce RTX 3090", "compute_capability": (8, 6),
+        "threads_per_core_limit": 1536, "shared_memory_per_core": 102400,
+        "shared_memory_per_block_optin": 101376, "core_count": 82, "fpus_per_core": 128,
+        "memory_bandwidth": 936000000000, "l2_cache_size": 6291456, "clock_rate_ghz": 1.695,
+        "device_memory_size": 25769803776,
+    },
 }
 _INSTALL_HINT = "install the gpu-aot extra: .venv/bin/pip install -e '.[gpu-aot]'"
 
@@ -115,7 +124,7 @@ def _gpu_devices(gpu: str, n: int) -> tuple:
 
 
 def get_target(name: str) -> Target:
-    """`local` (the devices at hand) or `GPU:N` with GPU in h100, h200, a100."""
+    """`local` (the devices at hand) or `GPU:N` with GPU in h100, h200, a100, 3090."""
     if name == "local":
         devices = tuple(jax.devices())
         kind = devices[0].device_kind
@@ -125,9 +134,10 @@ def get_target(name: str) -> Target:
         if not cluster_name and n != 8:
             cluster = dataclasses.replace(cluster, n_devices=n, levels=((n, cluster.levels[0][1]),))
         return Target(name, devices, cluster, is_gpu_aot=False)
-    m = re.fullmatch(r"(h100|h200|a100):(\d+)", name)
+    m = re.fullmatch(rf"({'|'.join(GPU_FACTS)}):(\d+)", name)
     if not m:
-        raise UserError(f"unknown target {name!r}; use local, h100:N, h200:N or a100:N")
+        raise UserError(f"unknown target {name!r}; use local or GPU:N with GPU one of "
+                        f"{', '.join(GPU_FACTS)} (e.g. h100:8)")
     gpu, n = m.group(1), int(m.group(2))
     if n > GPUS_PER_NODE and n % GPUS_PER_NODE:
         raise UserError(f"target {name}: beyond 8 GPUs use whole nodes of 8, e.g. 16 or 24")

@@ -9,6 +9,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from oases_jax.analysis.hardware import get_cluster
 from oases_jax.analysis.hlo import _iota_groups, _mesh_groups, parse_module
 from oases_jax.analysis.program import Program, analyze
 from oases_jax.analysis.targets import get_target, has_gpu_aot
@@ -208,3 +209,7 @@ def test_multi_node_targets():
     assert t.cluster.link_for([0, 8]).name == "ib-400g"
     assert len(get_target("a100:64").devices) == 64
     assert get_target("h200:8").devices[0].device_kind == "NVIDIA H200"
+    rtx = get_target("3090:32")  # the Oases clusters' GPU, over PCIe between its nodes of 8
+    assert rtx.devices[0].device_kind == "NVIDIA GeForce RTX 3090"
+    assert rtx.cluster.device_spec.memory_bytes == 24 * 2**30
+    assert rtx.cluster.link_for([0, 1]).name == get_cluster("3090-pcie-32").link_for([0, 1]).name
