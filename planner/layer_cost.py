@@ -237,7 +237,8 @@ class LayerModel(LayerWork):
                      T L H / t (the scores, their masked form and the softmax, as XLA keeps
                      them); under flash attention neither, but f32 softmax statistics T H / t
           save_proj: the layer input T D / s and the four saved projections 4 T D / s
-                     (+ QKV and MLP hidden under ring schedules)
+                     (+ QKV and MLP hidden where the column projection gathers: rings and
+                     Megatron-SP)
           full:      the layer input T D / s
         """
         if self.layout.primepar or strategy.spec.square:
@@ -252,8 +253,11 @@ class LayerModel(LayerWork):
         if strategy.remat == "full":
             return tok * d / s * e
         if strategy.remat == "save_proj":
-            ring = strategy.spec.rings and t > 1
-            extra = (qkv + hidden / gated * (gated - 1)) if ring else 0.0
+            # Projections that gather inside the column projection (rings, Megatron-SP's
+            # all-gather) keep its outputs too (`oases_jax.remat.policy`).
+            spec = strategy.spec
+            gathers = t > 1 and (spec.rings or spec.projection == "seq_parallel")
+            extra = (qkv + hidden / gated * (gated - 1)) if gathers else 0.0
             return (tok * d / s + 4 * tok * d / s + extra) * e
         base = (2 * tok * d / s + 2 * tok * d + qkv + tok * h * k / t + hidden) * e
         if self.flash:
