@@ -111,7 +111,7 @@ def read_json(file: Path, what: str):
         raise UserError(f"{what} {file} is {info.st_size} bytes, more than a {what} holds "
                         f"({_MAX_JSON_BYTES} at most); re-download it")
     try:
-        return json.loads(file.read_bytes().decode(), object_pairs_hook=_unique,
+        return json.loads(file.read_bytes().decode(), object_pairs_hook=unique_keys,
                           parse_constant=_no_constant)
     except (ValueError, RecursionError) as e:  # JSONDecodeError and Unicode errors are both
         reason = str(e) or type(e).__name__
@@ -119,7 +119,8 @@ def read_json(file: Path, what: str):
                         "it") from None
 
 
-def _unique(pairs: list[tuple[str, object]]) -> dict:
+def unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object_pairs_hook that refuses a key given twice (json keeps the last)."""
     keys = [k for k, _ in pairs]
     if len(set(keys)) != len(keys):
         raise ValueError(f"key {next(k for k in keys if keys.count(k) > 1)!r} appears twice")

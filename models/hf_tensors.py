@@ -3,6 +3,7 @@ dtype and shape are verified before its bytes are read, and every tensor must be
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from models.hf_config import read_json
+from models.hf_config import read_json, unique_keys
 from oases_jax.errors import UserError
 
 # Header dtypes of floating-point weights; anything else (integers, bool, fp8) is not a weight
@@ -33,6 +34,19 @@ def _regular(file: Path) -> Path:
         raise UserError(f"safetensors file {file} is not a regular file; pass the checkpoint's "
                         "files themselves")
     return file
+
+
+def _check_header_names(file: Path) -> None:
+    """Each tensor name once in the header (safetensors' own parser keeps the last of two)."""
+    with open(file, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        if length > min(os.fstat(f.fileno()).st_size, 100 << 20):
+            raise _corrupt(file, ValueError(f"header length {length} is beyond the file"))
+        text = f.read(length)
+    try:
+        json.loads(text, object_pairs_hook=unique_keys)
+    except (ValueError, RecursionError) as e:
+        raise _corrupt(file, e) from None
 
 
 def _index_files(path: Path, index: Path) -> tuple[list[Path], dict[str, str]]:
@@ -80,6 +94,7 @@ class Checkpoint:
                                 "which does not hold it; re-download the checkpoint")
 
     def _open(self, file: Path, weight_map: dict[str, str] | None) -> None:
+        _check_header_names(file)
         try:
             handle = safe_open(file, framework="np")
             keys = list(handle.keys())
