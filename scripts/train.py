@@ -183,5 +183,6 @@ def _print_throughput(path: str) -> None:
 
 if __name__ == "__main__":
     from training import TrainingDiverged
+    from training.checkpoint import CheckpointWriteError
 
-    run_main(main, extra_errors={TrainingDiverged: 3})
+    run_main(main, extra_errors={TrainingDiverged: 3, CheckpointWriteError: 5})

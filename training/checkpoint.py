@@ -1,24 +1,50 @@
 """Orbax checkpoints of the whole training state, written atomically.
 
-Orbax writes each step into a temporary directory and renames it when complete, so a save that
-is interrupted leaves the previous checkpoints untouched; unfinished directories are ignored.
+Orbax writes each step into a temporary directory (`STEP.orbax-checkpoint-tmp`) and renames it
+when complete, so a save that is interrupted leaves the previous checkpoints untouched. The
+unfinished directory of a killed run is removed when the next run opens the directory (under
+the run lock, so no live run is writing it); a save that fails (a full disk) removes its own and
+ends the run with one line.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import pathlib
+import re
+import shutil
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 
 from oases_jax.errors import UserError
 
+TMP_SUFFIX = ".orbax-checkpoint-tmp"
+
 # Orbax logs every save at INFO; keep the console to the progress bar.
 logging.getLogger("absl").setLevel(logging.WARNING)
+
+
+class CheckpointWriteError(RuntimeError):
+    """A save could not be written (disk full, permissions); its partial files were removed
+    and the earlier checkpoints are intact."""
+
+
+class _OrbaxErrors(logging.Filter):
+    """Drops orbax's own error logs (a traceback per failed thread): every orbax failure reaches
+    the caller as an exception, which the Checkpointer reports in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+
+
+logging.getLogger("absl").addFilter(_OrbaxErrors())
 
 
 class _NeverRetrieved(logging.Filter):
@@ -47,24 +73,83 @@ class Checkpointer:
         if path.exists() and not path.is_dir():
             raise UserError(f"--ckpt-dir {directory!r} is a file; pass a directory")
         self.path = path
+        self.pending: int | None = None  # the step being written in the background
+        self._say_leftovers()
         self.manager = ocp.CheckpointManager(
             path,
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=create),
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=create,
+                                                 cleanup_tmp_directories=True),
         )
+
+    def _say_leftovers(self) -> None:
+        """One line naming the unfinished saves orbax is about to remove (process 0)."""
+        if jax.process_index() != 0 or not self.path.is_dir():
+            return
+        left = sorted(p.name for p in self.path.iterdir() if TMP_SUFFIX in p.name)
+        if left:
+            print(f"checkpoint: removing {len(left)} unfinished save(s) of an interrupted run "
+                  f"from {self.path}: {', '.join(left)}")
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
     def save(self, step: int, state: Any, meta: dict) -> None:
-        """Start an (asynchronous) save; the previous save is finished first."""
-        self.manager.wait_until_finished()
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(self.encode(state)), meta=ocp.args.JsonSave(meta)
-            ),
-            force=True,
-        )
+        """Start an (asynchronous) save; the previous save is finished first. A save that
+        fails raises CheckpointWriteError here or at the next save or `close`."""
+        with self._writing():
+            self.manager.wait_until_finished()
+            self.pending = step
+            self.manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(self.encode(state)),
+                    meta=ocp.args.JsonSave(meta),
+                ),
+                force=True,
+            )
+
+    @contextlib.contextmanager
+    def _writing(self):
+        """Any failure of a save becomes one CheckpointWriteError line, after the save's
+        partial files are removed."""
+        try:
+            yield
+        except Exception as e:
+            # Orbax's abandoned writes keep reporting the failure as unraisable exceptions and
+            # unretrieved futures until the process ends (as for reads, see _reading).
+            sys.unraisablehook = _mute
+            logging.getLogger("asyncio").addFilter(_NEVER_RETRIEVED)
+            step, self.pending = self.pending, None
+            with contextlib.suppress(Exception):  # let orbax's other writes end first
+                self.manager.wait_until_finished()
+            self.remove_unfinished()
+            complete = self.complete_steps()
+            kept = f"step {complete[-1]} is the latest checkpoint" if complete else \
+                "no checkpoint was complete"
+            raise CheckpointWriteError(
+                f"checkpoint step {step} could not be written to {self.path} ({_reason(e)}); "
+                f"its partial files were removed and {kept}; free space or pass another "
+                "--ckpt-dir, then --resume"
+            ) from None
+
+    def remove_unfinished(self) -> None:
+        """Remove unfinished saves (process 0, which finalises saves); also called when the
+        run is abandoned (a lost process)."""
+        if jax.process_index() != 0 or not self.path.is_dir():
+            return
+        for _ in range(50):  # TensorStore may still finish writes orbax gave up waiting for
+            left = [p for p in self.path.iterdir() if TMP_SUFFIX in p.name]
+            if not left:
+                return
+            for p in left:
+                shutil.rmtree(p, ignore_errors=True)
+            time.sleep(0.1)
+
+    def complete_steps(self) -> list[int]:
+        """Steps with a complete checkpoint on disk, in order."""
+        if not self.path.is_dir():
+            return []
+        return sorted(int(p.name) for p in self.path.iterdir() if p.name.isdigit())
 
     def read_meta(self, step: int) -> dict:
         with self._reading(step):
@@ -111,5 +196,20 @@ class Checkpointer:
         )
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Finish the last save (CheckpointWriteError if it failed) and release orbax."""
+        try:
+            with self._writing():
+                self.manager.wait_until_finished()
+        finally:
+            self.manager.close()
+
+
+def _reason(e: Exception) -> str:
+    """The OS error behind a failed write (orbax wraps TensorStore's), else the first line."""
+    text = str(e)
+    code = re.search(r"os_error_code='(\d+)'", text)
+    if code:
+        return os.strerror(int(code.group(1)))
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    return (text.splitlines()[0] if text else type(e).__name__)[:160]

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import pathlib
 import signal
 import time
 
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from tqdm import tqdm
 
@@ -24,6 +27,7 @@ from training.data import BatchSampler, load_corpus
 from training.metrics import MetricsWriter, peak_flops_per_device, throughput
 from training.optim import lr_schedule, make_optimizer
 from training.program import CompileSpec, StepProgram, lower
+from training.runlock import RunLock
 from training.state import new_state
 
 
@@ -116,40 +120,74 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
     )
     # Checkpoints hold the standard layout whatever the schedule stores (primepar: permuted).
     to_stored, to_standard = layout_fns(cfg.parallel.schedule, rules, mesh)
-    ckpt = (
-        Checkpointer(cfg.ckpt.dir, keep=cfg.ckpt.keep, create=not cfg.ckpt.resume,
-                     encode=to_standard, decode=to_stored)
-        if cfg.ckpt.dir
-        else None
-    )
+    with _output_lock(cfg):  # before anything is written or read there
+        ckpt = (
+            Checkpointer(cfg.ckpt.dir, keep=cfg.ckpt.keep, create=not cfg.ckpt.resume,
+                         encode=to_standard, decode=to_stored)
+            if cfg.ckpt.dir
+            else None
+        )
+        try:
+            state = _resumed_state(cfg, ckpt, fns)
+            if state is None:
+                model = init_sharded(cfg.model, rules, mesh, cfg.seed)
+                state = new_state(to_stored(nnx.state(model)), fns, cfg.seed)
+            step_fn = program.compile()  # with the XLA options its schedules need here
+            if jax.process_index() == 0 and cfg.progress and program.options:
+                print("XLA options: " + " ".join(
+                    f"{k}={v}" for k, v in sorted(program.options.items())))
+            return _run(cfg, state, fns, step_fn, train_batches, val_batches, ckpt,
+                        corpus.describe())
+        finally:
+            if ckpt is not None:
+                ckpt.close()
 
-    state = None
-    if ckpt is not None:
-        latest = ckpt.latest_step()
-        if cfg.ckpt.resume:
-            if latest is None:
-                raise UserError(
-                    f"--resume found no checkpoint in {cfg.ckpt.dir}; drop --resume to start fresh"
-                )
-            _check_resumable(ckpt.read_meta(latest), cfg)
-            state = ckpt.restore(latest, fns.abstract_state)
-        elif latest is not None:
+
+def _resumed_state(cfg: TrainConfig, ckpt: Checkpointer | None, fns):
+    """The state of the latest checkpoint under --resume, else None (a fresh run, refused if
+    the directory already holds checkpoints)."""
+    if ckpt is None:
+        return None
+    latest = ckpt.latest_step()
+    if cfg.ckpt.resume:
+        if latest is None:
             raise UserError(
-                f"--ckpt-dir {cfg.ckpt.dir} already holds checkpoints (latest step {latest}); pass "
-                "--resume to continue, or choose an empty directory"
+                f"--resume found no checkpoint in {cfg.ckpt.dir}; drop --resume to start fresh"
             )
-    if state is None:
-        model = init_sharded(cfg.model, rules, mesh, cfg.seed)
-        state = new_state(to_stored(nnx.state(model)), fns, cfg.seed)
-    step_fn = program.compile()  # with the XLA options its schedules need on this platform
-    if jax.process_index() == 0 and cfg.progress and program.options:
-        print("XLA options: " + " ".join(f"{k}={v}" for k, v in sorted(program.options.items())))
+        _check_resumable(ckpt.read_meta(latest), cfg)
+        return ckpt.restore(latest, fns.abstract_state)
+    if latest is not None:
+        raise UserError(
+            f"--ckpt-dir {cfg.ckpt.dir} already holds checkpoints (latest step {latest}); pass "
+            "--resume to continue, or choose an empty directory"
+        )
+    return None
+
+
+@contextlib.contextmanager
+def _output_lock(cfg: TrainConfig):
+    """Hold the run lock (`training.runlock`) on the checkpoint directory and the metrics file
+    for the run's life. Process 0 takes it for all processes and tells them whether it could."""
+    if cfg.ckpt.dir and cfg.ckpt.resume and not pathlib.Path(cfg.ckpt.dir).is_dir():
+        raise UserError(
+            f"--resume found no checkpoint in {cfg.ckpt.dir}; drop --resume to start fresh")
+    outputs = [p for p in (cfg.ckpt.dir, cfg.metrics_out) if p]
+    lock, refused = RunLock(outputs if jax.process_index() == 0 else []), None
     try:
-        return _run(cfg, state, fns, step_fn, train_batches, val_batches, ckpt,
-                    corpus.describe())
+        lock.__enter__()
+    except UserError as e:
+        refused = e
+    if jax.process_count() > 1 and bool(
+            multihost_utils.broadcast_one_to_all(np.int32(refused is not None))):
+        refused = refused or UserError(
+            "process 0 found this run's outputs in use by another run; wait for it to end or "
+            "pass another --out-dir")
+    if refused is not None:
+        raise refused
+    try:
+        yield
     finally:
-        if ckpt is not None:
-            ckpt.close()
+        lock.release()
 
 
 def step_program(cfg: TrainConfig, mesh: Mesh) -> StepProgram:
