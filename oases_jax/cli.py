@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 import pathlib
 import re
@@ -11,6 +12,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 
+from oases_jax import multihost
 from oases_jax.errors import UserError
 
 EXIT_USER_ERROR = 2
@@ -30,11 +32,19 @@ def run_main(
     code, never a traceback."""
     codes = {UserError: EXIT_USER_ERROR, **(extra_errors or {})}
     try:
-        sys.exit(main() or 0)
+        code = main() or 0
     except tuple(codes) as e:
         prog = os.path.basename(sys.argv[0])
         print(f"{prog}: error: {e}", file=sys.stderr)
-        sys.exit(next(code for cls, code in codes.items() if isinstance(e, cls)))
+        code = next(code for cls, code in codes.items() if isinstance(e, cls))
+    except Exception:
+        # In a multi-process run most such errors are a collective failing because another
+        # process died: the watch then names it in one line and ends this process.
+        multihost.await_verdict()
+        multihost.leave(1)
+        raise
+    multihost.leave(code)  # the other processes of a multi-process run learn how this one ended
+    sys.exit(code)
 
 
 def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +59,11 @@ def add_runtime_flags(parser: argparse.ArgumentParser) -> None:
                    help="multi-host: coordinator address HOST:PORT")
     g.add_argument("--num-processes", type=int, help="multi-host: total number of processes")
     g.add_argument("--process-id", type=int, help="multi-host: this process's index")
+    g.add_argument("--join-timeout", type=float, default=300.0,
+                   help="multi-host: seconds to wait for every process to join (default 300)")
+    g.add_argument("--peer-timeout", type=float, default=60.0,
+                   help="multi-host: seconds without a heartbeat after which a process counts "
+                   "as lost and the others stop (default 60)")
 
 
 _HOST = re.compile(r"[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?")
@@ -95,14 +110,22 @@ def init_runtime(args: argparse.Namespace) -> None:
             raise UserError(
                 f"--process-id {args.process_id} is outside 0..{args.num_processes - 1}"
             )
-        jax.distributed.initialize(
-            args.coordinator, num_processes=args.num_processes, process_id=args.process_id
-        )
+        _join(args, args.coordinator, args.num_processes, args.process_id)
     elif any(
         int(os.environ.get(v, "0") or 0) > 1 if v != "JAX_COORDINATOR_ADDRESS" else v in os.environ
         for v in _CLUSTER_ENV
     ):
-        jax.distributed.initialize()
+        _join(args)
+
+
+def _join(args: argparse.Namespace, *where) -> None:
+    """Join the multi-process run with bounded waits (`oases_jax.multihost`)."""
+    for flag in ("join_timeout", "peer_timeout"):
+        value = getattr(args, flag)
+        if not (math.isfinite(value) and value > 0):
+            raise UserError(f"--{flag.replace('_', '-')} {value} must be finite and > 0 "
+                            "(seconds)")
+    multihost.join(*where, join_timeout=args.join_timeout, peer_timeout=args.peer_timeout)
 
 
 def write_atomic(path: str, text: str) -> None:

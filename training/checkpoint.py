@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from oases_jax import multihost
 from oases_jax.errors import UserError
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
@@ -75,6 +76,7 @@ class Checkpointer:
         self.path = path
         self.pending: int | None = None  # the step being written in the background
         self._say_leftovers()
+        multihost.on_lost(self.remove_unfinished)  # a lost process abandons the run's save
         self.manager = ocp.CheckpointManager(
             path,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=create,
@@ -115,6 +117,7 @@ class Checkpointer:
         try:
             yield
         except Exception as e:
+            multihost.await_verdict()  # a barrier failing because a process died: exit 4
             # Orbax's abandoned writes keep reporting the failure as unraisable exceptions and
             # unretrieved futures until the process ends (as for reads, see _reading).
             sys.unraisablehook = _mute

@@ -1,11 +1,14 @@
-"""Two processes of 4 CPU devices on localhost form one 8-device mesh and train like one process."""
+"""Two processes of 4 CPU devices on localhost form one 8-device mesh and train like one process;
+a lost process or one whose peers never arrive ends the run in one line."""
 
 import json
 import os
 import pathlib
+import re
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -96,3 +99,80 @@ def test_two_processes_train_like_one(tmp_path, jax_cache):
         assert ckpt.latest_step() == STOP
     finally:
         ckpt.close()
+
+
+# --- faults: a lost process, peers that never arrive ----------------------------------------
+
+_XLA_LOG = re.compile(r"^(WARNING: All log messages before absl|[IWE]\d{4} \d\d:\d\d)|^\[Gloo\]")
+PEER_TIMEOUT = 10
+
+
+def error_lines(stderr: str) -> list[str]:
+    """stderr without the runtime's own informational log lines."""
+    return [ln for ln in stderr.strip().splitlines() if ln.strip() and not _XLA_LOG.match(ln)]
+
+
+def start(tmp_path, i: int, port: int, *args: str) -> subprocess.Popen:
+    cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), *args, "--cpu-devices", "4",
+           "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)]
+    with (tmp_path / f"out{i}.txt").open("w") as o, (tmp_path / f"err{i}.txt").open("w") as e:
+        return subprocess.Popen(cmd, stdout=o, stderr=e, env=cli_env(), cwd=tmp_path)
+
+
+@pytest.mark.slow
+def test_a_lost_process_stops_the_others_in_one_line(tmp_path, jax_cache):
+    """Process 1 is killed mid-run: process 0 exits 4 within --peer-timeout (plus the poll and
+    the start-up slack), with one line naming process 1; the checkpoint directory holds only
+    complete checkpoints (the unfinished save is removed)."""
+    port, out = free_port(), tmp_path / "run"
+    args = ("--model", "tiny", "--steps", "1000", "--batch-size", "8", "--seq-len", "32",
+            "--mesh", "data=2,tensor=4", "--log-every", "1", "--eval-batches", "0",
+            "--ckpt-every", "2", "--no-progress", "--out-dir", str(out),
+            "--peer-timeout", str(PEER_TIMEOUT))
+    procs = [start(tmp_path, i, port, *args) for i in range(2)]
+    try:
+        deadline = time.monotonic() + 300
+        metrics = out / "metrics.jsonl"
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
+            assert time.monotonic() < deadline and procs[0].poll() is None, \
+                (tmp_path / "err0.txt").read_text()[-3000:]
+            time.sleep(0.2)
+        procs[1].kill()
+        killed = time.monotonic()
+        code = procs[0].wait(timeout=PEER_TIMEOUT + 60)
+        elapsed = time.monotonic() - killed
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    stderr = (tmp_path / "err0.txt").read_text()
+    assert code == 4, stderr[-3000:]
+    assert elapsed < PEER_TIMEOUT + 15, elapsed
+    lines = error_lines(stderr)
+    assert len(lines) == 1, stderr[-3000:]
+    assert lines[0].startswith(f"train.py: error: process 1 of 2 was lost (no heartbeat for "
+                               f"{PEER_TIMEOUT} s, --peer-timeout); this process stops too")
+    entries = sorted(p.name for p in (out / "ckpt").iterdir())
+    assert entries and all(name.isdigit() for name in entries), entries
+    reader = Checkpointer(str(out / "ckpt"), create=False)
+    try:
+        for name in entries:  # each complete: its metadata reads back
+            assert reader.read_meta(int(name))["step"] == int(name)
+    finally:
+        reader.close()
+
+
+def test_a_process_whose_peers_never_arrive_gives_up(tmp_path):
+    t0 = time.monotonic()
+    proc = start(tmp_path, 1, free_port(), "--model", "tiny", "--out-dir", str(tmp_path / "r"),
+                 "--join-timeout", "3")
+    code = proc.wait(timeout=120)
+    stderr = (tmp_path / "err1.txt").read_text()
+    assert code == 4, stderr[-3000:]
+    assert time.monotonic() - t0 < 3 + 60  # start-up (imports) and the 3 s wait
+    assert error_lines(stderr) == [
+        f"train.py: error: process 1 waited 3 s for all 2 processes to join at "
+        f"{proc.args[proc.args.index('--coordinator') + 1]} and gave up; start every process "
+        "with the same --coordinator and --num-processes, or raise --join-timeout"]
+    assert not (tmp_path / "r").exists()
