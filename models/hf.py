@@ -20,12 +20,13 @@ from jax.sharding import Mesh
 from safetensors.numpy import save_file
 
 from models.config import ModelConfig
-from models.hf_config import config_from_hf, config_to_hf, read_json
+from models.hf_config import config_from_hf, config_to_hf
 from models.hf_tensors import Checkpoint
 from models.layers import rope_frequencies
 from models.sharding import abstract_model, param_shardings
 from models.transformer import Transformer
 from oases_jax.errors import UserError
+from oases_jax.files import read_json
 from oases_jax.rules import ShardingRules, get_rules
 
 # Tensor names of a GPT-2 checkpoint may carry the prefix of GPT2LMHeadModel or not (GPT2Model).
@@ -203,7 +204,8 @@ def load_hf(
         raise UserError(f"checkpoint directory {path} has no config.json; add the model's config")
     rules = get_rules(rules) if isinstance(rules, str) else rules
     cfg = config_from_hf(
-        read_json(path / "config.json", "config.json"), dtype=dtype, remat=remat,
+        read_json(path / "config.json", "config.json", "use the model's own config.json"),
+        dtype=dtype, remat=remat,
         scan_layers=scan_layers
     )
     ckpt = Checkpoint(path, _PREFIXES[cfg.family])

@@ -4,16 +4,11 @@ implement, or listed as not changing the computation; any other key or value is 
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import stat
-from pathlib import Path
 
 from models.config import ModelConfig
 from oases_jax.errors import UserError
 
-_MAX_JSON_BYTES = 16 << 20  # a config.json is a few KB, an index a few MB
 _MAX_SIZE = 2**31 - 1  # sizes are array dimensions
 _REQUIRED = object()
 
@@ -96,39 +91,6 @@ _LLAMA3 = {
 }
 ARCHITECTURES = {"gpt2": ("GPT2LMHeadModel", "GPT2Model"), "llama": ("LlamaForCausalLM",
                                                                       "LlamaModel")}
-
-
-def read_json(file: Path, what: str):
-    """The JSON value in `file`, a regular file of sane size with unique keys and finite
-    numbers; anything else is one UserError line."""
-    try:
-        info = os.stat(file)
-    except OSError as e:
-        raise UserError(f"{what} {file} cannot be read ({e.strerror}); fix its path") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise UserError(f"{what} {file} is not a regular file; pass the file itself")
-    if info.st_size > _MAX_JSON_BYTES:
-        raise UserError(f"{what} {file} is {info.st_size} bytes, more than a {what} holds "
-                        f"({_MAX_JSON_BYTES} at most); re-download it")
-    try:
-        return json.loads(file.read_bytes().decode(), object_pairs_hook=unique_keys,
-                          parse_constant=_no_constant)
-    except (ValueError, RecursionError) as e:  # JSONDecodeError and Unicode errors are both
-        reason = str(e) or type(e).__name__
-        raise UserError(f"{what} {file} is not valid JSON ({reason[:160]}); re-download or fix "
-                        "it") from None
-
-
-def unique_keys(pairs: list[tuple[str, object]]) -> dict:
-    """A JSON object_pairs_hook that refuses a key given twice (json keeps the last)."""
-    keys = [k for k, _ in pairs]
-    if len(set(keys)) != len(keys):
-        raise ValueError(f"key {next(k for k in keys if keys.count(k) > 1)!r} appears twice")
-    return dict(pairs)
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a number JSON allows")
 
 
 def _typed(key: str, value, kind: str):

@@ -3,16 +3,14 @@ dtype and shape are verified before its bytes are read, and every tensor must be
 
 from __future__ import annotations
 
-import json
 import os
-import stat
 from pathlib import Path
 
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from models.hf_config import read_json, unique_keys
 from oases_jax.errors import UserError
+from oases_jax.files import loads, read_json, regular_file
 
 # Header dtypes of floating-point weights; anything else (integers, bool, fp8) is not a weight
 # we can convert exactly.
@@ -26,32 +24,29 @@ def _corrupt(file: Path, e: Exception) -> UserError:
 
 
 def _regular(file: Path) -> Path:
-    try:
-        mode = os.stat(file).st_mode
-    except OSError as e:
-        raise UserError(f"safetensors file {file} cannot be read ({e.strerror})") from None
-    if not stat.S_ISREG(mode):
-        raise UserError(f"safetensors file {file} is not a regular file; pass the checkpoint's "
-                        "files themselves")
+    regular_file(file, "safetensors file", "pass the checkpoint's files themselves")
     return file
 
 
 def _check_header_names(file: Path) -> None:
-    """Each tensor name once in the header (safetensors' own parser keeps the last of two)."""
+    """A header of strict JSON: each tensor name once (safetensors' own parser keeps the last
+    of two), no NaN, bounded nesting."""
     with open(file, "rb") as f:
         length = int.from_bytes(f.read(8), "little")
         if length > min(os.fstat(f.fileno()).st_size, 100 << 20):
             raise _corrupt(file, ValueError(f"header length {length} is beyond the file"))
         text = f.read(length)
     try:
-        json.loads(text, object_pairs_hook=unique_keys)
-    except (ValueError, RecursionError) as e:
+        loads(text.decode(), f"safetensors header of {file}", "re-download it")
+    except UnicodeDecodeError as e:
         raise _corrupt(file, e) from None
+    except UserError as e:
+        raise UserError(f"safetensors file {file} is corrupt or truncated ({e})") from None
 
 
 def _index_files(path: Path, index: Path) -> tuple[list[Path], dict[str, str]]:
     """The shard files of a sharded checkpoint and its weight map (tensor -> file name)."""
-    data = read_json(index, "safetensors index")
+    data = read_json(index, "safetensors index", "re-download it")
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not (isinstance(weight_map, dict) and weight_map
             and all(isinstance(v, str) for v in weight_map.values())):
