@@ -41,7 +41,7 @@ def test_verify_writes_the_fastest_plan_that_fits_and_inspect_reads_its_model(tm
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--cluster", "3090-pcie-32", "--global-batch", "32", "--verify", "2"],
+    (["--cluster", "v100-32", "--global-batch", "32", "--verify", "2"],
      "has no compile target"),
     (["--verify", "-1"], "--verify -1 must be >= 0"),
 ])
