@@ -56,6 +56,7 @@ class _NeverRetrieved(logging.Filter):
 
 
 _NEVER_RETRIEVED = _NeverRetrieved()
+_NEVER_RETRIEVED_AFTER_WRITES = _NeverRetrieved()  # kept when a later read removes the other
 
 
 def _mute(unraisable) -> None:
@@ -121,7 +122,7 @@ class Checkpointer:
             # Orbax's abandoned writes keep reporting the failure as unraisable exceptions and
             # unretrieved futures until the process ends (as for reads, see _reading).
             sys.unraisablehook = _mute
-            logging.getLogger("asyncio").addFilter(_NEVER_RETRIEVED)
+            logging.getLogger("asyncio").addFilter(_NEVER_RETRIEVED_AFTER_WRITES)
             step, self.pending = self.pending, None
             with contextlib.suppress(Exception):  # let orbax's other writes end first
                 self.manager.wait_until_finished()
