@@ -134,7 +134,10 @@ class LayerModel(LayerWork):
         return self.hw.comm_s("reduce-scatter", nbytes, self.tgroup)
 
     def _perm(self, nbytes):
-        return self.hw.comm_s("collective-permute", nbytes, [0, 1] if self.layout.tensor > 1
+        """One ring step: every device passes its block to a neighbour at once, so the step
+        lasts as long as the slowest hop of the ring, the link the whole tensor group crosses
+        (a tensor group spanning two nodes waits on the inter-node link at every step)."""
+        return self.hw.comm_s("collective-permute", nbytes, self.tgroup if self.layout.tensor > 1
                               else [0])
 
     def _ring(self, key, step_compute: float, nbytes_step: float, transfers: int = 1) -> list:
