@@ -63,6 +63,35 @@ def _mute(unraisable) -> None:
     """An unraisablehook that drops everything (see Checkpointer._reading)."""
 
 
+def _closed_loop(value) -> bool:
+    return isinstance(value, RuntimeError) and str(value) == "Event loop is closed"
+
+
+def _install_closed_loop_filter() -> None:
+    """Drop "Event loop is closed" errors from both of Python's last-resort reporters.
+
+    When a save or read fails, orbax closes its event loop while TensorStore still completes
+    the abandoned writes; each completion calls `loop.call_soon_threadsafe` from a TensorStore
+    thread, which raises, and TensorStore reports it as unraisable (or prints it), long before
+    the failure reaches the Checkpointer: a hundred tracebacks that say nothing the one error
+    line does not. Everything else passes through to the hooks that were there.
+    """
+    if getattr(sys.unraisablehook, "oases_closed_loop_filter", False):
+        return
+    unraisable, excepthook = sys.unraisablehook, sys.excepthook
+
+    def unraisable_filtered(u) -> None:
+        if not _closed_loop(u.exc_value):
+            unraisable(u)
+
+    def excepthook_filtered(kind, value, tb) -> None:
+        if not _closed_loop(value):
+            excepthook(kind, value, tb)
+
+    unraisable_filtered.oases_closed_loop_filter = True
+    sys.unraisablehook, sys.excepthook = unraisable_filtered, excepthook_filtered
+
+
 class Checkpointer:
     def __init__(self, directory: str, *, keep: int = 3, create: bool = True,
                  encode: Callable[[Any], Any] | None = None,
@@ -78,6 +107,7 @@ class Checkpointer:
         self.pending: int | None = None  # the step being written in the background
         self._say_leftovers()
         multihost.on_lost(self.remove_unfinished)  # a lost process abandons the run's save
+        _install_closed_loop_filter()
         self.manager = ocp.CheckpointManager(
             path,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=create,
