@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from oases_jax import primepar
+from oases_jax import compat, primepar
 from oases_jax.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from oases_jax.registry import ScheduleSpec
 from oases_jax.rules import Logical, ShardingRules, constrain
@@ -115,14 +115,16 @@ class PerProjection(Projection):
         x_spec = rules.act_spec(RESIDUAL, mesh)
         w_specs = [rules.param_spec(n, mesh) for n in names]
         out_specs = tuple(rules.act_spec(("batch", None, *n[1:]), mesh) for n in names)
-        outs = jax.shard_map(lambda x, *ws: tuple(self.local.column(x, ws, names)), mesh=mesh,
-                             in_specs=(x_spec, *w_specs), out_specs=out_specs)(x_BLD, *weights)
+        outs = jax.shard_map(lambda x, *ws: tuple(self.local.column(x, ws, names)),
+                             mesh=compat.context_mesh(mesh), in_specs=(x_spec, *w_specs),
+                             out_specs=out_specs)(x_BLD, *weights)
         return list(outs)
 
     def row(self, h, w, names) -> jax.Array:
         rules, mesh = self.rules, self.mesh
         h_spec = rules.act_spec(("batch", None, *names[:-1]), mesh)
-        return jax.shard_map(lambda h, w: self.local.row(h, w, names), mesh=mesh,
+        return jax.shard_map(lambda h, w: self.local.row(h, w, names),
+                             mesh=compat.context_mesh(mesh),
                              in_specs=(h_spec, rules.param_spec(names, mesh)),
                              out_specs=rules.act_spec(RESIDUAL, mesh))(h, w)
 
@@ -235,7 +237,7 @@ class PrimePar(Projection):
             y = primepar.column_matmul(x, jnp.concatenate(flat, axis=1), self.rows, self.cols)
             return _split_outputs(y, flat, ws)  # skewed: Y[i, i+j]
 
-        outs = jax.shard_map(local, mesh=mesh, in_specs=(x_spec, *w_specs),
+        outs = jax.shard_map(local, mesh=compat.context_mesh(mesh), in_specs=(x_spec, *w_specs),
                              out_specs=out_specs)(x_BLD, *weights)
         return list(outs)
 
@@ -246,7 +248,7 @@ class PrimePar(Projection):
             return primepar.row_matmul(h.reshape(*h.shape[:2], -1), _flat(w, n_in), self.rows,
                                        self.cols)
 
-        return jax.shard_map(local, mesh=mesh,
+        return jax.shard_map(local, mesh=compat.context_mesh(mesh),
                              in_specs=(rules.act_spec(("batch", None, *names[:-1]), mesh),
                                        rules.param_spec(names, mesh)),
                              out_specs=rules.act_spec(RESIDUAL, mesh))(h, w)
@@ -259,7 +261,7 @@ class PrimePar(Projection):
         def local(y, b):  # b: block j of the bias, the same on every row
             return y + primepar.skew(b, self.rows, self.cols)
 
-        return jax.shard_map(local, mesh=self.mesh,
+        return jax.shard_map(local, mesh=compat.context_mesh(self.mesh),
                              in_specs=(y_spec, self.rules.param_spec(names, self.mesh)),
                              out_specs=y_spec)(y, b)
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from oases_jax import compat
 from oases_jax.errors import UserError
 
 # The closed vocabulary of logical dimension names. `None` in a logical tuple means "never sharded".
@@ -90,6 +91,7 @@ def _to_spec(logical: Logical, table: dict[str, MeshAxes], mesh: Mesh | None) ->
     """Map logical names to a PartitionSpec. Axes absent from `mesh` (or of size 1) are dropped, so
     one rule set serves every mesh; an axis used by two dimensions is an error in the rules."""
     used: set[str] = set()
+    taken = _OUTER.get()
     out = []
     for name in logical:
         axes = table.get(name) if name is not None else None
@@ -99,6 +101,7 @@ def _to_spec(logical: Logical, table: dict[str, MeshAxes], mesh: Mesh | None) ->
         axes = (axes,) if isinstance(axes, str) else tuple(axes)
         if mesh is not None:
             axes = tuple(a for a in axes if a in mesh.shape and mesh.shape[a] > 1)
+        axes = tuple(a for a in axes if a not in taken)
         for a in axes:
             if a in used:
                 raise UserError(
@@ -207,6 +210,26 @@ def get_rules(name: str) -> ShardingRules:
     return RULE_SETS[name]()
 
 
+# Mesh axes an enclosing transformation already splits: a `vmap(..., spmd_axis_name=...)` over
+# groups of the batch (gradient accumulation with one data-parallel reduction per step) or a
+# `shard_map` manual over them (a pipeline's stage loop). Specs built inside leave them out; the
+# enclosing transformation places its own dimension on them.
+
+_OUTER: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
+    "oases_jax_outer_axes", default=frozenset()
+)
+
+
+@contextlib.contextmanager
+def outer_axes(*axes: str):
+    """Build every spec inside this block without `axes` (see `_OUTER`)."""
+    token = _OUTER.set(_OUTER.get() | frozenset(axes))
+    try:
+        yield
+    finally:
+        _OUTER.reset(token)
+
+
 # Activation constraints: models call `constrain(x, names)`; it is a no-op outside `use_rules`.
 
 _ACTIVE: contextvars.ContextVar[tuple[ShardingRules, Mesh] | None] = contextvars.ContextVar(
@@ -249,4 +272,4 @@ def constrain(x: jax.Array, logical: Logical) -> jax.Array:
     spec = rules.act_spec(logical, mesh)
     if spec_divides(x.shape, spec, mesh) is not None:
         return x  # e.g. a batch of 1 on a data axis of 2: leave it to the partitioner
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(compat.context_mesh(mesh), spec))

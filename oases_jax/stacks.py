@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from oases_jax import projections, registry, remat, step_order
+from oases_jax import compat, projections, registry, remat, step_order
 from oases_jax.layer_plan import LayerSpec, segments
 from oases_jax.rules import ShardingRules, constrain, get_rules, suspend_rules, use_rules
 
@@ -246,8 +246,8 @@ def run_layer(seg: Segment, fns: LayerFns, state, x_BLD: jax.Array) -> jax.Array
             return step_order.run(seg.order, x, fns.ops(state), before_step=proj.before_step,
                                   after_step=proj.after_step)
 
-    return jax.shard_map(local, mesh=seg.mesh, in_specs=(_local_specs(fns, state, seg, False),
-                                                         x_spec),
+    return jax.shard_map(local, mesh=compat.context_mesh(seg.mesh),
+                         in_specs=(_local_specs(fns, state, seg, False), x_spec),
                          out_specs=x_spec)(state, x_BLD)
 
 
@@ -292,7 +292,7 @@ def _run_overlapped(seg: Segment, fns: LayerFns, stacked, x_BLD, scan: bool):
             xs, pending = carry
             return step_order.join(step_order.finish_pending(order, xs, pending, fns.complete))
 
-    return jax.shard_map(local, mesh=seg.mesh,
+    return jax.shard_map(local, mesh=compat.context_mesh(seg.mesh),
                          in_specs=(_local_specs(fns, _at(stacked, 0), seg, True), x_spec),
                          out_specs=x_spec)(stacked, x_BLD)
 

@@ -10,10 +10,12 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
 from models.sharding import abstract_model, param_shardings
 from models.transformer import cross_entropy
+from oases_jax.rules import ShardingRules, outer_axes
 from oases_jax.stacks import Parallel, use_parallel
 
 TrainState = (
@@ -61,11 +63,15 @@ def build_step_fns(cfg: ModelConfig, tx: optax.GradientTransformation,
     batch_spec = rules.act_spec((None, "batch", None), mesh)
     batch_sh = NamedSharding(mesh, batch_spec)
     grad_fn = jax.value_and_grad(lambda p, t: loss_fn(graphdef, p, t, cfg.vocab_size))
+    groups = accumulation_groups(rules, mesh)
 
     def train_step(state: TrainState, batch_MBL: jax.Array):
         params = state["params"]
         if batch_MBL.shape[0] == 1:
             loss, grads = grad_fn(params, batch_MBL[0])
+        elif groups > 1:
+            loss, grads = _accumulate_in_groups(grad_fn, params, batch_MBL, groups, rules, mesh,
+                                                p_sh)
         else:
 
             def micro(acc, tokens_BL):
@@ -125,6 +131,58 @@ def build_step_fns(cfg: ModelConfig, tx: optax.GradientTransformation,
         batch_sharding=batch_sh,
         abstract_state=abstract_state,
     )
+
+
+def accumulation_groups(rules: ShardingRules, mesh: Mesh, data: str = "data") -> int:
+    """Into how many data-parallel groups gradient accumulation splits the batch, each group
+    summing its own gradients over the micro-batches before one reduction per step: the size
+    of the data axis, or 1 where parameters are sharded over it (FSDP reduce-scatters every
+    micro-batch's gradients, as ZeRO-3 does, since no device holds a whole gradient) or where
+    the batch is split over more than `data` (below)."""
+    def names(axes) -> tuple[str, ...]:
+        return (axes,) if isinstance(axes, str) else tuple(axes or ())
+
+    size = mesh.shape.get(data, 1)
+    batch = rules.act_spec(("batch",), mesh)
+    if size == 1 or names(batch[0] if len(batch) else None) != (data,):
+        # Only a batch split over `data` alone: with primepar's (data, tp_row) XLA's partitioner
+        # aborts on the embedding gather in a region manual over `data` only
+        # (spmd_partitioner_util.cc:498, jax 0.12), so primepar reduces every micro-batch.
+        return 1
+    if any(data in names(axes) for _, axes in rules.params):
+        return 1
+    return size
+
+
+def _accumulate_in_groups(grad_fn, params, batch_MBL, groups: int, rules: ShardingRules,
+                          mesh: Mesh, p_sh):
+    """Mean loss and gradients over M micro-batches, reduced over the data axis once.
+
+    A plain scan of `grad_fn` gives each micro-batch's gradients the parameters' (replicated)
+    sharding, so the partitioner all-reduces them inside the loop: M all-reduces per step.
+    Here the loop runs inside a `shard_map` manual over `data` only (`tensor` and the others
+    stay with the partitioner and the model's own shard_maps, which nest inside): each data
+    group sums its own gradients over the micro-batches, and one psum after the loop is the
+    step's reduction. Specs inside leave `data` out (`rules.outer_axes`)."""
+    m = batch_MBL.shape[0]
+
+    def local(params, tokens_MBL):
+        def micro(acc, tokens_BL):
+            return jax.tree.map(jnp.add, acc, grad_fn(params, tokens_BL)), None
+
+        with outer_axes("data"):
+            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+            total, _ = jax.lax.scan(micro, zeros, tokens_MBL)
+        return jax.lax.psum(total, "data")
+
+    # No replication checks: the model's shard_maps nest inside, which JAX only lowers without
+    # them (jax 0.12: a nested shard_map's residuals otherwise name the outer manual axis).
+    loss, grads = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(None, "data")),
+                                out_specs=P(), axis_names={"data"}, check_vma=False
+                                )(params, batch_MBL)
+    # Every group holds the same number of rows of every micro-batch: the step's mean is the
+    # mean of the groups' means.
+    return jax.tree.map(lambda x: x / (groups * m), (loss, grads))
 
 
 def _under_mesh(fn: Callable, mesh: Mesh) -> Callable:
