@@ -130,12 +130,12 @@ def spec_divides(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh) -> int |
 # Rule sets. Each is a function of the mesh axis names so users can rename axes.
 
 
-def data_parallel(*, data: str = "data") -> ShardingRules:
+def data_parallel(*, data: str = "data", expert: str = "expert") -> ShardingRules:
     return ShardingRules(
         name="dp",
         description="data parallel: parameters replicated, batch split over the data axis",
-        params=(),
-        activations=(("batch", data),),
+        params=(("expert", expert),),
+        activations=(("batch", (data, expert)),),
     )
 
 
@@ -155,21 +155,27 @@ def _tp_params(tensor: str) -> RuleTable:
     return tuple((name, axis.format(t=tensor)) for name, axis in _TP_PARAMS)
 
 
-def megatron(*, data: str = "data", tensor: str = "tensor") -> ShardingRules:
+# MoE (dp, tp, tp_sp): experts split over `expert`, which also splits the batch (expert
+# parallelism is data parallelism for everything but the experts; docs/parallelism.md).
+
+
+def megatron(*, data: str = "data", tensor: str = "tensor", expert: str = "expert"
+             ) -> ShardingRules:
     return ShardingRules(
         name="tp",
         description="Megatron tensor parallel: heads, MLP and vocab split over the tensor axis",
-        params=_tp_params(tensor),
-        activations=(("batch", data),) + _tp_params(tensor),
+        params=_tp_params(tensor) + (("expert", expert),),
+        activations=(("batch", (data, expert)),) + _tp_params(tensor),
     )
 
 
-def megatron_sp(*, data: str = "data", tensor: str = "tensor") -> ShardingRules:
+def megatron_sp(*, data: str = "data", tensor: str = "tensor", expert: str = "expert"
+                ) -> ShardingRules:
     return ShardingRules(
         name="tp_sp",
         description="Megatron tensor + sequence parallel: the residual stream is split on seq",
-        params=_tp_params(tensor),
-        activations=(("batch", data), ("seq", tensor)) + _tp_params(tensor),
+        params=_tp_params(tensor) + (("expert", expert),),
+        activations=(("batch", (data, expert)), ("seq", tensor)) + _tp_params(tensor),
     )
 
 

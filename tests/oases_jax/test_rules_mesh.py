@@ -169,14 +169,15 @@ def test_rules_by_hand(mesh24, name, logical, param, act):
 
 
 def test_specs_without_a_mesh_keep_every_axis():
-    assert megatron().act_spec(("batch", "seq", "mlp")) == P("data", None, "tensor")
+    assert megatron().act_spec(("batch", "seq", "mlp")) == P(("data", "expert"), None, "tensor")
     assert fsdp().param_spec(("embed", "mlp")) == P("data", None)
 
 
 def test_rule_sets_take_the_mesh_axis_names():
-    rules = megatron(data="dp", tensor="mp")
+    rules = megatron(data="dp", tensor="mp", expert="ep")
     assert rules.param_spec(("embed", "heads", "head_dim")) == P(None, "mp", None)
-    assert rules.act_spec(("batch", None)) == P("dp", None)
+    assert rules.act_spec(("batch", None)) == P(("dp", "ep"), None)
+    assert rules.param_spec(("expert", "embed", "mlp")) == P("ep", None, "mp")
 
 
 @pytest.mark.parametrize("mesh_text", ["data=8", "data=8,tensor=1", "data=1,tensor=8"])
