@@ -24,6 +24,7 @@ CHOICES = {"family": FAMILIES, "dtype": DTYPES, "remat": REMAT_POLICIES,
 # The caps only catch typos and junk: they lie far beyond any published model (docs/cli.md).
 SIZE_CAP = 2**20
 SIZE_CAPS = {"vocab_size": 2**24, "d_model": 2**17, "n_layers": 2**12}
+NONNEGATIVE = ("router_aux_weight", "router_z_weight")  # loss weights: 0 turns a loss off
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -57,6 +58,18 @@ class ModelConfig:
     remat: str = "none"
     scan_layers: bool = True
     attention: str = "auto"  # one of ATTENTION_IMPLS
+    # Mixture of experts (`models.moe`; None: dense). Every `moe_every`-th layer's MLP is
+    # n_experts experts of width moe_d_ff (None: d_ff), top_k of them per token, with
+    # capacity_factor * top_k * tokens / n_experts slots per expert and token group; the loss
+    # adds router_aux_weight * Switch load-balancing loss + router_z_weight * z-loss per layer.
+    n_experts: int | None = None
+    top_k: int = 2
+    moe_every: int = 1
+    capacity_factor: float = 1.25
+    moe_d_ff: int | None = None
+    router_aux_weight: float = 0.01
+    router_z_weight: float = 0.001
+    router_norm_topk: bool = False  # renormalise the top-k gates to sum to 1 (Mixtral)
 
     def __post_init__(self):
         for name, choices in CHOICES.items():
@@ -79,6 +92,17 @@ class ModelConfig:
             raise UserError(f"RoPE needs an even head_dim, got {self.k_dim}")
         if self.rope_scaling_factor != 1.0:
             self._check_rope_scaling()
+        if self.n_experts is not None:
+            self._check_moe()
+
+    def _check_moe(self) -> None:
+        if self.top_k > self.n_experts:
+            raise UserError(f"model top_k={self.top_k} is more than n_experts={self.n_experts}; "
+                            f"route each token to at most {self.n_experts} experts")
+        if self.n_layers % self.moe_every:
+            raise UserError(f"n_layers={self.n_layers} is not a multiple of moe_every="
+                            f"{self.moe_every} (one MoE layer ends each group of moe_every); "
+                            "change one of them")
 
     def _check_rope_scaling(self) -> None:
         lo, hi = self.rope_low_freq_factor, self.rope_high_freq_factor
@@ -120,6 +144,18 @@ class ModelConfig:
         return self.d_ff or 4 * self.d_model
 
     @property
+    def moe(self) -> bool:
+        return self.n_experts is not None
+
+    @property
+    def expert_ff_dim(self) -> int:
+        return self.moe_d_ff or self.ff_dim
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers // self.moe_every if self.moe else 0
+
+    @property
     def padded_vocab(self) -> int:
         m = self.vocab_multiple
         return -(-self.vocab_size // m) * m
@@ -140,8 +176,9 @@ class ModelConfig:
     def gated_mlp(self) -> bool:
         return self.family == "llama"
 
-    def param_count(self, *, embeddings: bool = True) -> int:
-        """Exact number of parameters of the model this config builds (padded vocab)."""
+    def param_count(self, *, embeddings: bool = True, active: bool = False) -> int:
+        """Exact number of parameters of the model this config builds (padded vocab); with
+        `active`, an MoE layer counts the top_k experts a token runs through, not all."""
         d, h, g, k, f = self.d_model, self.n_heads, self.kv_heads, self.k_dim, self.ff_dim
         attn = d * (h + 2 * g) * k + h * k * d
         mlp = d * f * (3 if self.gated_mlp else 2)
@@ -151,6 +188,11 @@ class ModelConfig:
             mlp += f + d
         block = attn + mlp + norms
         total = self.n_layers * block + d * (2 if self.use_bias else 1)
+        if self.moe:  # each MoE layer: E expert MLPs of width moe_d_ff and a router, no MLP
+            fe = self.expert_ff_dim
+            expert = d * fe * (3 if self.gated_mlp else 2) + ((fe + d) if self.use_bias else 0)
+            n_experts = self.top_k if active else self.n_experts
+            total += self.n_moe_layers * (n_experts * expert + d * self.n_experts - mlp)
         if embeddings:
             total += self.padded_vocab * d * (1 if self.tied else 2)
             if self.learned_positions:
@@ -160,7 +202,8 @@ class ModelConfig:
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 * (non-embedding params + lm head) + 12 * layers * seq * H*K
         (forward + backward of the matmuls, attention scores included, causal mask ignored)."""
-        matmul_params = self.param_count(embeddings=False) + self.padded_vocab * self.d_model
+        matmul_params = (self.param_count(embeddings=False, active=True)
+                         + self.padded_vocab * self.d_model)
         return 6.0 * matmul_params + 12.0 * self.n_layers * seq_len * self.n_heads * self.k_dim
 
     def replace(self, **overrides) -> ModelConfig:
@@ -205,6 +248,9 @@ def _check_range(name: str, kind: type, value) -> None:
         if value > cap:
             raise UserError(f"model {name}={value:,} is more than {cap:,}, a sanity cap; "
                             "check the value")
+    elif name in NONNEGATIVE:
+        if not (math.isfinite(value) and value >= 0):
+            raise UserError(f"model {name}={value} must be a finite number >= 0")
     elif not (math.isfinite(value) and value > 0):
         raise UserError(f"model {name}={value} must be a positive finite number")
 

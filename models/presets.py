@@ -154,6 +154,61 @@ def bloom_176b() -> ModelConfig:
     return _gpt(70, 14336, 112, seq=2048, vocab=250880)
 
 
+def tiny_moe() -> ModelConfig:
+    """`tiny` with its second layer an MoE of 4 experts, top-2 (tests).
+    `python scripts/train.py --model tiny-moe --mesh expert=2,tensor=4 --steps 50`"""
+    return tiny().replace(n_experts=4, top_k=2, moe_every=2, capacity_factor=2.0)
+
+
+def small_moe() -> ModelConfig:
+    """`small` with every other MLP an MoE of 8 experts (width 1024), top-2, capacity factor
+    1.25 (the MoE quickstart).
+    `python scripts/train.py --model small-moe --mesh data=2,expert=2,tensor=2`"""
+    return small().replace(n_experts=8, top_k=2, moe_every=2, capacity_factor=1.25)
+
+
+def _gpt2_moe(hidden: int, experts: int) -> Callable[[], ModelConfig]:
+    def preset() -> ModelConfig:
+        return _gpt(12, hidden, hidden // 64).replace(n_experts=experts, top_k=2, moe_every=2,
+                                                      capacity_factor=1.25)
+
+    preset.__doc__ = (
+        f"GPT-2-based MoE (Parm, WORKLOADS.md): 12 layers, hidden {hidden}, every other MLP "
+        f"{experts} experts, top-2 (override top_k=1, capacity_factor=1.0 or 2.0).\n"
+        f"    `python scripts/inspect_hlo.py --model gpt2-moe-h{hidden}-e{experts} --target h100:8 "
+        "--mesh expert=2,tensor=4`")
+    return preset
+
+
+def mixtral_8x7b() -> ModelConfig:
+    """Mixtral 8x7B shapes (32 layers, hidden 4096, 32 heads, 8 KV heads, 8 experts of SwiGLU
+    14336, top-2 renormalised; planning and compiling only).
+    `python scripts/inspect_hlo.py --model mixtral-8x7b --target h100:8 --mesh expert=8`"""
+    return ModelConfig(family="llama", vocab_size=32000, d_model=4096, n_layers=32, n_heads=32,
+                       n_kv_heads=8, head_dim=128, d_ff=14336, max_seq_len=4096,
+                       rope_theta=1e6, n_experts=8, top_k=2, router_norm_topk=True,
+                       router_aux_weight=0.02, capacity_factor=1.25)
+
+
+def olmoe_1b_7b() -> ModelConfig:
+    """OLMoE-1B-7B shapes (16 layers, hidden 2048, 16 heads, 64 experts of SwiGLU 1024, top-8,
+    gates not renormalised; planning and compiling only).
+    `python scripts/inspect_hlo.py --model olmoe-1b-7b --target h100:8 --mesh expert=8`"""
+    return ModelConfig(family="llama", vocab_size=50304, d_model=2048, n_layers=16, n_heads=16,
+                       d_ff=1024, max_seq_len=4096, n_experts=64, top_k=8,
+                       router_aux_weight=0.01, router_z_weight=0.001, capacity_factor=1.25)
+
+
+def qwen3_30b_a3b() -> ModelConfig:
+    """Qwen3-30B-A3B shapes (48 layers, hidden 2048, 32 heads, 4 KV heads of 128, 128 experts of
+    SwiGLU 768, top-8 renormalised; planning and compiling only).
+    `python scripts/inspect_hlo.py --model qwen3-30b-a3b --target h100:8 --mesh expert=8`"""
+    return ModelConfig(family="llama", vocab_size=151936, d_model=2048, n_layers=48,
+                       n_heads=32, n_kv_heads=4, head_dim=128, d_ff=768, max_seq_len=4096,
+                       rope_theta=1e6, n_experts=128, top_k=8, router_norm_topk=True,
+                       router_aux_weight=0.001, capacity_factor=1.25)
+
+
 PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "tiny": tiny,
     "tiny-llama": tiny_llama,
@@ -181,10 +236,16 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "llama2-70b": llama2_70b,
     "bloom-7b1": bloom_7b1,
     "bloom-176b": bloom_176b,
+    "tiny-moe": tiny_moe,
+    "small-moe": small_moe,
+    **{f"gpt2-moe-h{h}-e{e}": _gpt2_moe(h, e) for h in (768, 1024, 2048) for e in (8, 16, 32)},
+    "mixtral-8x7b": mixtral_8x7b,
+    "olmoe-1b-7b": olmoe_1b_7b,
+    "qwen3-30b-a3b": qwen3_30b_a3b,
 }
 
 # Presets small enough to build on a CPU.
-CPU_PRESETS = ("tiny", "tiny-llama", "small", "small-llama")
+CPU_PRESETS = ("tiny", "tiny-llama", "small", "small-llama", "tiny-moe", "small-moe")
 
 
 def get_preset(name: str) -> ModelConfig:

@@ -13,6 +13,8 @@ from flax import nnx
 from models import gpt2, llama
 from models.config import ModelConfig
 from models.layers import Block, block_fns, param
+from models.moe import MoEGroup, group_fns
+from oases_jax.moe.stack import run_groups
 from oases_jax.rules import constrain
 from oases_jax.stacks import run_stack
 
@@ -28,10 +30,14 @@ class Transformer(nnx.Module):
         if cfg.learned_positions:
             self.pos = param(rngs, (cfg.max_seq_len, d), ("pos", "embed"), std=0.01)
 
-        @nnx.split_rngs(splits=cfg.n_layers)
+        # An MoE model stacks layer groups (moe_every - 1 dense blocks, one MoE block).
+        unit, count = (MoEGroup, cfg.n_layers // cfg.moe_every) if cfg.moe else (Block,
+                                                                                   cfg.n_layers)
+
+        @nnx.split_rngs(splits=count)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_blocks(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, norm_cls, rngs=rngs)
+        def make_blocks(rngs: nnx.Rngs) -> Block | MoEGroup:
+            return unit(cfg, norm_cls, rngs=rngs)
 
         self.blocks = make_blocks(rngs)
         self.norm_f = norm_cls(cfg, rngs=rngs)
@@ -49,10 +55,20 @@ class Transformer(nnx.Module):
         """All blocks and the final norm, run by the runtime (`oases_jax.stacks.run_stack`)
         under the active parallel setup: each segment of equal layers under its own schedule,
         rules and remat policy."""
+        return self.backbone_with_losses(x_BLD)[0]
+
+    def backbone_with_losses(self, x_BLD: jax.Array) -> tuple[jax.Array, dict]:
+        """`backbone` and the MoE layers' router losses summed over layers (`models.moe.LOSSES`;
+        empty for a dense model). MoE groups run through `oases_jax.moe.stack.run_groups`."""
         graphdef, stacked = nnx.split(self.blocks)
-        x_BLD = run_stack(block_fns(graphdef), stacked, x_BLD, scan=self.cfg.scan_layers,
-                          remat_default=self.cfg.remat)
-        return self.norm_f(x_BLD)
+        if self.cfg.moe:
+            x_BLD, losses = run_groups(group_fns(graphdef), stacked, x_BLD,
+                                       scan=self.cfg.scan_layers, remat_default=self.cfg.remat)
+        else:
+            x_BLD = run_stack(block_fns(graphdef), stacked, x_BLD, scan=self.cfg.scan_layers,
+                              remat_default=self.cfg.remat)
+            losses = {}
+        return self.norm_f(x_BLD), losses
 
     def logits(self, h_BLD: jax.Array) -> jax.Array:
         """Logits over the padded vocabulary, float32."""
@@ -65,7 +81,27 @@ class Transformer(nnx.Module):
         return logits_BLV.astype(jnp.float32)
 
     def __call__(self, tokens_BL: jax.Array) -> jax.Array:
-        return self.logits(self.backbone(self.embed_tokens(tokens_BL)))
+        return self.forward(tokens_BL)[0]
+
+    def forward(self, tokens_BL: jax.Array) -> tuple[jax.Array, dict]:
+        """(logits, the MoE router losses summed over layers; {} for a dense model)."""
+        h_BLD, losses = self.backbone_with_losses(self.embed_tokens(tokens_BL))
+        return self.logits(h_BLD), losses
+
+
+def objective(model: Transformer, tokens_BL: jax.Array) -> tuple[jax.Array, dict]:
+    """The training loss of next-token prediction on tokens [B, L+1] and its parts: cross
+    entropy, plus for an MoE model router_aux_weight * load-balancing loss + router_z_weight *
+    z-loss (both summed over the MoE layers). The parts reported are the cross entropy and the
+    per-MoE-layer means of the router losses and of the dropped fraction."""
+    cfg = model.cfg
+    logits_BLV, losses = model.forward(tokens_BL[:, :-1])
+    ce = cross_entropy(logits_BLV, tokens_BL[:, 1:], cfg.vocab_size)
+    if not losses:
+        return ce, {}
+    loss = ce + cfg.router_aux_weight * losses["aux_loss"] + cfg.router_z_weight * losses["z_loss"]
+    n = cfg.n_moe_layers
+    return loss, {"ce_loss": ce, **{k: v / n for k, v in losses.items()}}
 
 
 def cross_entropy(logits_BLV: jax.Array, targets_BL: jax.Array, vocab_size: int) -> jax.Array:

@@ -163,14 +163,21 @@ def compiler_options(schedules: str | Iterable[str], platform: str) -> dict:
         return {}
     out: dict = {}
     for name in [schedules] if isinstance(schedules, str) else schedules:
-        for key, value in get(name).gpu_options.items():
-            if key not in out:
-                out[key] = value
-            elif key == "xla_disable_hlo_passes":  # comma-separated pass names: their union
-                have = out[key].split(",")
-                out[key] = ",".join(have + [n for n in value.split(",") if n not in have])
-            elif key.endswith("_limit") or isinstance(value, bool):
-                out[key] = max(out[key], value)
-            else:
-                out[key] = min(out[key], value)
+        out = merge_options(out, get(name).gpu_options)
+    return out
+
+
+def merge_options(out: Mapping, options: Mapping) -> dict:
+    """Two programs' XLA options as one (the rules of `compiler_options`)."""
+    out = dict(out)
+    for key, value in options.items():
+        if key not in out:
+            out[key] = value
+        elif key == "xla_disable_hlo_passes":  # comma-separated pass names: their union
+            have = out[key].split(",")
+            out[key] = ",".join(have + [n for n in value.split(",") if n not in have])
+        elif key.endswith("_limit") or isinstance(value, bool):
+            out[key] = max(out[key], value)
+        else:
+            out[key] = min(out[key], value)
     return out

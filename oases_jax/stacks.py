@@ -101,6 +101,7 @@ class Parallel:
     rules: ShardingRules
     default: LayerSpec = LayerSpec()
     layers: tuple[LayerSpec, ...] | None = None
+    moe: Any = None  # MoE models: how their MoE layers run (`oases_jax.moe.MoESetup`)
 
     def segments(self, n_layers: int, remat_default: str | None = None
                  ) -> list[tuple[int, int, Segment]]:

@@ -11,6 +11,7 @@ import statistics
 
 from oases_jax import registry
 from oases_jax.cli import Parser, add_runtime_flags, init_runtime, run_main
+from oases_jax.moe import schedules as moe_schedules
 from training.flags import add_model_flags, model_from_flags
 
 
@@ -23,6 +24,10 @@ def parse_args(argv=None):
     g.add_argument("--schedule", default="megatron",
                    help=f"tensor-parallel schedule: {', '.join(registry.SCHEDULES)}")
     g.add_argument("--sub-batches", type=int, default=2, help="oases schedules: sub-batches")
+    g.add_argument("--moe-schedule", default="auto", help="MoE models: how MoE layers run: "
+                   f"{', '.join(moe_schedules.CHOICES)} (default auto: by the cost model)")
+    g.add_argument("--moe-chunks", type=int, default=0,
+                   help="parm_s2's capacity chunks (default 0: the cost model's choice)")
     g.add_argument("--plan", help="a plan JSON from scripts/plan.py, or `auto` to plan for the "
                    "local devices (sets mesh, rules, micro-batches and each layer's strategy)")
     g = p.add_argument_group("optimisation")
@@ -61,7 +66,8 @@ def build_config(args):
     import jax
 
     parallel = ParallelConfig(mesh=args.mesh, rules=args.rules, schedule=args.schedule,
-                              sub_batches=args.sub_batches)
+                              sub_batches=args.sub_batches, moe_schedule=args.moe_schedule,
+                              moe_chunks=args.moe_chunks)
     batch_size, microbatches, seq_len = args.batch_size, args.microbatches, args.seq_len
     if args.plan:
         parallel, batch_size, microbatches, seq_len = plan_config(args, model)

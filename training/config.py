@@ -10,6 +10,8 @@ from oases_jax import registry
 from oases_jax.errors import UserError
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.mesh import parse_mesh
+from oases_jax.moe import MoESetup
+from oases_jax.moe import schedules as moe_schedules
 from oases_jax.primepar import square_size
 from oases_jax.rules import RULE_SETS
 from oases_jax.schema import MAX_GLOBAL_BATCH, MAX_SEQ_LEN, MAX_TOKENS_PER_STEP
@@ -68,6 +70,10 @@ class ParallelConfig:
     rules: str = "tp"
     schedule: str = "megatron"
     sub_batches: int = 2  # Oases schedules: sub-batches per micro-batch
+    # MoE models: how the MoE layers run (`oases_jax.moe.schedules`) and parm_s2's chunk count
+    # (0: the cost model's choice).
+    moe_schedule: str = "auto"
+    moe_chunks: int = 0
     # Per-layer strategies from a plan; None: every layer runs `schedule`.
     layers: tuple[LayerSpec, ...] | None = None
 
@@ -78,6 +84,7 @@ class ParallelConfig:
                             f"{', '.join(RULE_SETS)}")
         if self.sub_batches < 1:
             raise UserError(f"--sub-batches {self.sub_batches} must be >= 1")
+        _check_moe_flags(self)
         if self.rules == "primepar" and not spec.square:
             raise UserError(f"--rules primepar is the rule set of --schedule primepar, not of "
                             f"--schedule {self.schedule}; drop --rules or pass --schedule primepar")
@@ -102,6 +109,10 @@ class ParallelConfig:
         return math.lcm(*(s.spec.layer_sub_batches(s.sub_batches) for s in layers))
 
     @property
+    def moe_setup(self) -> MoESetup:
+        return MoESetup(schedule=self.moe_schedule, chunks=self.moe_chunks)
+
+    @property
     def schedules(self) -> tuple[str, ...]:
         """The schedules the layers run, each once, in layer order."""
         scheds = [s.schedule for s in self.layers] if self.layers else [self.schedule]
@@ -117,6 +128,22 @@ class ParallelConfig:
         """The rule set actually used: the schedule's (`ScheduleSpec.rules_for`), e.g. `tp`
         upgraded to `tp_sp` by a sequence-parallel schedule."""
         return registry.get(self.schedule).rules_for(self.rules)
+
+
+def _check_moe_flags(par: ParallelConfig) -> None:
+    """--moe-schedule names a schedule, an explicit one has an expert axis to run on, and
+    --moe-chunks is a count."""
+    moe_schedules.check(par.moe_schedule)
+    if par.moe_chunks < 0 or par.moe_chunks > 64:
+        raise UserError(f"--moe-chunks {par.moe_chunks} must be in 0..64 (0: the cost model's "
+                        "choice)")
+    if par.moe_schedule == "auto" or not moe_schedules.get(par.moe_schedule).needs_expert_axis:
+        return
+    spec = parse_mesh(par.mesh)
+    if spec.size("expert") == 1:
+        raise UserError(f"--moe-schedule {par.moe_schedule} needs an expert mesh axis and --mesh "
+                        f"{par.mesh} has none; add one (e.g. --mesh data=2,expert=2,tensor=2) or "
+                        "use --moe-schedule auto")
 
 
 def _check_square_mesh(schedule: str, mesh: str, rules: str) -> None:

@@ -251,6 +251,8 @@ def _run(cfg, state, fns, step_fn, train_batches, val_batches, ckpt, corpus_desc
                     "loss": loss,
                     "lr": float(lr_at(step - 1)),
                     "grad_norm": _scalar(m["grad_norm"]),
+                    # MoE: cross entropy, router losses per MoE layer, dropped-choice fraction
+                    **{k: _scalar(v) for k, v in m.items() if k not in ("loss", "grad_norm")},
                 }
                 if window_tokens:
                     record |= throughput(

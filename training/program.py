@@ -25,6 +25,8 @@ from models.transformer import FAMILY_NORM
 from oases_jax import registry
 from oases_jax.errors import UserError
 from oases_jax.layer_plan import LayerSpec
+from oases_jax.moe import schedules as moe_schedules
+from oases_jax.moe.stack import scan_schedules
 from oases_jax.rules import constrain, get_rules
 from oases_jax.stacks import Parallel, run_layer, use_parallel
 from training.checks import check_shapes
@@ -74,8 +76,38 @@ def platform_of(mesh: Mesh) -> str:
 
 
 def compiler_options(parallel: ParallelConfig, mesh: Mesh) -> dict:
-    """The XLA options the schedules of `parallel` need on the mesh's platform."""
-    return registry.compiler_options(parallel.schedules, platform_of(mesh))
+    """The XLA options the schedules of `parallel` need on the mesh's platform (an MoE run's
+    MoE schedule's too: those of parm_s2 wherever `auto` may choose it)."""
+    out = registry.compiler_options(parallel.schedules, platform_of(mesh))
+    if platform_of(mesh) in ("gpu", "cuda", "rocm"):
+        name = parallel.moe_schedule
+        extra = moe_schedules.get("parm_s2" if name == "auto" else name).gpu_options
+        out = registry.merge_options(out, extra)
+    return out
+
+
+def check_moe(model: ModelConfig, par: ParallelConfig, mesh: Mesh) -> None:
+    """An MoE model's flags against the mesh, before anything is traced: experts divisible by
+    the expert axis, a rule set and schedule MoE layers run under. A dense model with an
+    explicit --moe-schedule is refused (it would be ignored)."""
+    if not model.moe:
+        if par.moe_schedule != "auto" or par.moe_chunks:
+            raise UserError(f"--moe-schedule {par.moe_schedule} / --moe-chunks need an MoE model "
+                            "(n_experts set, e.g. --model small-moe); drop them")
+        return
+    ep = dict(mesh.shape).get("expert", 1)
+    if model.n_experts % ep:
+        raise UserError(f"n_experts={model.n_experts} does not split over mesh axis expert={ep}; "
+                        f"use a number of experts divisible by {ep} or a smaller expert axis")
+    if par.rules_name not in ("dp", "tp", "tp_sp"):
+        raise UserError(f"MoE models run under --rules dp, tp or tp_sp, not {par.rules_name}; "
+                        "the experts are split over expert and tensor, never over data")
+    if par.layers is not None:
+        raise UserError("per-layer plans do not cover MoE models yet; run an MoE model with "
+                        "--schedule and --moe-schedule instead of --plan")
+    if par.schedule not in scan_schedules():
+        raise UserError(f"--schedule {par.schedule} runs its layers inside one shard_map, which "
+                        f"MoE layers do not join yet; use one of {', '.join(scan_schedules())}")
 
 
 @dataclasses.dataclass
@@ -109,10 +141,15 @@ def lower(spec: CompileSpec, mesh: Mesh, tx: optax.GradientTransformation | None
                  seq_len=spec.seq_len, mesh=mesh, sub_batches=par.layer_sub_batches,
                  rules=get_rules("tp_sp") if par.sequence_parallel else rules)
     options = compiler_options(par, mesh)
+    if spec.layer and spec.model.moe:
+        raise UserError("--layer compiles one dense block; an MoE model's layer program is not "
+                        "built yet: compile its train step (drop --layer)")
     if spec.layer:
         return StepProgram(spec, mesh, _lower_layer(spec, mesh), options)
     tx = tx or make_optimizer(OptimConfig(), total_steps=1000)
-    fns = build_step_fns(spec.model, tx, Parallel(mesh, rules, par.default_layer, par.layers))
+    check_moe(spec.model, par, mesh)
+    fns = build_step_fns(spec.model, tx, Parallel(mesh, rules, par.default_layer, par.layers,
+                                                  moe=par.moe_setup))
     m = spec.microbatches
     batch = jax.ShapeDtypeStruct((m, spec.batch_size // m, spec.seq_len + 1), jnp.int32,
                                  sharding=fns.batch_sharding)

@@ -13,8 +13,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
+from models.moe import LOSSES as MOE_LOSSES
 from models.sharding import abstract_model, param_shardings
-from models.transformer import cross_entropy
+from models.transformer import objective
 from oases_jax.rules import ShardingRules, outer_axes
 from oases_jax.stacks import Parallel, use_parallel
 
@@ -37,9 +38,15 @@ class StepFns:
 
 
 def loss_fn(graphdef: nnx.GraphDef, params: nnx.State, tokens_BL: jax.Array, vocab: int):
-    model = nnx.merge(graphdef, params)
-    logits_BLV = model(tokens_BL[:, :-1])
-    return cross_entropy(logits_BLV, tokens_BL[:, 1:], vocab)
+    """The training objective and its logged parts (`models.transformer.objective`: for an MoE
+    model the cross entropy, router losses and dropped fraction; {} for a dense one)."""
+    return objective(nnx.merge(graphdef, params), tokens_BL)
+
+
+def metric_zeros(cfg: ModelConfig) -> dict:
+    """Zeros shaped like the train step's per-micro-batch metrics, to accumulate into."""
+    names = ("loss",) + (("ce_loss",) + MOE_LOSSES if cfg.moe else ())
+    return {k: jnp.zeros((), jnp.float32) for k in names}
 
 
 def build_step_fns(cfg: ModelConfig, tx: optax.GradientTransformation,
@@ -62,7 +69,13 @@ def build_step_fns(cfg: ModelConfig, tx: optax.GradientTransformation,
     state_sh = {"params": p_sh, "opt_state": o_sh, "step": replicated, "rng": replicated}
     batch_spec = rules.act_spec((None, "batch", None), mesh)
     batch_sh = NamedSharding(mesh, batch_spec)
-    grad_fn = jax.value_and_grad(lambda p, t: loss_fn(graphdef, p, t, cfg.vocab_size))
+    value_and_grad = jax.value_and_grad(lambda p, t: loss_fn(graphdef, p, t, cfg.vocab_size),
+                                        has_aux=True)
+
+    def grad_fn(p, t):  # ({"loss": objective, **its parts}, gradients)
+        (loss, parts), grads = value_and_grad(p, t)
+        return {"loss": loss, **parts}, grads
+
     groups = accumulation_groups(rules, mesh)
 
     def train_step(state: TrainState, batch_MBL: jax.Array):
@@ -71,14 +84,14 @@ def build_step_fns(cfg: ModelConfig, tx: optax.GradientTransformation,
             loss, grads = grad_fn(params, batch_MBL[0])
         elif groups > 1:
             loss, grads = _accumulate_in_groups(grad_fn, params, batch_MBL, groups, rules, mesh,
-                                                p_sh)
+                                                p_sh, metric_zeros(cfg))
         else:
 
             def micro(acc, tokens_BL):
                 loss, g = grad_fn(params, tokens_BL)
                 return jax.tree.map(jnp.add, acc, (loss, g)), None
 
-            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+            zeros = (metric_zeros(cfg), jax.tree.map(jnp.zeros_like, params))
             (loss, grads), _ = jax.lax.scan(micro, zeros, batch_MBL)
             loss, grads = jax.tree.map(lambda x: x / batch_MBL.shape[0], (loss, grads))
         updates, opt_state = tx.update(grads, state["opt_state"], params)
@@ -88,7 +101,7 @@ def build_step_fns(cfg: ModelConfig, tx: optax.GradientTransformation,
             "step": state["step"] + 1,
             "rng": state["rng"],
         }
-        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        return new_state, {**loss, "grad_norm": optax.tree.norm(grads)}
 
     def traced(fn):
         # Trace under the mesh, rules and layer strategies, so the model's `constrain` calls and
@@ -107,7 +120,7 @@ def build_step_fns(cfg: ModelConfig, tx: optax.GradientTransformation,
             donate_argnums=0,
         )
         eval_jit = jax.jit(
-            traced(lambda p, t: loss_fn(graphdef, p, t[0], cfg.vocab_size)),
+            traced(lambda p, t: _eval_loss(*loss_fn(graphdef, p, t[0], cfg.vocab_size))),
             in_shardings=(p_sh, batch_sh),
             out_shardings=replicated,
         )
@@ -154,8 +167,13 @@ def accumulation_groups(rules: ShardingRules, mesh: Mesh, data: str = "data") ->
     return size
 
 
+def _eval_loss(loss: jax.Array, parts: dict) -> jax.Array:
+    """Validation reports the cross entropy (an MoE model's objective adds router losses)."""
+    return parts.get("ce_loss", loss)
+
+
 def _accumulate_in_groups(grad_fn, params, batch_MBL, groups: int, rules: ShardingRules,
-                          mesh: Mesh, p_sh):
+                          mesh: Mesh, p_sh, metric_zeros: dict):
     """Mean loss and gradients over M micro-batches, reduced over the data axis once.
 
     A plain scan of `grad_fn` gives each micro-batch's gradients the parameters' (replicated)
@@ -171,7 +189,7 @@ def _accumulate_in_groups(grad_fn, params, batch_MBL, groups: int, rules: Shardi
             return jax.tree.map(jnp.add, acc, grad_fn(params, tokens_BL)), None
 
         with outer_axes("data"):
-            zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+            zeros = (metric_zeros, jax.tree.map(jnp.zeros_like, params))
             total, _ = jax.lax.scan(micro, zeros, tokens_MBL)
         return jax.lax.psum(total, "data")
 
