@@ -13,7 +13,9 @@ each under its rule set, projection strategy and remat policy with one of three 
                       layer to its last, each layer's last all-reduce completed in the next layer
                       (Oases' cross-layer overlap)
 
-A pipeline runner joins these as a sibling.
+A pipeline runner joins these as a sibling, and so does the MoE group runner
+(`oases_jax.moe.stack.run_groups`: a scan over groups of moe_every - 1 dense layers and one MoE
+layer, carrying the router losses).
 """
 
 from __future__ import annotations
