@@ -59,30 +59,34 @@ def _cast(p: nnx.Param, dtype) -> jax.Array:
 @functools.partial(jax.checkpoint, static_argnums=(3,), prevent_cse=False)
 def layer_norm(x_BLD: jax.Array, scale_D: jax.Array, bias_D: jax.Array, eps: float) -> jax.Array:
     """LayerNorm with float32 statistics, returned in the input's dtype."""
-    x = x_BLD.astype(jnp.float32)
-    mean = x.mean(-1, keepdims=True)
-    var = jnp.square(x - mean).mean(-1, keepdims=True)
-    y = (x - mean) * jax.lax.rsqrt(var + eps) * scale_D + bias_D
-    return y.astype(x_BLD.dtype)
+    with jax.named_scope("norm"):
+        x = x_BLD.astype(jnp.float32)
+        mean = x.mean(-1, keepdims=True)
+        var = jnp.square(x - mean).mean(-1, keepdims=True)
+        y = (x - mean) * jax.lax.rsqrt(var + eps) * scale_D + bias_D
+        return y.astype(x_BLD.dtype)
 
 
 @functools.partial(jax.checkpoint, static_argnums=(2,), prevent_cse=False)
 def rms_norm(x_BLD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
     """RMSNorm with float32 statistics, returned in the input's dtype."""
-    x = x_BLD.astype(jnp.float32)
-    y = x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + eps) * scale_D
-    return y.astype(x_BLD.dtype)
+    with jax.named_scope("norm"):
+        x = x_BLD.astype(jnp.float32)
+        y = x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + eps) * scale_D
+        return y.astype(x_BLD.dtype)
 
 
 @functools.partial(jax.checkpoint, prevent_cse=False)
 def swiglu(gate_BLF: jax.Array, up_BLF: jax.Array) -> jax.Array:
-    return jax.nn.silu(gate_BLF) * up_BLF
+    with jax.named_scope("activation"):
+        return jax.nn.silu(gate_BLF) * up_BLF
 
 
 @functools.partial(jax.checkpoint, prevent_cse=False)
 def gelu(h_BLF: jax.Array) -> jax.Array:
     """GELU in GPT-2's tanh form."""
-    return jax.nn.gelu(h_BLF, approximate=True)
+    with jax.named_scope("activation"):
+        return jax.nn.gelu(h_BLF, approximate=True)
 
 
 class LayerNorm(nnx.Module):
@@ -119,6 +123,7 @@ def rope_frequencies(cfg: ModelConfig) -> jax.Array:
     return (1 - blend) * inv_freq / s + blend * inv_freq
 
 
+@jax.named_scope("rope")
 def rope(x_BLHK: jax.Array, inv_freq: jax.Array) -> jax.Array:
     """Rotary embedding, half-split convention (the Hugging Face LLaMA layout), at the
     `rope_frequencies` of the model."""
@@ -168,6 +173,7 @@ def attention_impl(cfg: ModelConfig) -> str:
     return "xla"
 
 
+@jax.named_scope("attention")
 def _xla_attention(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array) -> jax.Array:
     """Causal attention with the scores materialised in float32."""
     b, length, h, k = q_BLHK.shape
@@ -220,13 +226,15 @@ class Attention(nnx.Module):
         k_BLGK = constrain(k_BLGK, ("batch", None, "kv_heads", "head_dim"))
         v_BLGK = constrain(v_BLGK, ("batch", None, "kv_heads", "head_dim"))
         if attention_impl(cfg) == "cudnn":
-            o_BLHK = jax.nn.dot_product_attention(
-                q_BLHK, k_BLGK, v_BLGK, is_causal=True, implementation="cudnn")
+            with jax.named_scope("attention"):
+                o_BLHK = jax.nn.dot_product_attention(
+                    q_BLHK, k_BLGK, v_BLGK, is_causal=True, implementation="cudnn")
         else:
             o_BLHK = _xla_attention(q_BLHK, k_BLGK, v_BLGK)
         out_BLD = proj.row(o_BLHK, _cast(self.wo, dt), ("heads", "head_dim", "embed"))
         if cfg.use_bias:
-            out_BLD += _cast(self.bo, dt)
+            with jax.named_scope("bias"):
+                out_BLD += _cast(self.bo, dt)
         return checkpoint_name(out_BLD, "attn_out")
 
 
@@ -261,7 +269,8 @@ class MLP(nnx.Module):
     @staticmethod
     def _finish(out_BLD: jax.Array, bias: jax.Array | None) -> jax.Array:
         if bias is not None:
-            out_BLD += bias
+            with jax.named_scope("bias"):
+                out_BLD += bias
         return checkpoint_name(out_BLD, "mlp_out")
 
     def __call__(self, x_BLD: jax.Array) -> jax.Array:

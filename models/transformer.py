@@ -44,6 +44,7 @@ class Transformer(nnx.Module):
         if not cfg.tied:
             self.head = param(rngs, (d, vp), ("embed", "vocab"), std=0.02)
 
+    @jax.named_scope("embed")
     def embed_tokens(self, tokens_BL: jax.Array) -> jax.Array:
         dt = jnp.dtype(self.cfg.dtype)
         x_BLD = jnp.take(self.embed[...], tokens_BL, axis=0).astype(dt)
@@ -70,6 +71,7 @@ class Transformer(nnx.Module):
             losses = {}
         return self.norm_f(x_BLD), losses
 
+    @jax.named_scope("loss")
     def logits(self, h_BLD: jax.Array) -> jax.Array:
         """Logits over the padded vocabulary, float32."""
         dt = h_BLD.dtype
@@ -104,6 +106,7 @@ def objective(model: Transformer, tokens_BL: jax.Array) -> tuple[jax.Array, dict
     return loss, {"ce_loss": ce, **{k: v / n for k, v in losses.items()}}
 
 
+@jax.named_scope("loss")
 def cross_entropy(logits_BLV: jax.Array, targets_BL: jax.Array, vocab_size: int) -> jax.Array:
     """Mean next-token cross-entropy; padded vocabulary rows are masked out of the softmax."""
     valid_V = jnp.arange(logits_BLV.shape[-1]) < vocab_size

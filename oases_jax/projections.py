@@ -323,6 +323,7 @@ def row(h: jax.Array, w: jax.Array, names: Logical) -> jax.Array:
     return active().row(h, w, names)
 
 
+@jax.named_scope("bias")
 def add_bias(y: jax.Array, b: jax.Array, names: Logical) -> jax.Array:
     """y + b for a column projection's output y [B, L, *out] and its bias b named `names`, in
     whatever layout the projection left y (primepar: skewed)."""

@@ -86,7 +86,9 @@ def run(order: StepOrder, x_BLD: jax.Array, ops: dict[str, Callable[[jax.Array],
     xs = list(split(order, x_BLD))
     for step in order.steps:
         x = before_step(xs[step.sub_batch])
-        xs[step.sub_batch] = constrain(x + ops[step.op](x))
+        out = ops[step.op](x)
+        with jax.named_scope("residual"):
+            xs[step.sub_batch] = constrain(x + out)
         after_step(xs[step.sub_batch])
     return join(xs)
 
@@ -113,7 +115,9 @@ def run_overlapped(order: StepOrder, xs: Sequence[jax.Array], pending: Any,
         if i == len(order.steps) - 1:
             xs[step.sub_batch], new_pending = x, defer(x)
         else:
-            xs[step.sub_batch] = x + ops[step.op](x)
+            out = ops[step.op](x)
+            with jax.named_scope("residual"):
+                xs[step.sub_batch] = x + out
             after_step(xs[step.sub_batch])
     return tuple(xs), new_pending
 

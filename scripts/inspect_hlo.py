@@ -41,6 +41,8 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, help="global batch (default 8)")
     p.add_argument("--seq-len", type=int, help="default: the model's max_seq_len, at most 1024")
     p.add_argument("--json", metavar="OUT", help="write the report as JSON")
+    p.add_argument("--fusions", action="store_true",
+                   help="also print the per-op account of the compute outside the GEMMs")
     p.add_argument("--timeline", metavar="OUT.png", help="draw the timeline")
     p.add_argument("--timeline-source", choices=("sim", "xla"), default="sim",
                    help="whose timeline --timeline draws: our simulator's or XLA's estimate "
@@ -141,6 +143,10 @@ def main() -> int:
     reports = [inspect(s, i == 0) for i, s in enumerate(schedules)]
     for r in reports:
         print(report.summary(r), end="\n\n")
+        if args.fusions and r.get("fusions"):
+            from oases_jax.analysis.fusions import format_summary
+
+            print(format_summary(r["fusions"]), end="\n\n")
     if len(reports) > 1:
         print(report.compare_table(reports))
     if args.json:

@@ -13,6 +13,7 @@ import tempfile
 import time
 
 from oases_jax import registry
+from oases_jax.analysis import fusions
 from oases_jax.analysis.attention import attention_kernel
 from oases_jax.analysis.program import Analysis, Program, analyze
 from oases_jax.analysis.simulate import SimResult, simulate
@@ -72,6 +73,9 @@ class Inspection:
             "compile_s": self.compile_s,
             "compiler_options": self.options,
             "xla_estimate": self.xla.to_json() if self.xla else None,
+            # Where the compute time goes outside the GEMMs (`oases_jax.analysis.fusions`).
+            "fusions": fusions.summarize(
+                fusions.account(self.program, self.target.cluster.device_spec)),
         }
 
 

@@ -94,14 +94,15 @@ def build_step_fns(cfg: ModelConfig, tx: optax.GradientTransformation,
             zeros = (metric_zeros(cfg), jax.tree.map(jnp.zeros_like, params))
             (loss, grads), _ = jax.lax.scan(micro, zeros, batch_MBL)
             loss, grads = jax.tree.map(lambda x: x / batch_MBL.shape[0], (loss, grads))
-        updates, opt_state = tx.update(grads, state["opt_state"], params)
-        new_state = {
-            "params": optax.apply_updates(params, updates),
-            "opt_state": opt_state,
-            "step": state["step"] + 1,
-            "rng": state["rng"],
-        }
-        return new_state, {**loss, "grad_norm": optax.tree.norm(grads)}
+        with jax.named_scope("optimizer"):
+            updates, opt_state = tx.update(grads, state["opt_state"], params)
+            new_state = {
+                "params": optax.apply_updates(params, updates),
+                "opt_state": opt_state,
+                "step": state["step"] + 1,
+                "rng": state["rng"],
+            }
+            return new_state, {**loss, "grad_norm": optax.tree.norm(grads)}
 
     def traced(fn):
         # Trace under the mesh, rules and layer strategies, so the model's `constrain` calls and

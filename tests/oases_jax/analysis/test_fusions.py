@@ -1,0 +1,77 @@
+"""The per-op account of compute outside the GEMMs: categories from name scopes and op kinds,
+calls from loop trip counts, bytes and roofline times by hand arithmetic."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from oases_jax.analysis import fusions
+from oases_jax.analysis.hardware import DeviceSpec
+from oases_jax.analysis.program import Program
+
+N, D = 1024, 256  # an f32 [N, D] array is 1 MiB
+MIB = 2**20
+
+
+def _program(fn, *args) -> Program:
+    return Program(jax.jit(fn).lower(*args).compile().as_text())
+
+
+@pytest.fixture(scope="module")
+def rows():
+    def step(x, w, h):
+        with jax.named_scope("norm"):
+            y = x * 2.0 + 1.0  # one elementwise fusion: reads x, writes y
+
+        def body(c, _):
+            with jax.named_scope("activation"):
+                return jnp.tanh(c) * 3.0, None
+
+        z, _ = jax.lax.scan(body, y, None, length=4)  # 4 trips of one fusion
+        g = z @ w  # a GEMM
+        cast = h.astype(jnp.bfloat16)  # a conversion and nothing else
+        return g, cast
+
+    x = jnp.ones((N, D), jnp.float32)
+    w = jnp.ones((D, D), jnp.float32)
+    h = jnp.ones((N, D), jnp.float32)
+    program = _program(step, x, w, h)
+    device = DeviceSpec(name="test", match=(), peak_flops={"float32": 1e12, "bfloat16": 2e12},
+                        hbm_bytes_per_s=1e12, memory_bytes=80e9)
+    return fusions.account(program, device)
+
+
+def _one(rows, category):
+    found = [r for r in rows if r.category == category]
+    assert found, [(r.name, r.category) for r in rows]
+    return found
+
+
+def test_categories_calls_and_bytes(rows):
+    norm = _one(rows, "norm")
+    assert sum(r.total_bytes for r in norm) == 2 * MIB  # read x, write y: 1 MiB each
+    act = _one(rows, "activation")
+    assert {r.calls for r in act} == {4}
+    assert sum(r.bytes for r in act) == 2 * MIB  # per trip: read c, write the next c
+    conv = _one(rows, "convert")
+    assert max(r.total_bytes for r in conv) == MIB + MIB // 2  # f32 in, bf16 out
+    gemm = _one(rows, "gemm")
+    assert sum(r.calls * r.flops for r in gemm) == 2 * N * D * D
+
+
+def test_roofline_seconds(rows):
+    """Elementwise ops are bandwidth-bound: bytes / (1000 GB/s)."""
+    for r in _one(rows, "norm"):
+        assert r.seconds == pytest.approx(r.bytes / 1e12)
+
+
+def test_summary_splits_gemm_from_the_rest(rows):
+    s = fusions.summarize(rows, top=3)
+    assert s["gemm"]["flops"] == 2 * N * D * D
+    assert s["non_gemm"]["bytes"] == sum(r.total_bytes for r in rows if not r.gemm)
+    assert set(s["non_gemm_by_category"]) >= {"norm", "activation", "convert"}
+    assert len(s["top_non_gemm"]) == 3
+    top = [r["total_s"] for r in s["top_non_gemm"]]
+    assert top == sorted(top, reverse=True)
+    text = fusions.format_summary(s)
+    assert "activation" in text and "GEMMs" in text
