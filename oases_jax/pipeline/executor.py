@@ -1,0 +1,380 @@
+"""The one pipeline executor: runs any schedule's tick table inside a `shard_map` manual over the
+`stage` axis (docs/parallelism.md, "Pipeline executor").
+
+Each tick every stage switches (`lax.switch` on its own op code: a real conditional per device)
+to one of: idle, a forward that keeps its VJP residuals (F), a forward that keeps only its input
+for a later recompute (F or PF of a recomputed micro-batch), a recompute (R, RrG) that rebuilds
+the residuals from that input, or a backward (B) that applies the stored VJP. Outside the switch
+one activation and one gradient `ppermute` per tick move what the stages sent to their
+neighbours; non-circular schedules use shifts of S-1 pairs, never a wrap-around edge (interleaved
+adds the S-1 -> 0 edge as its own one-pair permute, so no permute holds a ring).
+
+Everything stateful is addressed by slots allocated offline (`plan`): received activations and
+gradients wait in small receive buffers, residuals in pools shared between the virtual stages a
+device holds. Residual leaves that are the stage's parameters themselves are never stored (the
+backward re-traces the VJP and takes them from the live parameters), so no micro-batch keeps a
+copy of the weights. Gradients accumulate in one local buffer per stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from oases_jax.errors import UserError
+from oases_jax.pipeline.actions import vstage
+from oases_jax.pipeline.table import Schedule
+
+# Columns of a plan row (one per tick and stage).
+BRANCH, MB, SLOT_IN, SLOT_OUT, ACT_READ, GRAD_READ, ACT_STORE, GRAD_STORE = range(8)
+KINDS = ("IDLE", "F", "FS", "R", "B")  # FS: a forward that stashes its input for a recompute
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A schedule compiled to what the executor reads: `branches[i]` = (kind, virtual stage) of
+    branch i (0 is IDLE), `rows[t][s]` the eight columns above, and per device the slots each
+    buffer needs. Pure Python: built and checked without devices."""
+
+    schedule: Schedule
+    branches: tuple[tuple[str, int], ...]
+    rows: np.ndarray  # int32 [T, S, 8]
+    res_slots: tuple[int, ...]  # per virtual stage: residual slots
+    stash_slots: tuple[int, ...]  # per virtual stage: stashed-input slots
+    act_slots: int  # receive-buffer slots (the same count on every device: SPMD shapes)
+    grad_slots: int
+
+    @property
+    def stages(self) -> int:
+        return self.schedule.stages
+
+    @property
+    def virtual(self) -> int:
+        return self.schedule.virtual
+
+    @property
+    def wraps(self) -> bool:
+        return self.schedule.chunks > 1
+
+
+class _Slots:
+    """First-fit slot allocation; `peak` is the slots ever used at once."""
+
+    def __init__(self):
+        self.free: list[int] = []
+        self.used = 0
+
+    def take(self) -> int:
+        if self.free:
+            self.free.sort()
+            return self.free.pop(0)
+        self.used += 1
+        return self.used - 1
+
+    def give(self, slot: int) -> None:
+        self.free.append(slot)
+
+
+def plan(schedule: Schedule) -> Plan:
+    """Lower a schedule's tick table to executor rows with statically allocated slots."""
+    if schedule.split_backward:
+        raise UserError(f"the {schedule.name} schedule splits the backward into B and W, which "
+                        f"the executor does not run yet: use 1f1b, gpipe, interleaved or merak")
+    table = schedule.ticks()
+    S, V = schedule.stages, schedule.virtual
+    recomputed = schedule.recomputed()
+    branches: list[tuple[str, int]] = [("IDLE", -1)]
+    index: dict[tuple[str, int], int] = {}
+
+    def branch(kind: str, j: int) -> int:
+        if (kind, j) not in index:
+            index[(kind, j)] = len(branches)
+            branches.append((kind, j))
+        return index[(kind, j)]
+
+    T = len(table.ticks)
+    rows = np.zeros((T, S, 8), np.int32)
+    res = [_Slots() for _ in range(V)]
+    stash = [_Slots() for _ in range(V)]
+    act = [_Slots() for _ in range(S)]
+    grad = [_Slots() for _ in range(S)]
+    held_res: dict[tuple[int, int], int] = {}
+    held_stash: dict[tuple[int, int], int] = {}
+    held_act: dict[tuple[int, int], int] = {}  # (mb, receiving virtual stage) -> slot
+    held_grad: dict[tuple[int, int], int] = {}
+    pending_store: list[list[tuple[str, int, int]]] = [[] for _ in range(T)]
+    for t, row in enumerate(table.ticks):
+        for s, a in enumerate(row):
+            r = rows[t, s]
+            if a.kind == "IDLE":
+                continue
+            j = vstage(s, a, S)
+            key = (a.mb, j)
+            r[MB] = a.mb
+            if a.kind in ("F", "PF"):
+                stashes = key in recomputed
+                r[BRANCH] = branch("FS" if stashes else "F", j)
+                pool, held = (stash, held_stash) if stashes else (res, held_res)
+                held[key] = r[SLOT_OUT] = pool[j].take()
+                if j > 0:
+                    r[ACT_READ] = held_act.pop(key)
+            elif a.kind in ("R", "RrG"):
+                r[BRANCH] = branch("R", j)
+                r[SLOT_IN] = held_stash.pop(key)
+                held_res[key] = r[SLOT_OUT] = res[j].take()
+            elif a.kind == "B":
+                r[BRANCH] = branch("B", j)
+                r[SLOT_IN] = held_res.pop(key)
+                if j + 1 < V:
+                    r[GRAD_READ] = held_grad.pop(key)
+            else:
+                raise UserError(f"the executor has no {a.kind} action (schedule "
+                                f"{schedule.name})")
+        # Slots read this tick are free before this tick's arrivals are stored.
+        for s, a in enumerate(row):
+            if a.kind == "IDLE":
+                continue
+            j = vstage(s, a, S)
+            r = rows[t, s]
+            if a.kind in ("F", "PF") and j > 0:
+                act[s].give(int(r[ACT_READ]))
+            if a.kind in ("R", "RrG"):
+                stash[j].give(int(r[SLOT_IN]))
+            if a.kind == "B":
+                res[j].give(int(r[SLOT_IN]))
+                if j + 1 < V:
+                    grad[s].give(int(r[GRAD_READ]))
+        for x in table.transfers[t]:
+            pending_store[t].append((x.kind, x.mb, x.dst))
+        for kind, mb, dst in pending_store[t]:
+            d = dst % S
+            slots, held, col = ((act, held_act, ACT_STORE) if kind == "act"
+                                else (grad, held_grad, GRAD_STORE))
+            held[(mb, dst)] = rows[t, d, col] = slots[d].take()
+    act_slots = max(a.used for a in act)
+    grad_slots = max(g.used for g in grad)
+    # Ticks with no arrival store into a scratch slot past the real ones.
+    stored = np.zeros((T, S), bool), np.zeros((T, S), bool)
+    for t in range(T):
+        for kind, _, dst in pending_store[t]:
+            stored[kind != "act"][t, dst % S] = True
+    rows[..., ACT_STORE] = np.where(stored[0], rows[..., ACT_STORE], act_slots)
+    rows[..., GRAD_STORE] = np.where(stored[1], rows[..., GRAD_STORE], grad_slots)
+    return Plan(schedule, tuple(branches), rows, tuple(r.used for r in res),
+                tuple(s.used for s in stash), act_slots, grad_slots)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageProgram:
+    """What the executor runs for virtual stage j (all pure functions, traced per branch).
+
+    forward(j)(params_j, x, data_mb) -> the activation sent on (j < V-1) or the micro-batch's
+        scalar loss (j = V-1); x is None on j = 0, which reads its input from data_mb.
+    params(j)(local) -> params_j: the pytree of parameters stage j uses, sliced from the
+        device's local parameters (the VJP's primal, so its gradient has the same structure).
+    add_grads(j)(acc, grads_j) -> acc: the stage's gradients added into the local accumulator.
+    act: ShapeDtypeStruct of one micro-batch's activation (what moves between stages).
+    """
+
+    forward: Callable[[int], Callable]
+    params: Callable[[int], Callable[[Any], Any]]
+    add_grads: Callable[[int], Callable[[Any, Any], Any]]
+    act: jax.ShapeDtypeStruct
+
+
+def _bucket(a) -> tuple:
+    return (tuple(a.shape), jnp.dtype(a.dtype).name)
+
+
+def _split_residuals(vjp_fn, params_j) -> tuple[list, list[bool], Any]:
+    """The VJP's residual leaves, which of them are the primal parameters themselves, and its
+    tree structure."""
+    leaves, tree = jax.tree.flatten(vjp_fn)
+    ids = {id(p) for p in jax.tree.leaves(params_j)}
+    return leaves, [id(leaf) in ids for leaf in leaves], tree
+
+
+def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = "stage",
+        poison: bool = False):
+    """Run the plan on this device (inside a shard_map manual over `stage_axis`): returns (sum
+    of the micro-batches' losses on this device (non-zero on the last stage only), the
+    gradient accumulator of `local_params`' structure, float32, summed over micro-batches).
+    `poison` fills every buffer and every bubble's transfer with NaN: a correct plan never
+    reads them, so the result must not change."""
+    S, V = p.stages, p.virtual
+    s = jax.lax.axis_index(stage_axis)
+    fill = jnp.nan if poison else 0.0
+    act_aval = prog.act
+
+    def vjp_of(j, params_j, x, data_mb):
+        fwd = prog.forward(j)
+        if j == 0:
+            return jax.vjp(lambda pj: fwd(pj, None, data_mb), params_j)
+        return jax.vjp(lambda pj, xx: fwd(pj, xx, data_mb), params_j, x)
+
+    # Residual layouts of every virtual stage (shapes only), from one abstract trace each.
+    layouts: dict[int, list] = {}
+    for j in range(V):
+        def trace(local, data_mb, j=j):
+            params_j = prog.params(j)(local)
+            x = None if j == 0 else jnp.zeros(act_aval.shape, act_aval.dtype)
+            _, vjp_fn = vjp_of(j, params_j, x, data_mb)
+            leaves, is_param, _ = _split_residuals(vjp_fn, params_j)
+            return [leaf for leaf, ip in zip(leaves, is_param, strict=True) if not ip]
+
+        layouts[j] = jax.eval_shape(trace, local_params, data_M[0])
+    stash_layout = {j: ([] if j == 0 else [act_aval]) for j in range(V)}
+
+    # Pools: one buffer per (shape, dtype); each device's virtual stages take disjoint ranges.
+    offsets: dict[tuple[str, int], dict[tuple, int]] = {}
+    counts: dict[tuple[str, int], dict[tuple, int]] = {}
+    pool_size: dict[tuple, int] = {}
+    avals: dict[tuple, Any] = {}
+    for d in range(S):
+        used: dict[tuple, int] = {}
+        for j in range(d, V, S):
+            for what, layout, slots in (("res", layouts[j], p.res_slots[j]),
+                                        ("stash", stash_layout[j], p.stash_slots[j])):
+                per = {}
+                for leaf in layout:
+                    per[_bucket(leaf)] = per.get(_bucket(leaf), 0) + 1
+                    avals[_bucket(leaf)] = leaf
+                counts[(what, j)] = per
+                offsets[(what, j)] = {k: used.get(k, 0) for k in per}
+                for k, n in per.items():
+                    used[k] = used.get(k, 0) + n * slots
+        for k, n in used.items():
+            pool_size[k] = max(pool_size.get(k, 0), n)
+    keys = sorted(pool_size)
+
+    def empty(shape, dtype):
+        dtype = jnp.dtype(dtype)
+        value = fill if jnp.issubdtype(dtype, jnp.floating) else 0
+        return jnp.full(shape, value, dtype)
+
+    pools = {i: empty((pool_size[k], *avals[k].shape), avals[k].dtype)
+             for i, k in enumerate(keys)}
+
+    def store(pools_, what, j, slot, leaves):
+        pools_ = dict(pools_)
+        seen: dict[tuple, int] = {}
+        for leaf in leaves:
+            k = _bucket(leaf)
+            i = keys.index(k)
+            at = offsets[(what, j)][k] + slot * counts[(what, j)][k] + seen.get(k, 0)
+            seen[k] = seen.get(k, 0) + 1
+            pools_[i] = jax.lax.dynamic_update_index_in_dim(pools_[i], leaf, at, 0)
+        return pools_
+
+    def load(pools_, what, j, slot, layout):
+        seen: dict[tuple, int] = {}
+        out = []
+        for leaf in layout:
+            k = _bucket(leaf)
+            at = offsets[(what, j)][k] + slot * counts[(what, j)][k] + seen.get(k, 0)
+            seen[k] = seen.get(k, 0) + 1
+            out.append(jax.lax.dynamic_index_in_dim(pools_[keys.index(k)], at, 0, keepdims=False))
+        return out
+
+    no_send = jnp.full(act_aval.shape, fill, act_aval.dtype)
+
+    def forward_branch(j, stash_only):
+        def go(carry, r):
+            pools_, act_buf, grad_buf, acc, loss = carry
+            data_mb = data_M[r[MB]]
+            params_j = prog.params(j)(local_params)
+            x = None if j == 0 else act_buf[r[ACT_READ]]
+            if stash_only:
+                out = prog.forward(j)(params_j, x, data_mb)
+                pools_ = store(pools_, "stash", j, r[SLOT_OUT], [] if j == 0 else [x])
+            else:
+                out, vjp_fn = vjp_of(j, params_j, x, data_mb)
+                leaves, is_param, _ = _split_residuals(vjp_fn, params_j)
+                pools_ = store(pools_, "res", j, r[SLOT_OUT],
+                               [leaf for leaf, ip in zip(leaves, is_param, strict=True)
+                                if not ip])
+            if j == V - 1:
+                loss = loss + out.astype(jnp.float32)
+                send = no_send
+            else:
+                send = out.astype(act_aval.dtype)
+            return (pools_, act_buf, grad_buf, acc, loss), send, no_send
+        return go
+
+    def recompute_branch(j):
+        def go(carry, r):
+            pools_, act_buf, grad_buf, acc, loss = carry
+            data_mb = data_M[r[MB]]
+            params_j = prog.params(j)(local_params)
+            x = None if j == 0 else load(pools_, "stash", j, r[SLOT_IN], stash_layout[j])[0]
+            _, vjp_fn = vjp_of(j, params_j, x, data_mb)
+            leaves, is_param, _ = _split_residuals(vjp_fn, params_j)
+            pools_ = store(pools_, "res", j, r[SLOT_OUT],
+                           [leaf for leaf, ip in zip(leaves, is_param, strict=True) if not ip])
+            return (pools_, act_buf, grad_buf, acc, loss), no_send, no_send
+        return go
+
+    def backward_branch(j):
+        def go(carry, r):
+            pools_, act_buf, grad_buf, acc, loss = carry
+            data_mb = data_M[r[MB]]
+            params_j = prog.params(j)(local_params)
+            # A fresh trace gives the VJP's structure and its parameter leaves; its forward is
+            # dead code (every other residual comes from the pool) and XLA removes it.
+            x0 = None if j == 0 else jnp.zeros(act_aval.shape, act_aval.dtype)
+            _, fresh = vjp_of(j, params_j, x0, data_mb)
+            leaves, is_param, tree = _split_residuals(fresh, params_j)
+            stored = iter(load(pools_, "res", j, r[SLOT_IN], layouts[j]))
+            vjp_fn = jax.tree.unflatten(tree, [leaf if ip else next(stored)
+                                               for leaf, ip in zip(leaves, is_param,
+                                                                   strict=True)])
+            if j == V - 1:
+                ct = jnp.ones((), jnp.float32)
+            else:
+                ct = grad_buf[r[GRAD_READ]]
+            grads = vjp_fn(ct)
+            acc = prog.add_grads(j)(acc, grads[0])
+            send = no_send if j == 0 else grads[1].astype(act_aval.dtype)
+            return (pools_, act_buf, grad_buf, acc, loss), no_send, send
+        return go
+
+    def idle(carry, r):
+        return carry, no_send, no_send
+
+    branches = [idle]
+    for kind, j in p.branches[1:]:
+        branches.append({"F": lambda j: forward_branch(j, False),
+                         "FS": lambda j: forward_branch(j, True),
+                         "R": recompute_branch, "B": backward_branch}[kind](j))
+
+    shift_act = [(d, d + 1) for d in range(S - 1)]
+    shift_grad = [(d + 1, d) for d in range(S - 1)]
+
+    def move(send, shift, wrap_pair, wrap_dst):
+        got = jax.lax.ppermute(send, stage_axis, shift) if shift else send
+        if p.wraps:
+            wrapped = jax.lax.ppermute(send, stage_axis, [wrap_pair])
+            got = jnp.where(s == wrap_dst, wrapped, got)
+        return got
+
+    def tick(carry, rows_t):
+        r = rows_t[s]
+        carry, send_act, send_grad = jax.lax.switch(r[BRANCH], branches, carry, r)
+        pools_, act_buf, grad_buf, acc, loss = carry
+        got_act = move(send_act, shift_act, (S - 1, 0), 0)
+        got_grad = move(send_grad, shift_grad, (0, S - 1), S - 1)
+        act_buf = jax.lax.dynamic_update_index_in_dim(act_buf, got_act, r[ACT_STORE], 0)
+        grad_buf = jax.lax.dynamic_update_index_in_dim(grad_buf, got_grad, r[GRAD_STORE], 0)
+        return (pools_, act_buf, grad_buf, acc, loss), None
+
+    acc0 = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), local_params)
+    act_buf = empty((p.act_slots + 1, *act_aval.shape), act_aval.dtype)
+    grad_buf = empty((p.grad_slots + 1, *act_aval.shape), act_aval.dtype)
+    carry = (pools, act_buf, grad_buf, acc0, jnp.zeros((), jnp.float32))
+    carry, _ = jax.lax.scan(tick, carry, jnp.asarray(p.rows))
+    return carry[4], carry[3]

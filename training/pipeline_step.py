@@ -1,0 +1,296 @@
+"""The pipelined train step: the transformer split into contiguous stages on the `stage` mesh
+axis and run by `oases_jax.pipeline.executor` under a schedule (docs/parallelism.md,
+"Pipeline parallelism").
+
+Parameter layout: each stacked block parameter [L, ...] is stored as [S, v, Lmax, ...], sharded
+on `stage` (device s, chunk c holds virtual stage c*S + s, whose n_j layers are the first n_j
+of its Lmax rows; uneven stages leave zero padding rows that no stage reads, whose gradients
+and AdamW updates are zero). Embedding, final norm and head are replicated over `stage`; only
+the first stage (embedding) and the last (norm, head, loss; the embedding again when tied) use
+them, and their gradients are summed over `stage` once per step. Checkpoints hold the standard
+[L, ...] layout (`layout_fns`), so a run resumes onto any stage count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import types
+from collections.abc import Sequence
+from fractions import Fraction
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from models.config import ModelConfig
+from models.layers import block_fns
+from models.transformer import Transformer, cross_entropy
+from oases_jax.errors import UserError
+from oases_jax.pipeline import executor, schedules
+from oases_jax.pipeline import remat as pipe_remat
+from oases_jax.rules import ShardingRules, outer_axes
+from oases_jax.stacks import Parallel, run_stack, use_parallel
+
+STAGE = "stage"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipelineSpec:
+    """A pipeline: schedule name, S stages (the mesh's `stage` size), M micro-batches, v chunks
+    per stage (interleaved), per-device layer counts and per-stage recompute ratios."""
+
+    schedule: str
+    stages: int
+    microbatches: int
+    layers: tuple[int, ...]  # per device, summing to the model's layers
+    chunks: int = 1
+    ratios: tuple[Fraction, ...] | None = None  # stage-aware remat; None: none
+
+    @property
+    def virtual(self) -> int:
+        return self.stages * self.chunks
+
+    def virtual_layers(self) -> tuple[int, ...]:
+        """n_j, layers of virtual stage j = c*S + s: device s's count split into v chunks."""
+        return tuple(self.layers[j % self.stages] // self.chunks for j in range(self.virtual))
+
+    def starts(self) -> tuple[int, ...]:
+        n = self.virtual_layers()
+        return tuple(sum(n[:j]) for j in range(self.virtual))
+
+    @property
+    def lmax(self) -> int:
+        return max(self.virtual_layers())
+
+    def recomputed(self) -> tuple[int, ...]:
+        """Per virtual stage, its first layers recomputed in the backward (stage-aware remat;
+        a chunk recomputes its device's ratio of its own layers)."""
+        if self.ratios is None:
+            return (0,) * self.virtual
+        n = self.virtual_layers()
+        return tuple(math.floor(n[j] * self.ratios[j % self.stages]) for j in range(self.virtual))
+
+    def schedule_table(self) -> schedules.Schedule:
+        build = schedules.get(self.schedule)
+        if self.schedule == "interleaved":
+            return build(self.stages, self.microbatches, self.chunks)
+        return build(self.stages, self.microbatches)
+
+    def index(self) -> tuple[np.ndarray, np.ndarray]:
+        """(layer index [S, v, Lmax], valid mask [S, v, Lmax]) of the stage layout."""
+        S, v, lmax = self.stages, self.chunks, self.lmax
+        idx = np.zeros((S, v, lmax), np.int32)
+        mask = np.zeros((S, v, lmax), bool)
+        for j, (start, n) in enumerate(zip(self.starts(), self.virtual_layers(), strict=True)):
+            s, c = j % S, j // S
+            idx[s, c, :n] = np.arange(start, start + n)
+            mask[s, c, :n] = True
+        return idx, mask
+
+
+def pipeline_spec(cfg: ModelConfig, *, schedule: str, stages: int, microbatches: int,
+                  stage_layers: str | Sequence[int] | None = None, chunks: int = 1,
+                  remat_ratios: str | None = None) -> PipelineSpec:
+    """Checked pipeline settings (one-line UserErrors naming the value and the fix)."""
+    if cfg.moe:
+        raise UserError("--pipeline does not run MoE models yet; drop --pipeline or use a dense "
+                        "model")
+    if schedule == "zb_h1":
+        raise UserError("--pipeline zb_h1 splits the backward into B and W, which the executor "
+                        "does not run yet; use 1f1b, gpipe, interleaved or merak")
+    if schedule != "interleaved" and chunks != 1:
+        raise UserError(f"--virtual-stages {chunks} needs --pipeline interleaved (the "
+                        f"{schedule} schedule holds one chunk per stage)")
+    if schedule == "interleaved" and chunks < 2:
+        chunks = 2
+    schedules.get(schedule)(stages, microbatches, *((chunks,) if schedule == "interleaved"
+                                                     else ()))  # its own M/S checks
+    layers = pipe_remat.parse_stage_layers(stage_layers, cfg.n_layers, stages, chunks)
+    ratios = None
+    if remat_ratios:
+        ratios = pipe_remat.parse_ratios(remat_ratios, stages, shifted=schedule == "merak")
+    _graphdefs(cfg)
+    return PipelineSpec(schedule=schedule, stages=stages, microbatches=microbatches,
+                        layers=layers, chunks=chunks, ratios=ratios)
+
+
+# --- Layout: standard [L, ...] <-> stage [S, v, Lmax, ...] --------------------------------------
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _stacked(var: nnx.Variable) -> bool:
+    names = tuple(var.get_metadata().get("out_sharding") or ())
+    return bool(names) and names[0] == "layers"
+
+
+def to_stages(tree, pipe: PipelineSpec):
+    """Every stacked block Variable in `tree` (parameters or a train state) to the stage
+    layout, padding rows zero."""
+    idx, mask = pipe.index()
+
+    def one(var):
+        if not (_is_var(var) and _stacked(var)):
+            return var
+        a = var.get_value()
+        m = jnp.asarray(mask).reshape(mask.shape + (1,) * (a.ndim - 1))
+        return var.replace(jnp.where(m, a[jnp.asarray(idx)], jnp.zeros((), a.dtype)))
+
+    return jax.tree.map(one, tree, is_leaf=_is_var)
+
+
+def from_stages(tree, pipe: PipelineSpec):
+    """The inverse of `to_stages`."""
+    idx, mask = pipe.index()
+    where = [np.argwhere((idx == layer) & mask)[0] for layer in range(sum(pipe.layers))]
+    s, c, i = (jnp.asarray([w[k] for w in where]) for k in range(3))
+
+    def one(var):
+        if not (_is_var(var) and _stacked(var)):
+            return var
+        return var.replace(var.get_value()[s, c, i])
+
+    return jax.tree.map(one, tree, is_leaf=_is_var)
+
+
+def stage_shardings(tree, rules: ShardingRules, mesh: Mesh):
+    """NamedShardings of a stage-layout tree: block leaves split on `stage` (then as the rules
+    say), everything else as the rules say (replicated over `stage`)."""
+
+    def one(var):
+        names = tuple(var.get_metadata().get("out_sharding") or ())
+        if _stacked(var):
+            spec = P(STAGE, None, None, *rules.param_spec(names[1:], mesh))
+        else:
+            spec = rules.param_spec(names, mesh)
+        return var.replace(NamedSharding(mesh, spec))
+
+    return jax.tree.map(one, tree, is_leaf=_is_var)
+
+
+# --- The stage program of the transformer -------------------------------------------------------
+
+
+def _shared_keys(cfg: ModelConfig, j: int, virtual: int) -> tuple[str, ...]:
+    keys = []
+    if j == 0:
+        keys += ["embed"] + (["pos"] if cfg.learned_positions else [])
+    if j == virtual - 1:
+        keys += ["norm_f"] + (["embed"] if cfg.tied else ["head"])
+    return tuple(dict.fromkeys(keys))
+
+
+@functools.lru_cache(maxsize=16)
+def _graphdefs(cfg: ModelConfig):
+    """The graphdefs of the stacked blocks and of the final norm (built outside any mesh:
+    `pipeline_spec` calls this first)."""
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    return nnx.split(model.blocks)[0], nnx.split(model.norm_f)[0]
+
+
+def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruct
+                  ) -> executor.StageProgram:
+    V, S = pipe.virtual, pipe.stages
+    gd_blocks, gd_norm = _graphdefs(cfg)
+    n_j, k_j = pipe.virtual_layers(), pipe.recomputed()
+    dt = jnp.dtype(cfg.dtype)
+
+    def params(j):
+        c, n = j // S, n_j[j]
+
+        def pick(local):
+            # Block weights enter the VJP already in the compute dtype: the backward keeps them
+            # as its own primal (never a per-micro-batch copy); the cast's transpose is the same
+            # cast of the gradient, so the gradients are those of the float32 weights.
+            def block(a):
+                a = a[c, :n]
+                return a.astype(dt) if a.ndim >= 3 and jnp.issubdtype(a.dtype, jnp.floating) \
+                    else a
+            return {"blocks": jax.tree.map(block, local["blocks"]),
+                    "shared": {k: local[k] for k in _shared_keys(cfg, j, V)}}
+        return pick
+
+    def add_grads(j):
+        c, n = j // S, n_j[j]
+
+        def add(acc, g):
+            acc = dict(acc)
+            acc["blocks"] = jax.tree.map(lambda a, b: a.at[c, :n].add(b.astype(a.dtype)),
+                                         acc["blocks"], g["blocks"])
+            for k, v in g["shared"].items():
+                acc[k] = jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc[k], v)
+            return acc
+        return add
+
+    def forward(j):
+        n, k = n_j[j], k_j[j]
+        first, last = j == 0, j == V - 1
+
+        def f(pj, x, tokens_BL):
+            sh = pj["shared"]
+            # The model's own methods on a stand-in holding only what this stage uses.
+            parts = types.SimpleNamespace(cfg=cfg, **{key: sh[key] for key in ("embed", "pos",
+                                                                             "head") if key in sh})
+            if first:
+                x = Transformer.embed_tokens(parts, tokens_BL[:, :-1])
+            fns = block_fns(gd_blocks)
+            stacked = pj["blocks"]
+            if k:
+                x = run_stack(fns, jax.tree.map(lambda a: a[:k], stacked), x,
+                              scan=cfg.scan_layers, remat_default="full")
+            if n > k:
+                x = run_stack(fns, jax.tree.map(lambda a: a[k:], stacked), x,
+                              scan=cfg.scan_layers, remat_default=cfg.remat)
+            if last:
+                h = nnx.merge(gd_norm, sh["norm_f"])(x)
+                logits = Transformer.logits(parts, h)
+                return cross_entropy(logits, tokens_BL[:, 1:], cfg.vocab_size)
+            return x
+        return f
+
+    return executor.StageProgram(forward=forward, params=params, add_grads=add_grads, act=act)
+
+
+def pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,
+                   params, batch_MBL, groups: int, *, poison: bool = False):
+    """(mean loss, mean gradients) of a batch of M micro-batches in the stage layout."""
+    mesh = parallel.mesh
+    manual = {STAGE} | ({"data"} if groups > 1 else set())
+    plan = executor.plan(pipe.schedule_table())
+    M, B, L1 = batch_MBL.shape
+    rows = B // groups
+    act = jax.ShapeDtypeStruct((rows, L1 - 1, cfg.d_model), jnp.dtype(cfg.dtype))
+    prog = stage_program(cfg, pipe, act)
+    p_specs = jax.tree.map(lambda var: P(STAGE) if _stacked(var) else P(), params,
+                           is_leaf=_is_var)
+    batch_spec = P(None, "data") if groups > 1 else P()
+
+    def local(params_in, tokens):
+        params = dict(params_in)
+        params["blocks"] = jax.tree.map(lambda a: a[0], params["blocks"])
+        with outer_axes(*manual), use_parallel(parallel):
+            loss, acc = executor.run(plan, prog, params, tokens, stage_axis=STAGE,
+                                     poison=poison)
+        acc["blocks"] = jax.tree.map(lambda a: a[None], acc["blocks"])
+        shared = {k: v for k, v in acc.items() if k != "blocks"}
+        acc.update(jax.lax.psum(shared, STAGE))
+        loss = jax.lax.psum(loss, STAGE)
+        if groups > 1:
+            loss, acc = jax.lax.psum((loss, acc), "data")
+        # Back to the parameters' own tree type (State and Variable nodes), key by key.
+        leaves = [leaf for key in params for leaf in jax.tree.leaves(acc[key])]
+        return loss, jax.tree.unflatten(jax.tree.structure(params_in), leaves)
+
+    loss, grads = jax.shard_map(local, mesh=mesh, in_specs=(p_specs, batch_spec),
+                                out_specs=(P(), p_specs), axis_names=manual,
+                                check_vma=False)(params, batch_MBL)
+    scale = 1.0 / (M * groups)
+    return loss * scale, jax.tree.map(lambda g: g * scale, grads)
+
