@@ -97,10 +97,12 @@ def slots(shape: LayerShape, schedule: str, chunks: int = 1) -> int:
     return -(-c // chunks) * chunks
 
 
-def collectives(shape: LayerShape, schedule: str, chunks: int = 1) -> tuple[Collective, ...]:
-    """The MoE path's collectives of one layer's forward, per device (the restore over MP
-    after the combine included: GSPMD's all-gather for S1/S2 under `megatron`, our all-reduce
-    for ds_moe). Byte counts are those of the compiled program's operands."""
+def collectives(shape: LayerShape, schedule: str, chunks: int = 1, *, restore: bool = True
+                ) -> tuple[Collective, ...]:
+    """The MoE path's collectives of one layer's forward, per device. Byte counts are those of
+    the compiled program's operands. `restore`: with the collective that gives the MP ranks
+    their tokens back after the combine (ds_moe's all-reduce inside the layer; for S1/S2 the
+    residual stream's all-gather under `megatron`, outside the layer's shard_map)."""
     s = slots(shape, schedule, chunks)
     e, d, b, mp, ep = shape.experts, shape.d_model, shape.dtype_bytes, shape.mp, shape.ep
     chunk = e * (s // chunks) * d * b  # one chunk's [E, S/r, D] buffer
@@ -112,7 +114,7 @@ def collectives(shape: LayerShape, schedule: str, chunks: int = 1) -> tuple[Coll
         out.append(Collective("reduce-scatter", "tensor", chunk * mp, mp, chunks))
         if schedule == "ds_moe":
             out.append(Collective("all-reduce", "tensor", shape.tokens * d * b, mp))
-        else:
+        elif restore:
             out.append(Collective("all-gather", "tensor", shape.tokens * d * b, mp))
     return tuple(out)
 
@@ -129,17 +131,18 @@ def _compute_s(hw: MoEHardware, flops: float, nbytes: float, dtype_bytes: int) -
 
 
 def _pipeline(stages: list[list[tuple[str, float]]]) -> float:
-    """Makespan of chunks' stage lists [(resource, seconds), ...] run in order per chunk, each
-    resource one stage at a time, chunks in order on each resource."""
+    """Makespan of chunks' stage lists [(resource, seconds), ...]: a chunk's stages run in order,
+    and each resource runs one stage at a time in program order, stage by stage and within a
+    stage chunk by chunk (every chunk's dispatch all-to-all is issued before any all-to-all
+    back), so chunk i's all-gather runs while chunk i+1's all-to-all is in flight."""
     free: dict[str, float] = {}
-    end = 0.0
-    for chunk in stages:
-        t = 0.0
-        for res, dur in chunk:
-            t = max(t, free.get(res, 0.0)) + dur
-            free[res] = t
-        end = max(end, t)
-    return end
+    ends = [0.0] * len(stages)
+    for step in range(len(stages[0])):
+        for c, chunk in enumerate(stages):
+            res, dur = chunk[step]
+            ends[c] = max(ends[c], free.get(res, 0.0)) + dur
+            free[res] = ends[c]
+    return max(ends)
 
 
 def estimate(shape: LayerShape, hw: MoEHardware, schedule: str, chunks: int = 1) -> Estimate:
