@@ -46,6 +46,25 @@ def _cast(p: nnx.Param, dtype) -> jax.Array:
     return p[...].astype(dtype)
 
 
+def compute_weights(stacked, dtype):
+    """The stacked layers' weight matrices cast to the compute dtype once per step, before the
+    layer loop, rather than at every use inside it (forward, recompute): one pass over the
+    float32 weights instead of two, the layer loop then slices bf16 weights (half the bytes),
+    and FSDP gathers them in bf16. Vectors (biases, norm scales) stay as they are: the norms
+    compute in float32 and a bias is cast where it is added. The values are the same as a cast
+    at each use; each weight's gradient reaches its float32 parameter through the one cast."""
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize >= 4:
+        return stacked
+
+    def cast(a):
+        if jnp.issubdtype(a.dtype, jnp.floating) and a.ndim >= 3 and a.dtype.itemsize > 2:
+            return a.astype(dtype)
+        return a
+
+    return jax.tree.map(cast, stacked)
+
+
 # Norms and activations keep only their compute-dtype inputs for the backward and recompute
 # their float32 internals there (`jax.checkpoint` around each): left to autodiff, an RMSNorm
 # saves three float32 copies of its [B, L, D] input and a SwiGLU three [B, L, F] products, per

@@ -12,7 +12,7 @@ from flax import nnx
 
 from models import gpt2, llama
 from models.config import ModelConfig
-from models.layers import Block, block_fns, param
+from models.layers import Block, block_fns, compute_weights, param
 from models.moe import MoEGroup, group_fns
 from oases_jax.moe.stack import run_groups
 from oases_jax.rules import constrain
@@ -62,6 +62,7 @@ class Transformer(nnx.Module):
         """`backbone` and the MoE layers' router losses summed over layers (`models.moe.LOSSES`;
         empty for a dense model). MoE groups run through `oases_jax.moe.stack.run_groups`."""
         graphdef, stacked = nnx.split(self.blocks)
+        stacked = compute_weights(stacked, x_BLD.dtype)
         if self.cfg.moe:
             x_BLD, losses = run_groups(group_fns(graphdef), stacked, x_BLD,
                                        scan=self.cfg.scan_layers, remat_default=self.cfg.remat)

@@ -126,7 +126,11 @@ def account(program: Program, device: DeviceSpec) -> list[OpCost]:
     rows: list[OpCost] = []
     for comp, count in program.walk():
         for instr in comp.instrs:
-            if instr.opcode in ("while", "call", "conditional") or not program.is_compute(instr):
+            if instr.opcode in ("while", "call", "conditional"):
+                continue
+            # An asynchronous fusion (a layer's slice of the stacked weights copied while the
+            # previous layer computes) costs what it moves, as the simulator prices it.
+            if not (program.is_compute(instr) or instr.opcode == "fusion-start"):
                 continue
             rows.append(_row(program, comp, instr, count, device))
     return rows

@@ -96,3 +96,34 @@ def test_bf16_block_saves_no_float32_stream(family):
     # The hidden keeps up, gate and their product (gated) or its input and biased input (GELU).
     hidden = [a.shape for a in saved if a.shape[-1] == f]
     assert len(hidden) == (3 if cfg.gated_mlp else 2), hidden
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-llama"])
+def test_weights_cast_once_give_the_same_step(preset, monkeypatch):
+    """Casting the stacked weight matrices to bf16 once per step (`compute_weights`) computes
+    what a cast at each use did: the same loss and the same float32 gradients (up to XLA's
+    fusion choices, far inside bf16's precision), and float32 models are untouched."""
+    import models.transformer as transformer
+    from models.layers import compute_weights
+    from models.transformer import Transformer, objective
+
+    cfg = get_preset(preset).replace(dtype="bfloat16", attention="xla")
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, cfg.vocab_size)
+
+    def step(params):
+        return jax.value_and_grad(lambda p: objective(nnx.merge(graphdef, p), tokens)[0])(params)
+
+    once_loss, once_grads = jax.jit(step)(params)
+    monkeypatch.setattr(transformer, "compute_weights", lambda stacked, dtype: stacked)
+    each_loss, each_grads = jax.jit(step)(params)
+    np.testing.assert_allclose(once_loss, each_loss, rtol=1e-3)
+    for a, b in zip(jax.tree.leaves(once_grads), jax.tree.leaves(each_grads), strict=True):
+        assert a.dtype == b.dtype == jnp.float32
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-2 * float(np.abs(b).max()) + 1e-30)
+    stacked = nnx.split(model.blocks)[1]
+    assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(compute_weights(stacked, "float32")))
+    cast = jax.tree.leaves(compute_weights(stacked, "bfloat16"))
+    assert {a.dtype for a in cast if a.ndim >= 3} == {jnp.dtype(jnp.bfloat16)}
+    assert {a.dtype for a in cast if a.ndim < 3} == {jnp.dtype(jnp.float32)}
