@@ -28,6 +28,14 @@ def parse_args(argv=None):
                    f"{', '.join(moe_schedules.CHOICES)} (default auto: by the cost model)")
     g.add_argument("--moe-chunks", type=int, default=0,
                    help="parm_s2's capacity chunks (default 0: the cost model's choice)")
+    g.add_argument("--pipeline", help="pipeline schedule over the mesh's stage axis: gpipe, "
+                   "1f1b, interleaved or merak (default: none)")
+    g.add_argument("--stage-layers", help="layers per pipeline stage, e.g. 5,6,6,7 (default "
+                   "uniform)")
+    g.add_argument("--virtual-stages", type=int, default=0,
+                   help="interleaved: model chunks per stage (default 2)")
+    g.add_argument("--remat-ratios", help="stage-aware recompute: the first stage's ratio r0 "
+                   "(Merak's rule for the others) or one ratio per stage, e.g. 0.8,0.7,0.4,0")
     g.add_argument("--plan", help="a plan JSON from scripts/plan.py, or `auto` to plan for the "
                    "local devices (sets mesh, rules, micro-batches and each layer's strategy)")
     g = p.add_argument_group("optimisation")
@@ -67,7 +75,10 @@ def build_config(args):
 
     parallel = ParallelConfig(mesh=args.mesh, rules=args.rules, schedule=args.schedule,
                               sub_batches=args.sub_batches, moe_schedule=args.moe_schedule,
-                              moe_chunks=args.moe_chunks)
+                              moe_chunks=args.moe_chunks, pipeline=args.pipeline,
+                              stage_layers=args.stage_layers,
+                              virtual_stages=args.virtual_stages,
+                              remat_ratios=args.remat_ratios)
     batch_size, microbatches, seq_len = args.batch_size, args.microbatches, args.seq_len
     if args.plan:
         parallel, batch_size, microbatches, seq_len = plan_config(args, model)

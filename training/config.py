@@ -76,6 +76,13 @@ class ParallelConfig:
     moe_chunks: int = 0
     # Per-layer strategies from a plan; None: every layer runs `schedule`.
     layers: tuple[LayerSpec, ...] | None = None
+    # Pipeline parallelism over the mesh's `stage` axis (`training.pipeline_step`): the schedule
+    # (None: no pipeline), per-stage layer counts (None: uniform), chunks per stage
+    # (interleaved; 0: 2), and stage-aware recompute ratios (r0, or one per stage).
+    pipeline: str | None = None
+    stage_layers: str | None = None
+    virtual_stages: int = 0
+    remat_ratios: str | None = None
 
     def __post_init__(self):
         spec = registry.get(self.schedule)
@@ -95,6 +102,7 @@ class ParallelConfig:
             )
         if spec.square:
             _check_square_mesh(self.schedule, self.mesh, self.rules)
+        _check_pipeline(self)
 
     @property
     def default_layer(self) -> LayerSpec:
@@ -144,6 +152,41 @@ def _check_moe_flags(par: ParallelConfig) -> None:
         raise UserError(f"--moe-schedule {par.moe_schedule} needs an expert mesh axis and --mesh "
                         f"{par.mesh} has none; add one (e.g. --mesh data=2,expert=2,tensor=2) or "
                         "use --moe-schedule auto")
+
+
+def _check_pipeline(par: ParallelConfig) -> None:
+    """The pipeline flags against the mesh and the rest of the parallel config (what needs the
+    model or the micro-batches is checked by `training.pipeline_step.pipeline_spec`)."""
+    from oases_jax.pipeline.schedules import SCHEDULES
+
+    stages = parse_mesh(par.mesh).size("stage")
+    if par.pipeline is None:
+        if stages != 1:
+            raise UserError(f"--mesh {par.mesh} has a stage axis but no --pipeline schedule: pass "
+                            f"--pipeline 1f1b (or gpipe, interleaved, merak), or drop stage=")
+        for flag, value in (("--stage-layers", par.stage_layers),
+                            ("--remat-ratios", par.remat_ratios),
+                            ("--virtual-stages", par.virtual_stages or None)):
+            if value is not None:
+                raise UserError(f"{flag} {value} needs --pipeline and a stage mesh axis")
+        return
+    runnable = tuple(n for n in SCHEDULES if n != "zb_h1")
+    if par.pipeline not in runnable:
+        raise UserError(f"unknown --pipeline {par.pipeline!r}: choose one of "
+                        f"{', '.join(runnable)}")
+    if stages == 1:
+        raise UserError(f"--pipeline {par.pipeline} needs a stage axis in --mesh (e.g. "
+                        f"--mesh data=2,stage=2,tensor=2), got --mesh {par.mesh}")
+    if par.rules in ("fsdp", "fsdp_tp", "primepar"):
+        raise UserError(f"--pipeline does not combine with --rules {par.rules} yet: use --rules "
+                        f"dp, tp or tp_sp (data and tensor parallelism inside the stages)")
+    if par.layers is not None:
+        raise UserError("--pipeline runs every layer under one --schedule; a plan's per-layer "
+                        "strategies are not pipelined yet: drop --plan or --pipeline")
+    if par.virtual_stages < 0 or (par.virtual_stages and par.pipeline != "interleaved"
+                                  and par.virtual_stages != 1):
+        raise UserError(f"--virtual-stages {par.virtual_stages} needs --pipeline interleaved "
+                        f"and a count >= 2")
 
 
 def _check_square_mesh(schedule: str, mesh: str, rules: str) -> None:

@@ -21,6 +21,7 @@ from models.sharding import init_sharded
 from oases_jax.errors import UserError
 from oases_jax.mesh import make_mesh
 from oases_jax.rules import get_rules
+from training import pipeline_step
 from training.checkpoint import Checkpointer
 from training.config import TrainConfig
 from training.data import BatchSampler, load_corpus
@@ -120,6 +121,10 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
     )
     # Checkpoints hold the standard layout whatever the schedule stores (primepar: permuted).
     to_stored, to_standard = layout_fns(cfg.parallel.schedule, rules, mesh)
+    restore_as = fns.abstract_state
+    if cfg.parallel.pipeline:  # stage layout in the step, standard in checkpoints
+        pipe = pipeline_step.spec_for(cfg.model, cfg.parallel, cfg.microbatches, mesh)
+        to_stored, to_standard, restore_as = pipeline_step.layout(pipe, fns, rules, mesh)
     with _output_lock(cfg):  # before anything is written or read there
         ckpt = (
             Checkpointer(cfg.ckpt.dir, keep=cfg.ckpt.keep, create=not cfg.ckpt.resume,
@@ -128,7 +133,7 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
             else None
         )
         try:
-            state = _resumed_state(cfg, ckpt, fns)
+            state = _resumed_state(cfg, ckpt, restore_as)
             if state is None:
                 model = init_sharded(cfg.model, rules, mesh, cfg.seed)
                 state = new_state(to_stored(nnx.state(model)), fns, cfg.seed)
@@ -143,7 +148,7 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
                 ckpt.close()
 
 
-def _resumed_state(cfg: TrainConfig, ckpt: Checkpointer | None, fns):
+def _resumed_state(cfg: TrainConfig, ckpt: Checkpointer | None, restore_as):
     """The state of the latest checkpoint under --resume, else None (a fresh run, refused if
     the directory already holds checkpoints)."""
     if ckpt is None:
@@ -155,7 +160,7 @@ def _resumed_state(cfg: TrainConfig, ckpt: Checkpointer | None, fns):
                 f"--resume found no checkpoint in {cfg.ckpt.dir}; drop --resume to start fresh"
             )
         _check_resumable(ckpt.read_meta(latest), cfg)
-        return ckpt.restore(latest, fns.abstract_state)
+        return ckpt.restore(latest, restore_as)
     if latest is not None:
         raise UserError(
             f"--ckpt-dir {cfg.ckpt.dir} already holds checkpoints (latest step {latest}); pass "

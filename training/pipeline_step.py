@@ -23,12 +23,14 @@ from fractions import Fraction
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
 from models.layers import block_fns
+from models.sharding import abstract_model
 from models.transformer import Transformer, cross_entropy
 from oases_jax.errors import UserError
 from oases_jax.pipeline import executor, schedules
@@ -294,3 +296,111 @@ def pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,
     scale = 1.0 / (M * groups)
     return loss * scale, jax.tree.map(lambda g: g * scale, grads)
 
+
+
+# --- The train step ------------------------------------------------------------------------------
+
+
+def spec_for(cfg: ModelConfig, parallel_cfg, microbatches: int, mesh: Mesh) -> PipelineSpec:
+    """The pipeline a run asks for (`ParallelConfig.pipeline` and friends) on `mesh`."""
+    return pipeline_spec(cfg, schedule=parallel_cfg.pipeline, stages=mesh.shape.get(STAGE, 1),
+                         microbatches=microbatches, stage_layers=parallel_cfg.stage_layers,
+                         chunks=parallel_cfg.virtual_stages or (
+                             2 if parallel_cfg.pipeline == "interleaved" else 1),
+                         remat_ratios=parallel_cfg.remat_ratios)
+
+
+def build_pipeline_step_fns(cfg: ModelConfig, tx: optax.GradientTransformation,
+                            parallel: Parallel, pipe: PipelineSpec):
+    """`training.state.build_step_fns` for a pipelined model: the same StepFns (train step,
+    evaluation, optimizer init, shardings), over parameters in the stage layout."""
+    from training.state import StepFns, _eval_loss, accumulation_groups, loss_fn
+
+    rules, mesh = parallel.rules, parallel.mesh
+    graphdef, abstract_std = abstract_model(cfg)
+    abstract_params = jax.eval_shape(lambda p: to_stages(p, pipe), abstract_std)
+    p_sh = stage_shardings(abstract_params, rules, mesh)
+    replicated = NamedSharding(mesh, P())
+    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    o_sh = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, p_sh,
+                                 transform_non_params=lambda _: replicated, is_leaf=_is_var)
+    state_sh = {"params": p_sh, "opt_state": o_sh, "step": replicated, "rng": replicated}
+    groups = accumulation_groups(rules, mesh)
+    batch_sh = NamedSharding(mesh, P(None, "data") if groups > 1 else P())
+
+    def train_step(state, batch_MBL):
+        params = state["params"]
+        loss, grads = pipeline_grads(cfg, pipe, parallel, params, batch_MBL, groups)
+        with jax.named_scope("optimizer"):
+            updates, opt_state = tx.update(grads, state["opt_state"], params)
+            new_state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state,
+                         "step": state["step"] + 1, "rng": state["rng"]}
+            return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+
+    def evaluate(params, tokens):
+        # Evaluation is rare: the standard layout (gathered over `stage`) and the plain model.
+        return _eval_loss(*loss_fn(graphdef, from_stages(params, pipe), tokens[0],
+                                   cfg.vocab_size))
+
+    def traced(fn):
+        def wrapper(*args):
+            with use_parallel(parallel):
+                return fn(*args)
+        return wrapper
+
+    with jax.set_mesh(mesh):
+        step_jit = jax.jit(traced(train_step), in_shardings=(state_sh, batch_sh),
+                           out_shardings=(state_sh, replicated), donate_argnums=0)
+        eval_jit = jax.jit(traced(evaluate), in_shardings=(p_sh, batch_sh),
+                           out_shardings=replicated)
+        init_opt = jax.jit(tx.init, in_shardings=(p_sh,), out_shardings=o_sh)
+
+    def with_sharding(a, s):
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+
+    abstract_state = {
+        "params": jax.tree.map(with_sharding, abstract_params, p_sh),
+        "opt_state": jax.tree.map(with_sharding, abstract_opt, o_sh),
+        "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+        "rng": jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated),
+    }
+
+    def under_mesh(fn):
+        def call(*args):
+            with jax.set_mesh(mesh):
+                return fn(*args)
+        return call
+
+    return StepFns(train_step=under_mesh(step_jit), step_jit=step_jit,
+                   eval_loss=under_mesh(eval_jit), init_opt=under_mesh(init_opt),
+                   state_shardings=state_sh, batch_sharding=batch_sh,
+                   abstract_state=abstract_state)
+
+
+def layout(pipe: PipelineSpec, fns, rules: ShardingRules, mesh: Mesh):
+    """(to_stored, to_standard, restore_as) of a pipelined run: the train state to and from the
+    standard layout checkpoints hold (jitted, onto the step's shardings), and the abstract
+    standard-layout state a checkpoint is restored as (block leaves replicated over `stage`)."""
+    def standard(var):
+        if not (_is_var(var) and _stacked(var)):
+            return var
+        a = var.get_value()
+        names = tuple(var.get_metadata().get("out_sharding") or ())
+        shape = (sum(pipe.layers), *a.shape[3:])
+        sh = NamedSharding(mesh, P(None, *rules.param_spec(names[1:], mesh)))
+        return var.replace(jax.ShapeDtypeStruct(shape, a.dtype, sharding=sh))
+
+    restore_as = jax.tree.map(standard, fns.abstract_state, is_leaf=_is_var)
+    stored_sh = jax.tree.map(lambda a: a.sharding, fns.abstract_state)
+    standard_sh = jax.tree.map(lambda a: a.sharding, restore_as)
+    with jax.set_mesh(mesh):
+        to_stored = jax.jit(lambda t: to_stages(t, pipe), out_shardings=stored_sh)
+        to_standard = jax.jit(lambda t: from_stages(t, pipe), out_shardings=standard_sh)
+
+    def params_to_stored(tree):
+        """A params-only tree (fresh init) or a whole train state."""
+        if isinstance(tree, dict) and "params" in tree:
+            return to_stored(tree)
+        return jax.jit(lambda t: to_stages(t, pipe), out_shardings=stored_sh["params"])(tree)
+
+    return params_to_stored, to_standard, restore_as

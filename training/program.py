@@ -29,6 +29,7 @@ from oases_jax.moe import schedules as moe_schedules
 from oases_jax.moe.stack import scan_schedules
 from oases_jax.rules import constrain, get_rules
 from oases_jax.stacks import Parallel, run_layer, use_parallel
+from training import pipeline_step
 from training.checks import check_shapes
 from training.config import OptimConfig, ParallelConfig
 from training.optim import make_optimizer
@@ -148,8 +149,12 @@ def lower(spec: CompileSpec, mesh: Mesh, tx: optax.GradientTransformation | None
         return StepProgram(spec, mesh, _lower_layer(spec, mesh), options)
     tx = tx or make_optimizer(OptimConfig(), total_steps=1000)
     check_moe(spec.model, par, mesh)
-    fns = build_step_fns(spec.model, tx, Parallel(mesh, rules, par.default_layer, par.layers,
-                                                  moe=par.moe_setup))
+    parallel = Parallel(mesh, rules, par.default_layer, par.layers, moe=par.moe_setup)
+    if par.pipeline:  # the stages' own step (training.pipeline_step), same StepFns
+        pipe = pipeline_step.spec_for(spec.model, par, spec.microbatches, mesh)
+        fns = pipeline_step.build_pipeline_step_fns(spec.model, tx, parallel, pipe)
+    else:
+        fns = build_step_fns(spec.model, tx, parallel)
     m = spec.microbatches
     batch = jax.ShapeDtypeStruct((m, spec.batch_size // m, spec.seq_len + 1), jnp.int32,
                                  sharding=fns.batch_sharding)
