@@ -118,7 +118,11 @@ class ParallelConfig:
 
     @property
     def moe_setup(self) -> MoESetup:
-        return MoESetup(schedule=self.moe_schedule, chunks=self.moe_chunks)
+        """How the MoE layers run, with the alpha-beta model `auto` asks."""
+        from oases_jax.analysis.moe_cost import choose_for_mesh
+
+        return MoESetup(schedule=self.moe_schedule, chunks=self.moe_chunks,
+                        choose=choose_for_mesh)
 
     @property
     def schedules(self) -> tuple[str, ...]:

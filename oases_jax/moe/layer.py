@@ -21,20 +21,26 @@ from jax.sharding import Mesh
 
 from oases_jax import compat
 from oases_jax.errors import UserError
-from oases_jax.moe import cost, routing
+from oases_jax.moe import routing
 from oases_jax.moe.schedules import get as get_schedule
 from oases_jax.rules import ShardingRules
 
 EXPERT_AXIS, TENSOR_AXIS = "expert", "tensor"
 
 
+CHUNKS = (1, 2, 4, 8)  # parm_s2's chunk counts `auto` tries (1 is parm_s1)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MoESetup:
-    """How a run's MoE layers execute: the schedule (`auto` or a `MOE_SCHEDULES` name) and
-    parm_s2's chunk count (0: the cost model's choice)."""
+    """How a run's MoE layers execute: the schedule (`auto` or a `MOE_SCHEDULES` name),
+    parm_s2's chunk count (0: the cost model's choice), and the cost model `auto` asks
+    (`oases_jax.analysis.moe_cost.choose_for_mesh`, passed in by the training layer: the
+    runtime does not import the analysis tools); without one `auto` runs parm_s1."""
 
     schedule: str = "auto"
     chunks: int = 0
+    choose: Callable[..., tuple[str, int]] | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -106,15 +112,16 @@ def resolve(setup: MoESetup, axes: Axes, *, tokens: int, d_model: int, d_ff: int
     if setup.schedule == "auto":
         if axes.ep is None:
             return Choice("local")
-        shape = cost.LayerShape(tokens=tokens, d_model=d_model, d_ff=d_ff, experts=experts,
-                                top_k=args.top_k, capacity_factor=args.capacity_factor,
-                                dtype_bytes=dtype_bytes, gated=gated,
-                                ep=axes.size(axes.ep), mp=axes.size(axes.mp),
-                                dp=math.prod(axes.size(a) for a in axes.batch) //
-                                axes.size(axes.ep))
-        best = cost.choose(shape, cost.links_of_mesh(mesh, axes.ep, axes.mp),
-                           chunks=(setup.chunks,) if setup.chunks else cost.CHUNKS)
-        return Choice(best.schedule, best.chunks)
+        if setup.choose is None:
+            return Choice("parm_s1")
+        name, chunks = setup.choose(
+            mesh=mesh, ep_axis=axes.ep, mp_axis=axes.mp,
+            chunks=(1, setup.chunks) if setup.chunks else CHUNKS, tokens=tokens,
+            d_model=d_model, d_ff=d_ff, experts=experts, top_k=args.top_k,
+            capacity_factor=args.capacity_factor, dtype_bytes=dtype_bytes, gated=gated,
+            ep=axes.size(axes.ep), mp=axes.size(axes.mp),
+            dp=math.prod(axes.size(a) for a in axes.batch) // axes.size(axes.ep))
+        return Choice(name, chunks)
     spec = get_schedule(setup.schedule)
     if spec.needs_expert_axis and axes.ep is None:
         raise UserError(f"--moe-schedule {setup.schedule} needs an expert mesh axis of size > 1 "

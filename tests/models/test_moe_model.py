@@ -10,6 +10,7 @@ from models import get_preset
 from models.presets import PRESETS
 from models.sharding import abstract_model, init_sharded
 from models.transformer import Transformer, objective
+from oases_jax.analysis.moe_cost import choose_for_mesh
 from oases_jax.errors import UserError
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.mesh import make_mesh
@@ -36,7 +37,8 @@ def _sharded(cfg, mesh_text, moe_schedule, schedule="megatron", rules="tp", chun
     mesh, rule_set = make_mesh(mesh_text), get_rules(rules)
     graphdef, params = nnx.split(init_sharded(cfg, rule_set, mesh, 0))
     parallel = Parallel(mesh, rule_set, LayerSpec(schedule=schedule),
-                        moe=MoESetup(schedule=moe_schedule, chunks=chunks))
+                        moe=MoESetup(schedule=moe_schedule, chunks=chunks,
+                                     choose=choose_for_mesh))
 
     def f(p, t):
         with use_parallel(parallel):

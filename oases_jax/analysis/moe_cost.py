@@ -9,7 +9,9 @@ level share one resource, and nothing overlaps where collectives are synchronous
 one chunk this is the plain sum (S1); with r chunks chunk i's all-gather runs while chunk i+1's
 all-to-all is in flight (S2), each paying its own latency terms. The backward runs the mirrored
 stages (all-to-all <-> all-to-all, all-gather <-> reduce-scatter) with twice the FFN FLOPs.
-Formulas and their derivation: docs/parallelism.md, "Mixture of experts".
+Formulas and their derivation: docs/parallelism.md, "Mixture of experts". It lives with the
+analysis tools (it prices with their hardware model); the runtime gets `choose_for_mesh` as
+`MoESetup.choose` from the training layer.
 """
 
 from __future__ import annotations
@@ -186,6 +188,13 @@ def choose(shape: LayerShape, hw: MoEHardware, chunks=CHUNKS) -> Estimate:
             if est.total_s < best.total_s:
                 best = est
     return best
+
+
+def choose_for_mesh(*, mesh, ep_axis: str | None, mp_axis: str | None, chunks=CHUNKS,
+                    **shape) -> tuple[str, int]:
+    """`auto` for one layer on `mesh` (`oases_jax.moe.MoESetup.choose`): (schedule, chunks)."""
+    best = choose(LayerShape(**shape), links_of_mesh(mesh, ep_axis, mp_axis), chunks)
+    return best.schedule, best.chunks
 
 
 def links_of_mesh(mesh, ep_axis: str | None, mp_axis: str | None) -> MoEHardware:
