@@ -1,0 +1,83 @@
+"""The compiled pipelined step (CPU, through training/program.py): stage-to-stage transfers only
+between neighbours (no wrap-around edge in a non-circular schedule), no reduction over `data`
+inside the tick loop and one after it, no [S, ...param...] gradient tensor, and 1F1B's temporary
+memory flat in M where GPipe's grows."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from models import get_preset
+from oases_jax.analysis import hlo
+from oases_jax.mesh import make_mesh
+from training import ParallelConfig
+from training.program import CompileSpec, lower
+
+MESH = "data=2,stage=4"  # device d: data d // 4, stage d % 4
+CFG = get_preset("tiny").replace(n_layers=4, d_model=128, d_ff=512)
+
+
+def _compile(schedule: str, m: int):
+    spec = CompileSpec(model=CFG, parallel=ParallelConfig(mesh=MESH, rules="tp",
+                                                          schedule="megatron",
+                                                          pipeline=schedule),
+                       batch_size=4 * m, seq_len=64, microbatches=m)
+    return lower(spec, make_mesh(MESH, jax.devices())).compile()
+
+
+@pytest.fixture(scope="module")
+def one_f_one_b():
+    return _compile("1f1b", 8)
+
+
+def _walk(module, comp, seen=None):
+    """Every instruction of `comp` and of what it calls."""
+    seen = set() if seen is None else seen
+    for ins in comp.instrs:
+        yield ins
+        for c in ins.called:
+            if c in module.computations and c not in seen:
+                seen.add(c)
+                yield from _walk(module, module.computations[c], seen)
+
+
+def test_transfers_neighbours_and_one_data_reduction(one_f_one_b):
+    module = hlo.parse_module(one_f_one_b.as_text())
+    entry = module.computations[module.entry]
+    loops = [i for i in _walk(module, entry) if i.opcode == "while"
+             and (module.trip_count(i) or 0) > 8]
+    assert loops, "no tick loop"
+    body = module.computations[loops[0].attr("body").lstrip("%")]
+    inside = list(_walk(module, body))
+    permutes = [i for i in inside if i.opcode.startswith("collective-permute")]
+    assert permutes
+    for ins in permutes:
+        for src, dst in hlo.source_target_pairs(ins):
+            assert src // 4 == dst // 4 and abs(src % 4 - dst % 4) == 1, (src, dst)
+
+    def over_data(ins):
+        return any(len({d // 4 for d in g}) > 1 for g in hlo.replica_groups(ins, 8))
+
+    reductions = ("all-reduce", "reduce-scatter")
+    assert not [i for i in inside if i.opcode.startswith(reductions) and over_data(i)]
+    everywhere = [i for i in _walk(module, entry) if i.opcode.startswith(reductions)
+                  and over_data(i)]
+    assert everywhere, "the data-parallel reduction is missing"
+
+
+def test_no_stage_stacked_gradient_buffer(one_f_one_b):
+    """A per-device [S, ...] copy of a block parameter (the stacked-gradient trap) would show as
+    an array with a leading dim of 4 and a block weight's trailing shape; the local blocks are
+    [1, 1, 1, ...] (one chunk of one layer per stage)."""
+    text = one_f_one_b.as_text()
+    assert "f32[1,1,1,128,512]" in text  # the local block weight: the pattern is right
+    assert "f32[4,1,1,128,512]" not in text and "f32[4,1,128,512]" not in text
+
+
+@pytest.mark.slow
+def test_one_f_one_b_memory_is_flat_in_m_gpipe_grows():
+    temp = {(s, m): _compile(s, m).memory_analysis().temp_size_in_bytes
+            for s in ("1f1b", "gpipe") for m in (8, 16)}
+    assert temp[("1f1b", 16)] < 1.05 * temp[("1f1b", 8)], temp
+    assert temp[("gpipe", 16)] > 1.5 * temp[("gpipe", 8)], temp
