@@ -33,6 +33,12 @@ def parse_args(argv=None):
     p.add_argument("--schedule", help=f"tensor-parallel schedule: {', '.join(registry.SCHEDULES)} "
                    f"(default {DEFAULTS['schedule']})")
     p.add_argument("--sub-batches", type=int, help="oases schedules: sub-batches (default 2)")
+    p.add_argument("--pipeline", help="pipeline schedule over the mesh's stage axis: gpipe, "
+                   "1f1b, interleaved or merak (as train.py)")
+    p.add_argument("--microbatches", type=int, default=1, help="micro-batches per step")
+    p.add_argument("--stage-layers", help="pipeline: layers per stage, e.g. 5,6,6,7")
+    p.add_argument("--virtual-stages", type=int, default=0, help="interleaved: chunks per stage")
+    p.add_argument("--remat-ratios", help="pipeline: stage-aware recompute ratios (r0 or a list)")
     p.add_argument("--plan", help="a plan JSON from scripts/plan.py: its model (unless --model "
                    "is given), mesh, rules, batch, micro-batches and per-layer strategies")
     p.add_argument("--target", default="local",
@@ -114,10 +120,14 @@ def main() -> int:
             spec = plan.compile_spec(model)
         else:
             spec = CompileSpec(model=model, batch_size=args.batch_size, seq_len=seq_len,
-                               layer=args.layer,
+                               layer=args.layer, microbatches=args.microbatches,
                                parallel=ParallelConfig(mesh=args.mesh, rules=args.rules,
                                                        schedule=schedule,
-                                                       sub_batches=args.sub_batches))
+                                                       sub_batches=args.sub_batches,
+                                                       pipeline=args.pipeline,
+                                                       stage_layers=args.stage_layers,
+                                                       virtual_stages=args.virtual_stages,
+                                                       remat_ratios=args.remat_ratios))
         png = timeline_path(schedule, first)
         xla_png = png if args.timeline_source == "xla" else None
         if target.is_gpu_aot and may_abort(spec):

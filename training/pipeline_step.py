@@ -35,7 +35,7 @@ from models.transformer import Transformer, cross_entropy
 from oases_jax.errors import UserError
 from oases_jax.pipeline import executor, schedules
 from oases_jax.pipeline import remat as pipe_remat
-from oases_jax.rules import ShardingRules, outer_axes
+from oases_jax.rules import ShardingRules, outer_axes, spec_divides
 from oases_jax.stacks import Parallel, run_stack, use_parallel
 
 STAGE = "stage"
@@ -166,15 +166,24 @@ def stage_shardings(tree, rules: ShardingRules, mesh: Mesh):
     """NamedShardings of a stage-layout tree: block leaves split on `stage` (then as the rules
     say), everything else as the rules say (replicated over `stage`)."""
 
-    def one(var):
+    def one(path, var):
         names = tuple(var.get_metadata().get("out_sharding") or ())
         if _stacked(var):
             spec = P(STAGE, None, None, *rules.param_spec(names[1:], mesh))
+            names = (STAGE, "chunk", "layers") + names[1:]
         else:
             spec = rules.param_spec(names, mesh)
+        shape = var.get_value().shape
+        bad = spec_divides(shape, spec, mesh)
+        if bad is not None:
+            axes = spec[bad] if isinstance(spec[bad], tuple) else (spec[bad],)
+            sizes = ",".join(f"{a}={mesh.shape[a]}" for a in axes)
+            raise UserError(f"parameter {jax.tree_util.keystr(path)} dim {bad} ({names[bad]}="
+                            f"{shape[bad]}) is not divisible by mesh axis {sizes} under rules "
+                            f"{rules.name!r}; pick a mesh size that divides {shape[bad]}")
         return var.replace(NamedSharding(mesh, spec))
 
-    return jax.tree.map(one, tree, is_leaf=_is_var)
+    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_var)
 
 
 # --- The stage program of the transformer -------------------------------------------------------
