@@ -5,6 +5,8 @@ PYTHON ?= $(firstword $(foreach p,$(PY_CANDIDATES),$(shell $(p) -c 'import sys; 
 VENV := .venv
 PY := $(VENV)/bin/python
 EXTRAS ?= test
+# Tests marked slow run in CI (`.ci/run` passes MARK="slow or not slow"), not by default.
+MARK ?= not slow
 
 .PHONY: train test lint setup clean
 
@@ -22,7 +24,7 @@ train: setup
 
 test: setup
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest -m "$(MARK)" $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
