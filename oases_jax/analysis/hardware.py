@@ -231,9 +231,15 @@ CLUSTERS: dict[str, ClusterSpec] = {
                     levels=((4, _PCIE4), (32, _IB_100))),
         ClusterSpec(name="v100-32", device="v100", n_devices=32,
                     levels=((4, _NVLINK_V100), (32, _IB_100))),
+        # Merak's setting (64 GPUs; its own hardware is not public): PrimePar's V100 nodes of 4,
+        # 16 of them, and 8 H100 nodes of 8.
+        ClusterSpec(name="v100-64", device="v100", n_devices=64,
+                    levels=((4, _NVLINK_V100), (64, _IB_100))),
         ClusterSpec(name="h100-8", device="h100", n_devices=8, levels=((8, _NVLINK4),)),
         ClusterSpec(name="h100-32", device="h100", n_devices=32,
                     levels=((8, _NVLINK4), (32, _IB_400))),
+        ClusterSpec(name="h100-64", device="h100", n_devices=64,
+                    levels=((8, _NVLINK4), (64, _IB_400))),
         ClusterSpec(name="h200-8", device="h200", n_devices=8, levels=((8, _NVLINK4),)),
         ClusterSpec(name="cpu-8", device="cpu", n_devices=8, levels=((8, _HOST),)),
     )

@@ -258,3 +258,12 @@ def test_plan_then_train_end_to_end(tmp_path):
                    "--no-progress", "--eval-batches", "0", timeout=300)
     assert r.returncode == 0, r.stderr
     assert "plan auto" in r.stdout
+
+
+@pytest.mark.parametrize("name, per_node, n", [("v100-64", 4, 64), ("h100-64", 8, 64)])
+def test_merak_clusters(name, per_node, n):
+    """Merak's 64 GPUs: a group inside a node uses its fast link, one across nodes the slow one."""
+    c = get_cluster(name)
+    assert c.n_devices == n and c.levels[0][0] == per_node
+    inside, across = c.link_for(list(range(per_node))), c.link_for([0, per_node])
+    assert inside.bytes_per_s > 2 * across.bytes_per_s
