@@ -46,23 +46,32 @@ def _cast(p: nnx.Param, dtype) -> jax.Array:
     return p[...].astype(dtype)
 
 
-def compute_weights(stacked, dtype):
-    """The stacked layers' weight matrices cast to the compute dtype once per step, before the
-    layer loop, rather than at every use inside it (forward, recompute): one pass over the
-    float32 weights instead of two, the layer loop then slices bf16 weights (half the bytes),
-    and FSDP gathers them in bf16. Vectors (biases, norm scales) stay as they are: the norms
-    compute in float32 and a bias is cast where it is added. The values are the same as a cast
-    at each use; each weight's gradient reaches its float32 parameter through the one cast."""
+# Weights that keep their float32 values where they are used (the MoE router computes its
+# logits in float32, `oases_jax.moe.routing.route`).
+FLOAT32_WEIGHTS = ("router",)
+
+
+def compute_weights(layers, dtype, lead: int = 1):
+    """The layers' weight matrices cast to the compute dtype once per step, before the layer
+    loop, rather than at every use inside it (forward, recompute): one pass over the float32
+    weights instead of two, the layer loop then slices bf16 weights (half the bytes), and FSDP
+    gathers them in bf16. `lead` is the number of stacking axes (1 for the model's stacked
+    layers, 0 for one block). Vectors (biases, norm scales) and FLOAT32_WEIGHTS stay as they
+    are: the norms compute in float32 and a bias is cast where it is added. The values are the
+    same as a cast at each use; each weight's gradient reaches its float32 parameter through the
+    one cast."""
     dtype = jnp.dtype(dtype)
     if dtype.itemsize >= 4:
-        return stacked
+        return layers
 
-    def cast(a):
-        if jnp.issubdtype(a.dtype, jnp.floating) and a.ndim >= 3 and a.dtype.itemsize > 2:
+    def cast(path, a):
+        names = {str(getattr(k, "key", getattr(k, "name", k))) for k in path}
+        if (jnp.issubdtype(a.dtype, jnp.floating) and a.ndim - lead >= 2
+                and a.dtype.itemsize > dtype.itemsize and not names & set(FLOAT32_WEIGHTS)):
             return a.astype(dtype)
         return a
 
-    return jax.tree.map(cast, stacked)
+    return jax.tree_util.tree_map_with_path(cast, layers)
 
 
 # Norms and activations keep only their compute-dtype inputs for the backward and recompute

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
-from models.layers import Block, block_fns
+from models.layers import Block, block_fns, compute_weights
 from models.sharding import param_shardings
 from models.transformer import FAMILY_NORM
 from oases_jax import registry
@@ -192,7 +192,10 @@ def _lower_layer(spec: CompileSpec, mesh: Mesh) -> jax.stages.Lowered:
                 y = run_layer(seg, fns, p, constrain(x, ("batch", "seq", "embed")))
                 return jnp.sum(jnp.square(y.astype(jnp.float32))) / 2
 
-            return jax.value_and_grad(seg.wrap(f, in_scan=False), argnums=(0, 1))(p, x_BLD)
+            def loss(p, x):  # weights cast once, outside the layer's remat, as in a step
+                return seg.wrap(f, in_scan=False)(compute_weights(p, cfg.dtype, lead=0), x)
+
+            return jax.value_and_grad(loss, argnums=(0, 1))(p, x_BLD)
 
     with jax.set_mesh(mesh):
         out_sh = (NamedSharding(mesh, P()), (p_sh, x_sh))

@@ -127,3 +127,8 @@ def test_weights_cast_once_give_the_same_step(preset, monkeypatch):
     cast = jax.tree.leaves(compute_weights(stacked, "bfloat16"))
     assert {a.dtype for a in cast if a.ndim >= 3} == {jnp.dtype(jnp.bfloat16)}
     assert {a.dtype for a in cast if a.ndim < 3} == {jnp.dtype(jnp.float32)}
+    # One block (no stacking axis); the MoE router keeps float32 (its logits are float32).
+    tree = {"router": jnp.zeros((4, 4)), "w_in": jnp.zeros((4, 8)), "b_in": jnp.zeros((8,))}
+    one = compute_weights(tree, "bfloat16", lead=0)
+    assert [one[k].dtype for k in ("router", "w_in", "b_in")] == [
+        jnp.float32, jnp.bfloat16, jnp.float32]
