@@ -1,0 +1,383 @@
+"""Balanced pipeline stages: contiguous, possibly uneven layer ranges and per-stage recompute
+counts that minimise the step of a pipeline schedule under the event simulator, within each
+stage's memory (docs/planner.md, "Stage partitioner").
+
+An exact dynamic program over boundaries gives the least bottleneck (max over stages of one
+micro-batch's forward + backward + recompute); a branch and bound over partitions then runs
+the simulator on those whose lower bound can still beat the best found, and falls back to a
+local search around the bottleneck optimum when that set is too large to enumerate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from fractions import Fraction
+
+import numpy as np
+
+from oases_jax.errors import UserError
+from oases_jax.pipeline import schedules
+from oases_jax.pipeline.table import Schedule, place
+from oases_jax.pipeline.validate import inflight
+
+MAX_LEAVES = 4000  # partitions the branch and bound may enumerate before it gives up exactness
+MAX_SIMS = 48  # simulator runs per partition search
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageInputs:
+    """Per layer, one micro-batch, one device: forward `f`, backward `b` (no recompute), the
+    recompute `r` a rematted layer adds, the activations kept per micro-batch in flight without
+    (`act`) and with (`act_remat`) remat, and the backward's working set (`temp`,
+    `temp_remat`). `block_bytes`: one layer's parameters, gradients and optimizer state (the
+    stage layout pads every stage to the longest one's layer count). The embedding runs on the
+    first stage (`first_f`, `first_b`), the head and loss on the last (`last_f`, `last_b`,
+    `last_temp`); `shared_bytes` (embedding and head state) sits on every stage."""
+
+    f: tuple[float, ...]
+    b: tuple[float, ...]
+    r: tuple[float, ...]
+    act: tuple[float, ...]
+    act_remat: tuple[float, ...]
+    temp: tuple[float, ...]
+    temp_remat: tuple[float, ...]
+    block_bytes: float = 0.0
+    shared_bytes: float = 0.0
+    first_f: float = 0.0
+    first_b: float = 0.0
+    last_f: float = 0.0
+    last_b: float = 0.0
+    last_temp: float = 0.0
+
+    @classmethod
+    def uniform(cls, n_layers: int, *, f: float, b: float, r: float = 0.0, act: float = 0.0,
+                act_remat: float = 0.0, temp: float = 0.0, temp_remat: float = 0.0,
+                **ends: float) -> StageInputs:
+        """`n_layers` identical layers."""
+        n = n_layers
+        return cls(f=(f,) * n, b=(b,) * n, r=(r,) * n, act=(act,) * n,
+                   act_remat=(act_remat,) * n, temp=(temp,) * n, temp_remat=(temp_remat,) * n,
+                   **ends)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.f)
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    """A partition: layers and recomputed layers (its first ones) per stage, each stage's time
+    of one micro-batch (f, b, r) and memory, and the simulated step. `exact`: the branch and
+    bound proved the step the least over all partitions (else a local optimum)."""
+
+    schedule: str
+    microbatches: int
+    chunks: int
+    layers: tuple[int, ...]
+    remat: tuple[int, ...]
+    f: tuple[float, ...]
+    b: tuple[float, ...]
+    r: tuple[float, ...]
+    memory: tuple[float, ...]
+    makespan: float
+    finish: tuple[float, ...]  # per stage: when its last action ends
+    exact: bool
+
+    @property
+    def stages(self) -> int:
+        return len(self.layers)
+
+    @property
+    def loads(self) -> tuple[float, ...]:
+        return tuple(f + b + r for f, b, r in zip(self.f, self.b, self.r, strict=True))
+
+    @property
+    def balance(self) -> float:
+        """max stage load / mean stage load (1 is perfect balance)."""
+        loads = self.loads
+        return max(loads) / (sum(loads) / len(loads))
+
+    @property
+    def ratios(self) -> tuple[Fraction, ...]:
+        """Per-stage recompute ratios k_i / n_i, exact (floor(n_i r_i) = k_i at run time)."""
+        return tuple(Fraction(k, n) for k, n in zip(self.remat, self.layers, strict=True))
+
+
+@functools.lru_cache(maxsize=512)
+def build(name: str, stages: int, microbatches: int, chunks: int = 1,
+          recompute: tuple[bool, ...] | None = None) -> Schedule:
+    """The schedule (cached); `recompute`: per-stage flags (Merak's schedule has its own)."""
+    flags = recompute if recompute is not None else False
+    if name == "merak":
+        return schedules.merak(stages, microbatches)
+    if name == "interleaved":
+        return schedules.interleaved(stages, microbatches, chunks, recompute=flags)
+    return schedules.get(name)(stages, microbatches, recompute=flags)
+
+
+@functools.lru_cache(maxsize=512)
+def peak_inflight(name: str, stages: int, microbatches: int, chunks: int = 1) -> tuple[int, ...]:
+    """Most (micro-batch, chunk) inputs each stage holds at once under the schedule."""
+    return inflight(build(name, stages, microbatches, chunks))[0]
+
+
+def simulate(name: str, microbatches: int, chunks: int, f: Sequence[float],
+             b: Sequence[float], r: Sequence[float], p2p: float = 0.0
+             ) -> tuple[float, tuple[float, ...]]:
+    """(makespan, per-stage finish) of the schedule with these per-stage costs: the event
+    simulator's list scheduler (`oases_jax.pipeline.table.place`) in floats, for speed;
+    `oases_jax.pipeline.events.simulate` gives the same in exact fractions."""
+    S = len(f)
+    sch = build(name, S, microbatches, chunks, tuple(x > 0 for x in r))
+    v = sch.chunks
+    dur = {"F": f, "PF": f, "R": r, "RrG": r, "B": b, "W": (0.0,) * S}
+    placed = place(sch, lambda s, a: dur[a.kind][s] / v, lambda t: p2p)
+    finish = [0.0] * S
+    for (s, _), (_, end) in placed.items():
+        finish[s] = max(finish[s], float(end))
+    return max(finish), tuple(finish)
+
+
+class _Stages:
+    """Stage loads and memory of contiguous layer ranges, by prefix sums."""
+
+    def __init__(self, x: StageInputs, name: str, stages: int, microbatches: int, chunks: int,
+                 budget: float):
+        self.x, self.S, self.M, self.v, self.budget = x, stages, microbatches, chunks, budget
+        self.name = name
+        self.held = peak_inflight(name, stages, microbatches, chunks)
+        cum = lambda a: np.concatenate([[0.0], np.cumsum(np.asarray(a, float))])  # noqa: E731
+        self.F, self.B, self.R = cum(x.f), cum(x.b), cum(x.r)
+        self.A, self.SAVE = cum(x.act), cum(np.subtract(x.act, x.act_remat))
+        self.temp, self.temp_remat = np.asarray(x.temp, float), np.asarray(x.temp_remat, float)
+
+    def stage(self, s: int, i: int, j: int, lmax: int) -> tuple[float, float, float, int,
+                                                                  float] | None:
+        """(f, b, r, recomputed layers, memory) of stage s on layers [i, j) when the longest
+        stage holds `lmax` layers: the fewest recomputed layers (its first ones) that fit the
+        budget, None when even all do not."""
+        x, last = self.x, s == self.S - 1
+        f = self.F[j] - self.F[i] + (x.first_f if s == 0 else 0) + (x.last_f if last else 0)
+        b = self.B[j] - self.B[i] + (x.first_b if s == 0 else 0) + (x.last_b if last else 0)
+        static = x.shared_bytes + lmax * x.block_bytes
+        per_mb = self.held[s] / self.v
+        head = x.last_temp if last else 0.0
+        for k in self._remat_counts(i, j, per_mb, self.budget - static):
+            temp = max(head, float(np.max(self.temp_remat[i:i + k], initial=0.0)),
+                       float(np.max(self.temp[i + k:j], initial=0.0)))
+            mem = static + per_mb * (self.A[j] - self.A[i] - (self.SAVE[i + k] - self.SAVE[i])) \
+                + temp
+            if mem <= self.budget * (1 + 1e-12):
+                return f, b, float(self.R[i + k] - self.R[i]), k, mem
+        return None
+
+    def _remat_counts(self, i: int, j: int, per_mb: float, room: float):
+        """0, then from the least k >= 1 whose activation saving reaches the excess over the
+        room left by the static bytes (the working set only adds to it) upward."""
+        yield 0
+        need = self.A[j] - self.A[i] - room / per_mb if per_mb else -1.0
+        lo = int(np.searchsorted(self.SAVE[i + 1:j + 1] - self.SAVE[i], need - 1e-9,
+                                 side="left")) + 1
+        yield from range(lo, j - i + 1)
+
+    def evaluate(self, counts: Sequence[int]) -> list | None:
+        """Per stage (f, b, r, k, memory) of a partition, or None when a stage does not fit."""
+        lmax, out, i = max(counts), [], 0
+        for s, n in enumerate(counts):
+            st = self.stage(s, i, i + n, lmax)
+            if st is None:
+                return None
+            out.append(st)
+            i += n
+        return out
+
+
+def bottleneck(st: _Stages, lmax: int) -> tuple[float, tuple[int, ...]] | None:
+    """Exact DP: min over partitions with at most `lmax` layers a stage of the max stage load
+    (f + b + r, each stage's least recompute that fits), and one partition attaining it.
+        best[s][j] = min_i max(best[s-1][i], load(s-1; layers i..j-1))"""
+    L, S = st.x.n_layers, st.S
+    inf = math.inf
+    best = [[inf] * (L + 1) for _ in range(S + 1)]
+    arg = [[-1] * (L + 1) for _ in range(S + 1)]
+    best[0][0] = 0.0
+    for s in range(1, S + 1):
+        for j in range(s, L - (S - s) + 1):
+            for i in range(max(s - 1, j - lmax), j):
+                if best[s - 1][i] == inf:
+                    continue
+                got = st.stage(s - 1, i, j, lmax)
+                if got is None:
+                    continue
+                value = max(best[s - 1][i], got[0] + got[1] + got[2])
+                if value < best[s][j]:
+                    best[s][j], arg[s][j] = value, i
+    if best[S][L] == inf:
+        return None
+    counts, j = [], L
+    for s in range(S, 0, -1):
+        i = arg[s][j]
+        counts.append(j - i)
+        j = i
+    return best[S][L], tuple(reversed(counts))
+
+
+def _lower_bound(stages: list, microbatches: int, chunks: int) -> float:
+    """No schedule beats max_s [M load_s + (with one chunk) the forward of micro-batch 0 through
+    the earlier stages and the backward of the last one back through them]: a stage must do its
+    M micro-batches' work, and (v = 1) cannot start before the first activation reaches it, nor
+    the step end before its last gradient reaches stage 0."""
+    lb, before = 0.0, 0.0
+    for f, b, r, _, _ in stages:
+        lb = max(lb, microbatches * (f + b + r) + (before if chunks == 1 else 0.0))
+        before += f + b
+    return lb
+
+
+def partition(x: StageInputs, *, schedule: str, stages: int, microbatches: int,
+              chunks: int = 1, p2p: float = 0.0, budget: float = math.inf,
+              max_leaves: int = MAX_LEAVES, max_sims: int = MAX_SIMS) -> StagePlan | None:
+    """The partition of `x`'s layers over `stages` that minimises the simulated step of
+    `schedule` with `microbatches` micro-batches (`chunks` per stage: interleaved), within
+    `budget` bytes per stage; None when no partition fits."""
+    L, S = x.n_layers, stages
+    if L < S:
+        raise UserError(f"{L} layers cannot fill S={S} pipeline stages: use at most {L} stages")
+    step = 1 if schedule != "interleaved" else chunks
+    st = _Stages(x, schedule, S, microbatches, chunks, budget)
+    sims: dict[tuple[int, ...], tuple[float, tuple[float, ...], list]] = {}
+
+    def run(counts: tuple[int, ...]) -> float:
+        if counts not in sims:
+            got = st.evaluate(counts)
+            if got is None:
+                return math.inf
+            f, b, r = ([g[k] for g in got] for k in range(3))
+            sims[counts] = (*simulate(schedule, microbatches, chunks, f, b, r, p2p), got)
+        return sims[counts][0]
+
+    if step > 1:  # interleaved: every stage's count a multiple of v (equal chunks)
+        if L % step:
+            return None
+        seeds = _chunked_seeds(st, S, L, step)
+    else:
+        seeds = _bottleneck_seeds(st, L, S)
+    for c in seeds:
+        run(c)
+    if not sims or min(v[0] for v in sims.values()) == math.inf:
+        return None
+    exact = step == 1 and _branch_and_bound(st, run, sims, L, S, max_leaves, max_sims)
+    if not exact:
+        _local_search(run, sims, step, max_sims)
+    counts = min(sims, key=lambda c: (sims[c][0], c))
+    makespan, finish, got = sims[counts]
+    f, b, r, k, mem = (tuple(g[i] for g in got) for i in range(5))
+    return StagePlan(schedule, microbatches, chunks, counts, k, f, b, r, mem, makespan, finish,
+                     exact)
+
+
+def _bottleneck_seeds(st: _Stages, L: int, S: int) -> list[tuple[int, ...]]:
+    """The bottleneck DP's partition for each longest-stage length `lmax` that can still win:
+    a stage of lmax layers loads at least lmax x the lightest layer, so the loop stops once
+    that reaches the best bottleneck found."""
+    lightest = min(f + b for f, b in zip(st.x.f, st.x.b, strict=True))
+    found, best = [], math.inf
+    for lmax in range(-(-L // S), L - S + 2):
+        if lmax * lightest >= best:
+            break
+        got = bottleneck(st, lmax)
+        if got is not None:
+            found.append(got)
+            best = min(best, got[0])
+    return [c for _, c in sorted(found)[:3]]
+
+
+def _chunked_seeds(st: _Stages, S: int, L: int, v: int) -> list[tuple[int, ...]]:
+    """Interleaved stages hold multiples of v layers: the uniform split of L / v groups, and
+    one group moved off the last stage (the head's)."""
+    groups = L // v
+    if groups < S:
+        return []
+    base, extra = divmod(groups, S)
+    uni = [base + (i < extra) for i in range(S)]
+    out = [tuple(n * v for n in uni)]
+    if uni[-1] > 1:
+        moved = list(uni)
+        moved[-1] -= 1
+        moved[(S - 2) if extra == 0 else extra] += 1
+        out.append(tuple(n * v for n in moved))
+    return out
+
+
+def _branch_and_bound(st: _Stages, run, sims: dict, L: int, S: int, max_leaves: int,
+                      max_sims: int) -> bool:
+    """Simulate, in order of their lower bound, every partition whose bound is below the best
+    step found; True when that set was enumerated in full (the best is then the optimum)."""
+    best = min(v[0] for v in sims.values())
+    leaves: list[tuple[float, tuple[int, ...]]] = []
+    M, v = st.M, st.v
+    nodes = [0]
+
+    def dfs(prefix: list[int], used: int, before: float, lb: float) -> bool:
+        s = len(prefix)
+        nodes[0] += 1
+        if nodes[0] > 20 * max_leaves:
+            return False
+        if s == S - 1:
+            n = L - used
+            counts = (*prefix, n)
+            got = st.evaluate(counts)
+            if got is not None:
+                bound = _lower_bound(got, M, v)
+                if bound < best:
+                    leaves.append((bound, counts))
+            return len(leaves) <= max_leaves
+        for n in range(1, L - used - (S - 1 - s) + 1):
+            # Optimistic: this stage as if no later stage were longer (less static memory).
+            got = st.stage(s, used, used + n, max([n, *prefix]))
+            if got is None:
+                continue
+            load = got[0] + got[1] + got[2]
+            bound = max(lb, M * load + before)
+            if bound >= best:
+                if M * load >= best:  # longer stages only load more
+                    break
+                continue
+            if not dfs([*prefix, n], used + n, before + got[0] + got[1], bound):
+                return False
+        return True
+
+    if not dfs([], 0, 0.0, 0.0):
+        return False
+    leaves.sort()
+    for bound, counts in leaves:
+        if bound >= best:
+            return True
+        if len(sims) >= max_sims:
+            return False
+        best = min(best, run(counts))
+    return True
+
+
+def _local_search(run, sims: dict, step: int, max_sims: int) -> None:
+    """Move one boundary by `step` layers at a time while the simulated step improves."""
+    current = min(sims, key=lambda c: sims[c][0])
+    improved = True
+    while improved and len(sims) < max_sims:
+        improved = False
+        S = len(current)
+        for i in range(S - 1):
+            for d in (step, -step):
+                c = list(current)
+                c[i] += d
+                c[i + 1] -= d
+                if min(c) < step:
+                    continue
+                c = tuple(c)
+                if run(c) < sims[current][0]:
+                    current, improved = c, True
+                if len(sims) >= max_sims:
+                    return

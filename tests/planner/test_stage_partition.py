@@ -1,0 +1,143 @@
+"""The stage partitioner against brute force over every contiguous partition (L <= 10 layers,
+S <= 4 stages), the exact event simulator, and hand-checked cases."""
+
+import itertools
+import math
+import random
+from fractions import Fraction
+
+import pytest
+
+from oases_jax.pipeline import events
+from planner.stage_partition import (
+    StageInputs,
+    _Stages,
+    bottleneck,
+    build,
+    partition,
+    simulate,
+)
+
+
+def compositions(L: int, S: int):
+    for cuts in itertools.combinations(range(1, L), S - 1):
+        edges = (0, *cuts, L)
+        yield tuple(b - a for a, b in itertools.pairwise(edges))
+
+
+def brute(x, schedule, S, M, p2p=0.0, budget=math.inf):
+    """(least simulated step, least bottleneck) over every partition that fits."""
+    st = _Stages(x, schedule, S, M, 1, budget)
+    best_step = best_load = math.inf
+    for counts in compositions(x.n_layers, S):
+        got = st.evaluate(counts)
+        if got is None:
+            continue
+        f, b, r = ([g[k] for g in got] for k in range(3))
+        best_step = min(best_step, simulate(schedule, M, 1, f, b, r, p2p)[0])
+        best_load = min(best_load, max(g[0] + g[1] + g[2] for g in got))
+    return best_step, best_load
+
+
+def random_inputs(rng, L, memory=False):
+    f = [rng.choice((1, 2, 3)) * 1.0 for _ in range(L)]
+    act = [rng.choice((2, 3, 4)) * 1.0 for _ in range(L)] if memory else [0.0] * L
+    return StageInputs(f=tuple(f), b=tuple(2 * v for v in f), r=tuple(f), act=tuple(act),
+                       act_remat=tuple(a / 4 for a in act), temp=(0.0,) * L,
+                       temp_remat=tuple(act), block_bytes=1.0 if memory else 0.0,
+                       last_f=rng.choice((0.0, 2.0, 5.0)), last_b=rng.choice((0.0, 4.0)),
+                       first_f=rng.choice((0.0, 1.0)))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "merak"])
+def test_matches_brute_force(schedule):
+    rng = random.Random(17)
+    for _ in range(12):
+        L, S = rng.randint(4, 10), rng.randint(2, 4)
+        M = rng.choice((S, 2 * S)) if schedule == "merak" else rng.randint(1, 2 * S)
+        x = random_inputs(rng, L)
+        p2p = rng.choice((0.0, 0.5))
+        plan = partition(x, schedule=schedule, stages=S, microbatches=M, p2p=p2p)
+        step, load = brute(x, schedule, S, M, p2p)
+        assert plan.exact
+        assert plan.makespan == pytest.approx(step), (L, S, M, plan.layers)
+        assert sum(plan.layers) == L and len(plan.layers) == S
+        st = _Stages(x, schedule, S, M, 1, math.inf)
+        dp = min(bottleneck(st, lmax)[0] for lmax in range(-(-L // S), L - S + 2))
+        assert dp == pytest.approx(load)
+
+
+def test_matches_brute_force_under_memory():
+    """With a budget, stages recompute their first layers until they fit; the partitioner's
+    step and remat counts agree with brute force over partitions (each stage its least k)."""
+    rng = random.Random(5)
+    checked = 0
+    for _ in range(20):
+        L, S, M = rng.randint(4, 9), rng.randint(2, 4), rng.randint(2, 8)
+        x = random_inputs(rng, L, memory=True)
+        budget = rng.uniform(10, 30)
+        plan = partition(x, schedule="1f1b", stages=S, microbatches=M, budget=budget)
+        step, _ = brute(x, "1f1b", S, M, budget=budget)
+        if plan is None:
+            assert step == math.inf
+            continue
+        checked += 1
+        assert plan.makespan == pytest.approx(step)
+        assert max(plan.memory) <= budget * (1 + 1e-12)
+    assert checked >= 8
+
+
+def test_float_simulator_equals_exact():
+    f, b, r = (3, 2, 2, 4), (6, 4, 4, 9), (0, 2, 0, 0)
+    fast = simulate("1f1b", 6, 1, f, b, r, 1.0)[0]
+    sch = build("1f1b", 4, 6, 1, tuple(x > 0 for x in r))
+    exact = events.simulate(sch, events.Costs(f=f, b=b, r=r, p2p=1)).makespan
+    assert fast == float(exact)
+
+
+def test_uniform_costs_give_the_uniform_split():
+    x = StageInputs.uniform(48, f=1.0, b=2.0)
+    for S in (2, 4, 8):
+        plan = partition(x, schedule="1f1b", stages=S, microbatches=2 * S)
+        assert plan.layers == (48 // S,) * S
+        # 1F1B: (M + S - 1) x (f + b) per layer-stack of 48 / S layers
+        assert plan.makespan == pytest.approx((2 * S + S - 1) * 3 * 48 / S)
+
+
+def test_heavy_head_moves_layers_to_earlier_stages():
+    """16 layers of 1 + 2 and a head of 3 layers' cost on the last stage, 4 stages: the least
+    bottleneck is 15 (57 / 4 = 14.25 rounded up to whole layers: 5 layers on each early stage),
+    against 4 x 3 + 9 = 21 uniform; of the splits attaining it (5,5,5,1), (5,5,4,2), ... the
+    simulator prefers the lightest last stage, whose short F-B turnaround ends the step."""
+    x = StageInputs.uniform(16, f=1.0, b=2.0, last_f=3.0, last_b=6.0)
+    plan = partition(x, schedule="1f1b", stages=4, microbatches=8)
+    assert plan.layers[-1] < 4 and sum(plan.layers) == 16
+    assert max(plan.loads) == pytest.approx(15.0)
+    uniform = simulate("1f1b", 8, 1, (4, 4, 4, 7), (8, 8, 8, 14), (0,) * 4)[0]
+    assert plan.makespan < uniform
+    assert plan.layers == (5, 5, 5, 1)
+
+
+def test_memory_forces_recompute_on_early_stages():
+    """1F1B holds S - s micro-batches on stage s. 8 layers keeping 2 bytes each (0.5 when
+    rematted), 1 byte of state per layer, a 12-byte budget, 2 stages of 4: stage 0 (2 in
+    flight) needs 4 + 2 (0.5 k + 2 (4 - k)) = 20 - 3k <= 12, so k = 3; stage 1 (1 in flight)
+    4 + 8 = 12 fits without recompute."""
+    x = StageInputs.uniform(8, f=1.0, b=2.0, r=1.0, act=2.0, act_remat=0.5, block_bytes=1.0)
+    plan = partition(x, schedule="1f1b", stages=2, microbatches=4, budget=12.0)
+    assert plan.layers == (4, 4) and plan.remat == (3, 0)
+    assert plan.ratios == (Fraction(3, 4), Fraction(0))
+    assert plan.memory == (pytest.approx(4 + 2 * (1.5 + 2)), pytest.approx(4 + 8))
+    assert plan.r == (3.0, 0.0)
+
+
+def test_interleaved_keeps_chunks_equal():
+    x = StageInputs.uniform(16, f=1.0, b=2.0, last_f=1.0, last_b=2.0)
+    plan = partition(x, schedule="interleaved", stages=4, microbatches=8, chunks=2)
+    assert all(n % 2 == 0 for n in plan.layers) and sum(plan.layers) == 16
+    assert not plan.exact
+
+
+def test_nothing_fits():
+    x = StageInputs.uniform(8, f=1.0, b=2.0, act=2.0, act_remat=1.0, block_bytes=1.0)
+    assert partition(x, schedule="1f1b", stages=2, microbatches=4, budget=3.0) is None
