@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from models.config import ModelConfig
@@ -26,6 +27,7 @@ from oases_jax.errors import UserError
 from oases_jax.files import read_json
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.schema import validate
+from planner.pipeline_search import PipelineCandidate
 from planner.plan_schema import FIX, FORMAT, VERSION, PlanFile, check
 from planner.search import Candidate, SearchResult
 
@@ -68,6 +70,34 @@ def plan_json(result: SearchResult, *, model: str, cfg: ModelConfig, cluster: st
     }
 
 
+def pipeline_plan_json(c: PipelineCandidate, *, model: str, cfg: ModelConfig, cluster: str,
+                       cost_source: str, search_s: float,
+                       alternatives: Sequence[PipelineCandidate] = ()) -> dict:
+    """A 3D plan (`planner.pipeline_search`): every layer runs the candidate's strategy, remat
+    comes from the stage section's per-stage ratios (k/n, the first k layers), so the model
+    config's own remat is none."""
+    sp = c.stage_plan
+    return {
+        "format": FORMAT, "version": VERSION, "model": model,
+        "model_config": {**dataclasses.asdict(cfg), "remat": "none"},
+        "cluster": cluster, "global_batch": c.layout.global_batch, "seq_len": c.layout.seq_len,
+        "mesh": c.mesh(), "rules": "tp" if c.layout.tensor > 1 else "dp",
+        "microbatches": c.layout.microbatches,
+        "layers": [c.strategy.to_json()] * cfg.n_layers,
+        "pipeline": {"schedule": sp.schedule, "stages": sp.stages,
+                     "stage_layers": list(sp.layers),
+                     "remat_ratios": [str(r) for r in sp.ratios], "virtual_stages": sp.chunks,
+                     "predicted_pipeline_s": sp.makespan,
+                     "predicted_stage_memory_bytes": list(sp.memory), "exact": sp.exact},
+        "predicted_step_s": c.step_s, "predicted_peak_memory_bytes": c.peak_memory_bytes,
+        "search_s": search_s, "cost_source": cost_source,
+        "alternatives": [{"summary": a.summary(), "mesh": a.mesh(),
+                          "microbatches": a.layout.microbatches, "step_s": a.step_s,
+                          "peak_memory_bytes": a.peak_memory_bytes, "exposed_comm_s": 0.0}
+                         for a in alternatives],
+    }
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """A loaded plan: what `scripts/train.py` and `scripts/inspect_hlo.py` need from it."""
@@ -92,6 +122,14 @@ class Plan:
         """The parallel config a run of this plan trains and compiles with."""
         from training.config import ParallelConfig
 
+        pipe = self.raw.get("pipeline")
+        if pipe:  # the runtime pipelines one layer strategy; the stages carry the remat
+            return ParallelConfig(
+                mesh=self.mesh, rules=self.rules, schedule=self.layers[0].schedule,
+                sub_batches=self.layers[0].sub_batches, pipeline=pipe["schedule"],
+                stage_layers=",".join(map(str, pipe["stage_layers"])),
+                virtual_stages=pipe.get("virtual_stages", 1) if pipe["schedule"] ==
+                "interleaved" else 0, remat_ratios=",".join(pipe["remat_ratios"]))
         return ParallelConfig(mesh=self.mesh, rules=self.rules, schedule=self.schedule,
                               layers=self.layers)
 

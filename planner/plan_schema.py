@@ -59,6 +59,20 @@ class CandidateEntry(Strict):
     exposed_comm_s: NonNegativeFloat
 
 
+class PipelineEntry(Strict):
+    """The stage section of a 3D plan (`planner.pipeline_search`): the schedule over the mesh's
+    `stage` axis, layers and recompute ratios (k/n) per stage, chunks per stage."""
+
+    schedule: one_of(("gpipe", "1f1b", "interleaved", "merak"), "pipeline schedule")
+    stages: at_most(MAX_DEVICES)
+    stage_layers: Annotated[list[at_most(SIZE_CAPS["n_layers"])], Field(min_length=1)]
+    remat_ratios: list[Text]
+    virtual_stages: at_most(64) = 1
+    predicted_pipeline_s: NonNegativeFloat = None
+    predicted_stage_memory_bytes: list[NonNegativeFloat] = None
+    exact: bool = None
+
+
 def _model_field(f: dataclasses.Field) -> tuple[object, object]:
     """The schema of one ModelConfig field: sizes within their caps, positive finite scales,
     names from `CHOICES`; its dataclass default when the plan leaves it out."""
@@ -104,6 +118,7 @@ class PlanFile(Strict):
     cost_source: Text = None
     alternatives: list[CandidateEntry] = None
     verified: dict = None  # `planner.verify`'s record of the compiled candidates
+    pipeline: PipelineEntry = None  # 3D plans only; absent: no pipeline
 
 
 def check(p: PlanFile, where: str) -> ModelConfig | None:
@@ -124,6 +139,7 @@ def check(p: PlanFile, where: str) -> ModelConfig | None:
             raise UserError(f"{where}: layers[{i}].sub_batches = {layer.sub_batches} is more "
                             f"than the {rows} rows of a micro-batch; {FIX}")
     _check_primepar(p, where)
+    _check_pipeline(p, where)
     _check_rules(p, where)
     return _check_model(p, where)
 
@@ -152,6 +168,25 @@ def _check_primepar(p: PlanFile, where: str) -> None:
                         f"is not square; primepar needs tp_row = tp_col; {FIX}")
 
 
+def _check_pipeline(p: PlanFile, where: str) -> None:
+    """A stage section and a `stage` mesh axis come together and agree; the stages' layers sum
+    to the plan's layers, one ratio per stage."""
+    stages = p.mesh.get("stage", 1)
+    if p.pipeline is None:
+        if stages > 1:
+            raise UserError(f"{where}: mesh {_mesh(p)} has a stage axis but the plan has no "
+                            f"pipeline section; {FIX}")
+        return
+    q = p.pipeline
+    if q.stages != stages or len(q.stage_layers) != stages or len(q.remat_ratios) != stages:
+        raise UserError(f"{where}: pipeline.stages = {q.stages} with {len(q.stage_layers)} "
+                        f"stage_layers and {len(q.remat_ratios)} remat_ratios does not match the "
+                        f"mesh's stage={stages}; {FIX}")
+    if sum(q.stage_layers) != len(p.layers) or min(q.stage_layers) < 1:
+        raise UserError(f"{where}: pipeline.stage_layers {q.stage_layers} must be positive and "
+                        f"sum to the plan's {len(p.layers)} layers; {FIX}")
+
+
 def _rule_axes(name: str) -> set[str]:
     """The mesh axes a rule set splits anything over."""
     rules = RULE_SETS[name]()
@@ -164,7 +199,7 @@ def _rule_axes(name: str) -> set[str]:
 def _check_rules(p: PlanFile, where: str) -> None:
     """Every mesh axis of more than one device is one the rule set splits over; the devices
     along any other would all compute the same thing."""
-    used = _rule_axes(p.rules)
+    used = _rule_axes(p.rules) | ({"stage"} if p.pipeline is not None else set())
     idle = [f"{a}={n}" for a, n in p.mesh.items() if n > 1 and a not in used]
     if idle:
         raise UserError(f"{where}: rules {p.rules!r} split nothing over mesh axis {idle[0]}, so "

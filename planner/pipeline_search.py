@@ -1,0 +1,192 @@
+"""The 3D search: pipeline degree S on the slowest links, tensor inside a node, data between,
+micro-batches, pipeline schedule and the balanced stages of `planner.stage_partition`, priced
+by the layer cost model, the event simulator and alpha-beta transfers (docs/planner.md,
+"3D search")."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from models.config import ModelConfig
+from oases_jax.layer_plan import LayerSpec
+from planner.layer_cost import LayerModel
+from planner.layer_work import elem_bytes, sequence_split
+from planner.layout import Layout
+from planner.prices import Hardware
+from planner.search import divisors, strategies
+from planner.stage_partition import StageInputs, StagePlan, partition
+from planner.step_cost import OPTIMIZER_PASSES, head_cost
+
+PIPELINES = ("gpipe", "1f1b", "interleaved", "merak")  # the schedules the runtime runs
+CHUNKS = 2  # interleaved: chunks per stage
+MICROBATCH_FACTORS = (1, 2, 4, 8)  # M = S x factor
+REFINE = 12  # screened candidates whose stages are partitioned under the simulator
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineCandidate:
+    """A 3D plan: mesh stage x data x tensor (stage outermost), one layer strategy, the
+    schedule and its stages, and what it costs (seconds, bytes per device)."""
+
+    stages: int
+    layout: Layout  # data x tensor and M micro-batches of one stage
+    strategy: LayerSpec
+    stage_plan: StagePlan
+    step_s: float
+    pipeline_s: float  # the simulated makespan of the micro-batches
+    dp_reduce_s: float  # the longest stage's gradient reduction
+    p2p_s: float
+    peak_memory_bytes: float
+
+    def mesh(self) -> dict[str, int]:
+        axes = {"stage": self.stages, "data": self.layout.data, "tensor": self.layout.tensor}
+        return {k: v for k, v in axes.items() if v > 1 or k == "stage"}
+
+    def summary(self) -> str:
+        p = self.stage_plan
+        mesh = ",".join(f"{k}={v}" for k, v in self.mesh().items())
+        chunks = f" v={p.chunks}" if p.chunks > 1 else ""
+        return (f"{mesh} x{p.microbatches}mb {p.schedule}{chunks} stages "
+                f"{','.join(map(str, p.layers))} remat {','.join(map(str, p.remat))}: "
+                f"{self.strategy.label()}")
+
+
+def stage_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware,
+                 strategy: LayerSpec) -> StageInputs:
+    """Per-layer costs and memory of one stage's device from the layer cost model: `strategy`
+    (remat none) and its fully rematted twin; the head and loss (`head_cost`, one third forward)
+    on the last stage. Static bytes per parameter: 16 (fp32 weight, gradient, AdamW moments),
+    + 4 with an accumulator (M > 1), + e for the blocks' compute-dtype copy, over tensor."""
+    lm = LayerModel(cfg, layout, hw)
+    c0 = lm.time(dataclasses.replace(strategy, remat="none"))
+    c1 = lm.time(dataclasses.replace(strategy, remat="full"))
+    head_s, head_temp = head_cost(cfg, layout, hw)
+    per_param = 16 + (4 if layout.microbatches > 1 else 0)
+    e = elem_bytes(cfg)
+    blocks = cfg.param_count(embeddings=False)
+    shared = cfg.param_count() - blocks
+    t = layout.tensor
+    return StageInputs.uniform(
+        cfg.n_layers, f=c0.fwd_s, b=c0.bwd_s, r=max(c1.bwd_s - c0.bwd_s, 0.0),
+        act=c0.act_bytes, act_remat=c1.act_bytes, temp=c0.temp_bytes, temp_remat=c1.temp_bytes,
+        block_bytes=(per_param + (e if e < 4 else 0)) * blocks / cfg.n_layers / t,
+        shared_bytes=per_param * shared / t, last_f=head_s / 3, last_b=2 * head_s / 3,
+        last_temp=head_temp)
+
+
+def transfer_s(cfg: ModelConfig, layout: Layout, hw: Hardware, strategy: LayerSpec,
+               stages: int) -> float:
+    """One stage-to-stage activation (or gradient) of a micro-batch: T D e bytes per device
+    (/t when the residual stream is sequence-sharded) between devices D t apart (stage is the
+    outermost mesh axis), priced by the alpha-beta model of the link they cross."""
+    if stages == 1:
+        return 0.0
+    nbytes = layout.rows * layout.seq_len * cfg.d_model * elem_bytes(cfg) \
+        / sequence_split(strategy.schedule, layout.tensor)
+    span = layout.data * layout.tensor
+    return hw.comm_s("collective-permute", nbytes, [0, span])
+
+
+def price(cfg: ModelConfig, hw: Hardware, stages: int, layout: Layout, strategy: LayerSpec,
+          sp: StagePlan, x: StageInputs, p2p: float) -> PipelineCandidate:
+    """The step: each stage's gradient all-reduce over its data group starts when the stage
+    finishes its last backward (the simulator's per-stage finish), plus the embedding/head
+    gradients summed over `stage`, then AdamW and the accumulation passes:
+        step = max_s (finish_s + reduce_s) + stage_sum + optimizer + M x accumulate"""
+    lmax = max(sp.layers)
+    local = (lmax * x.block_bytes + x.shared_bytes) / (16 + (4 if layout.microbatches > 1
+                                                             else 0))
+    group = [i * layout.tensor for i in range(layout.data)]
+    reduce = hw.comm_s("all-reduce", 4 * local, group)
+    shared_params = x.shared_bytes / (16 + (4 if layout.microbatches > 1 else 0))
+    stage_group = [s * layout.data * layout.tensor for s in range(stages)]
+    stage_sum = hw.comm_s("all-reduce", 4 * shared_params, stage_group)
+    opt = hw.mem_s(OPTIMIZER_PASSES * 4 * local)
+    accum = hw.mem_s(3 * 4 * local) * layout.microbatches if layout.microbatches > 1 else 0.0
+    end = max(fin + reduce for fin in sp.finish)
+    step = end + stage_sum + opt + accum
+    return PipelineCandidate(stages, layout, strategy, sp, step, sp.makespan, reduce, p2p,
+                             max(sp.memory))
+
+
+def _screen(cfg, hw, stages, layout, strategy, x, p2p, schedule) -> float:
+    """A quick estimate from the uniform split: (M + (S-1)/v) x the heaviest stage's load."""
+    L, S, M = cfg.n_layers, stages, layout.microbatches
+    base, extra = divmod(L, S)
+    counts = [base + (i < extra) for i in range(S)]
+    loads, i = [], 0
+    for s, n in enumerate(counts):
+        load = sum(x.f[i:i + n]) + sum(x.b[i:i + n]) + (x.last_f + x.last_b) * (s == S - 1)
+        loads.append(load)
+        i += n
+    v = CHUNKS if schedule == "interleaved" else 1
+    return (M + (S - 1) / v) * (max(loads) + 2 * p2p)
+
+
+def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int,
+              memory_fraction: float = 0.9, n_devices: int | None = None,
+              pipelines: tuple[str, ...] = PIPELINES, refine: int = REFINE,
+              megatron_only: bool = False) -> list[PipelineCandidate]:
+    """Every S >= 2 dividing the devices and at most the layers, tensor t inside a node
+    (dividing heads, KV heads, MLP and vocabulary), data the rest, M = S x {1, 2, 4, 8} dividing
+    the per-replica batch, each schedule; the fastest non-rematted layer strategy per layout
+    (`megatron_only`: Megatron's); screened by the uniform split's bubble estimate, the best
+    `refine` partitioned under the simulator. Ranked best first."""
+    n = n_devices or hw.cluster.n_devices
+    budget = memory_fraction * hw.cluster.device_spec.memory_bytes
+    node = hw.cluster.devices_per_node
+    screened = []
+    for S in divisors(n):
+        if S < 2 or S > cfg.n_layers:
+            continue
+        for t in divisors(n // S):
+            if t > node or cfg.n_heads % t or cfg.kv_heads % t or cfg.ff_dim % t \
+                    or cfg.padded_vocab % t:
+                continue
+            d = n // (S * t)
+            if global_batch % d:
+                continue
+            for factor in MICROBATCH_FACTORS:
+                M = S * factor
+                if (global_batch // d) % M:
+                    continue
+                layout = Layout(data=d, tensor=t, microbatches=M, global_batch=global_batch,
+                                seq_len=seq_len)
+                strategy = _strategy(cfg, layout, hw, megatron_only)
+                if strategy is None:
+                    continue
+                x = stage_inputs(cfg, layout, hw, strategy)
+                p2p = transfer_s(cfg, layout, hw, strategy, S)
+                for sch in pipelines:
+                    if sch == "interleaved" and (S < 2 or cfg.n_layers % (CHUNKS * S)):
+                        continue
+                    est = _screen(cfg, hw, S, layout, strategy, x, p2p, sch)
+                    screened.append((est, S, layout, strategy, x, p2p, sch))
+    screened.sort(key=lambda c: c[0])
+    out = []
+    for _, S, layout, strategy, x, p2p, sch in screened:
+        if len(out) >= refine:
+            break
+        sp = partition(x, schedule=sch, stages=S, microbatches=layout.microbatches,
+                       chunks=CHUNKS if sch == "interleaved" else 1, p2p=p2p, budget=budget,
+                       max_leaves=300, max_sims=10)
+        if sp is not None:
+            out.append(price(cfg, hw, S, layout, strategy, sp, x, p2p))
+    return sorted(out, key=lambda c: c.step_s)
+
+
+def _strategy(cfg, layout, hw, megatron_only: bool) -> LayerSpec | None:
+    """The fastest layer strategy without remat (the partitioner adds recompute per stage)."""
+    opts = [s for s in strategies(layout, remats=("none",))
+            if not megatron_only or s.schedule == "megatron"]
+    if not opts:
+        return None
+    lm = LayerModel(cfg, layout, hw)
+    return min(opts, key=lambda s: lm.time(s).step_s)
+
+
+def timed_search(cfg: ModelConfig, hw: Hardware, **kw) -> tuple[list[PipelineCandidate], float]:
+    t0 = time.perf_counter()
+    out = search_3d(cfg, hw, **kw)
+    return out, time.perf_counter() - t0
