@@ -71,17 +71,22 @@ class ShardingRules:
         `nnx.logical_axis_rules` in models this project did not write.
 
         Every logical name is listed (unmapped ones with None), because Flax treats a name absent
-        from the rules as a mesh axis. With `mesh`, axes that mesh lacks are dropped, as
-        `param_spec` does."""
+        from the rules as a mesh axis. With `mesh` (or the mesh set by `jax.set_mesh`), axes that
+        mesh lacks are dropped, as `param_spec` does; with neither, the axes only some meshes have
+        (OPTIONAL_AXES: `expert`) are dropped, so the rules fit a plain data x tensor mesh."""
         if kind not in ("params", "activations"):
             raise UserError(f"rule kind {kind!r} is unknown; use 'params' or 'activations'")
+        if mesh is None:
+            context = jax.sharding.get_abstract_mesh()
+            mesh = context if context is not None and context.axis_names else None
         table = dict(self.params if kind == "params" else self.activations)
         out = []
         for name in LOGICAL_AXES:
             axes = table.get(name)
-            if mesh is not None and axes is not None:
+            if axes is not None:
                 kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes)
-                             if a in mesh.shape and mesh.shape[a] > 1)
+                             if (a in mesh.shape and mesh.shape[a] > 1 if mesh is not None
+                                 else a not in OPTIONAL_AXES))
                 axes = None if not kept else kept[0] if len(kept) == 1 else kept
             out.append((name, axes))
         return tuple(out)
@@ -214,6 +219,11 @@ def get_rules(name: str) -> ShardingRules:
     if name not in RULE_SETS:
         raise UserError(f"unknown rule set {name!r}; choose one of {', '.join(RULE_SETS)}")
     return RULE_SETS[name]()
+
+
+# Mesh axes the built-in rule sets name that only some meshes have: `flax_rules` without a mesh
+# leaves them out.
+OPTIONAL_AXES = ("expert",)
 
 
 # Mesh axes an enclosing transformation already splits: a `vmap(..., spmd_axis_name=...)` over
