@@ -39,12 +39,17 @@ MOE_SCHEDULES: Mapping[str, MoEScheduleSpec] = MappingProxyType({s.name: s for s
     MoEScheduleSpec(name="parm_s1", summary="Parm S1: tokens de-duplicated over the MP ranks "
                     "before gating (split after the all-reduce, or reduce-scattered under "
                     "megatron_sp); MP resumes after the combine"),
-    # Two collectives in flight (a chunk's all-to-all and the previous chunk's all-gather), and
-    # no dot merger: it would fuse the chunks' expert GEMMs back into one.
+    # Two collectives in flight (a chunk's all-to-all and the previous chunk's all-gather); no
+    # dot merger: it would fuse the chunks' expert GEMMs back into one; and no all-gather or
+    # reduce-scatter combiner: with it XLA merged the chunks' ESP all-gathers into one that
+    # waited for every chunk's all-to-all, and nothing overlapped (small-moe on h100:8;
+    # docs/parallelism.md, "S2 in the compiled GPU program").
     MoEScheduleSpec(name="parm_s2", summary="Parm S2: S1 with the all-to-all and the ESP "
                     "all-gather (and the reduce-scatter and the all-to-all back) pipelined over "
                     "capacity chunks", chunked=True, gpu_options={
                         **_LHS, "xla_gpu_experimental_parallel_collective_overlap_limit": 2,
+                        "xla_gpu_all_gather_combine_threshold_bytes": 0,
+                        "xla_gpu_reduce_scatter_combine_threshold_bytes": 0,
                         "xla_disable_hlo_passes": "dot-merger"}),
     MoEScheduleSpec(name="local", summary="no expert axis: every device holds all experts, "
                     "tokens de-duplicated over MP and the experts' FFNs split over it (S1 with "
