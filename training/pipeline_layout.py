@@ -1,0 +1,143 @@
+"""A pipeline's settings (`PipelineSpec`) and its parameter layout: each stacked block parameter
+[L, ...] stored as [S, v, Lmax, ...], sharded on `stage` (device s, chunk c holds virtual stage
+c*S + s, whose n_j layers are the first n_j of its Lmax rows; uneven stages leave zero padding
+rows that no stage reads). Checkpoints hold the standard [L, ...] layout, so a run resumes onto
+any stage count. The train step is `training.pipeline_step`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from fractions import Fraction
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from oases_jax.errors import UserError
+from oases_jax.pipeline import schedules
+from oases_jax.rules import ShardingRules, spec_divides
+
+STAGE = "stage"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipelineSpec:
+    """A pipeline: schedule name, S stages (the mesh's `stage` size), M micro-batches, v chunks
+    per stage (interleaved), per-device layer counts and per-stage recompute ratios."""
+
+    schedule: str
+    stages: int
+    microbatches: int
+    layers: tuple[int, ...]  # per device, summing to the model's layers
+    chunks: int = 1
+    ratios: tuple[Fraction, ...] | None = None  # stage-aware remat; None: none
+
+    @property
+    def virtual(self) -> int:
+        return self.stages * self.chunks
+
+    def virtual_layers(self) -> tuple[int, ...]:
+        """n_j, layers of virtual stage j = c*S + s: device s's count split into v chunks."""
+        return tuple(self.layers[j % self.stages] // self.chunks for j in range(self.virtual))
+
+    def starts(self) -> tuple[int, ...]:
+        n = self.virtual_layers()
+        return tuple(sum(n[:j]) for j in range(self.virtual))
+
+    @property
+    def lmax(self) -> int:
+        return max(self.virtual_layers())
+
+    def recomputed(self) -> tuple[int, ...]:
+        """Per virtual stage, its first layers recomputed in the backward (stage-aware remat;
+        a chunk recomputes its device's ratio of its own layers)."""
+        if self.ratios is None:
+            return (0,) * self.virtual
+        n = self.virtual_layers()
+        return tuple(math.floor(n[j] * self.ratios[j % self.stages]) for j in range(self.virtual))
+
+    def schedule_table(self) -> schedules.Schedule:
+        build = schedules.get(self.schedule)
+        if self.schedule == "interleaved":
+            return build(self.stages, self.microbatches, self.chunks)
+        return build(self.stages, self.microbatches)
+
+    def index(self) -> tuple[np.ndarray, np.ndarray]:
+        """(layer index [S, v, Lmax], valid mask [S, v, Lmax]) of the stage layout."""
+        S, v, lmax = self.stages, self.chunks, self.lmax
+        idx = np.zeros((S, v, lmax), np.int32)
+        mask = np.zeros((S, v, lmax), bool)
+        for j, (start, n) in enumerate(zip(self.starts(), self.virtual_layers(), strict=True)):
+            s, c = j % S, j // S
+            idx[s, c, :n] = np.arange(start, start + n)
+            mask[s, c, :n] = True
+        return idx, mask
+
+
+# --- Layout: standard [L, ...] <-> stage [S, v, Lmax, ...] --------------------------------------
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def _stacked(var: nnx.Variable) -> bool:
+    names = tuple(var.get_metadata().get("out_sharding") or ())
+    return bool(names) and names[0] == "layers"
+
+
+def to_stages(tree, pipe: PipelineSpec):
+    """Every stacked block Variable in `tree` (parameters or a train state) to the stage
+    layout, padding rows zero."""
+    idx, mask = pipe.index()
+
+    def one(var):
+        if not (_is_var(var) and _stacked(var)):
+            return var
+        a = var.get_value()
+        m = jnp.asarray(mask).reshape(mask.shape + (1,) * (a.ndim - 1))
+        return var.replace(jnp.where(m, a[jnp.asarray(idx)], jnp.zeros((), a.dtype)))
+
+    return jax.tree.map(one, tree, is_leaf=_is_var)
+
+
+def from_stages(tree, pipe: PipelineSpec):
+    """The inverse of `to_stages`."""
+    idx, mask = pipe.index()
+    where = [np.argwhere((idx == layer) & mask)[0] for layer in range(sum(pipe.layers))]
+    s, c, i = (jnp.asarray([w[k] for w in where]) for k in range(3))
+
+    def one(var):
+        if not (_is_var(var) and _stacked(var)):
+            return var
+        return var.replace(var.get_value()[s, c, i])
+
+    return jax.tree.map(one, tree, is_leaf=_is_var)
+
+
+def stage_shardings(tree, rules: ShardingRules, mesh: Mesh):
+    """NamedShardings of a stage-layout tree: block leaves split on `stage` (then as the rules
+    say), everything else as the rules say (replicated over `stage`)."""
+
+    def one(path, var):
+        names = tuple(var.get_metadata().get("out_sharding") or ())
+        if _stacked(var):
+            spec = P(STAGE, None, None, *rules.param_spec(names[1:], mesh))
+            names = (STAGE, "chunk", "layers") + names[1:]
+        else:
+            spec = rules.param_spec(names, mesh)
+        shape = var.get_value().shape
+        bad = spec_divides(shape, spec, mesh)
+        if bad is not None:
+            axes = spec[bad] if isinstance(spec[bad], tuple) else (spec[bad],)
+            sizes = ",".join(f"{a}={mesh.shape[a]}" for a in axes)
+            raise UserError(f"parameter {jax.tree_util.keystr(path)} dim {bad} ({names[bad]}="
+                            f"{shape[bad]}) is not divisible by mesh axis {sizes} under rules "
+                            f"{rules.name!r}; pick a mesh size that divides {shape[bad]}")
+        return var.replace(NamedSharding(mesh, spec))
+
+    return jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_var)
