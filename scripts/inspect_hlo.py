@@ -16,6 +16,7 @@ import sys
 
 from oases_jax import registry
 from oases_jax.cli import Parser, add_runtime_flags, init_runtime, run_main, write_atomic
+from oases_jax.moe import schedules as moe_schedules
 from training.flags import add_model_flags, model_from_flags
 
 DEFAULTS = {"mesh": "tensor=-1", "rules": "tp", "schedule": "megatron", "sub_batches": 2,
@@ -33,6 +34,10 @@ def parse_args(argv=None):
     p.add_argument("--schedule", help=f"tensor-parallel schedule: {', '.join(registry.SCHEDULES)} "
                    f"(default {DEFAULTS['schedule']})")
     p.add_argument("--sub-batches", type=int, help="oases schedules: sub-batches (default 2)")
+    p.add_argument("--moe-schedule", default="auto", help="MoE models: how MoE layers run: "
+                   f"{', '.join(moe_schedules.CHOICES)} (default auto: by the cost model)")
+    p.add_argument("--moe-chunks", type=int, default=0,
+                   help="parm_s2: capacity chunks (default 0: the cost model's choice)")
     p.add_argument("--pipeline", help="pipeline schedule over the mesh's stage axis: gpipe, "
                    "1f1b, interleaved or merak (as train.py)")
     p.add_argument("--microbatches", type=int, default=1, help="micro-batches per step")
@@ -124,6 +129,8 @@ def main() -> int:
                                parallel=ParallelConfig(mesh=args.mesh, rules=args.rules,
                                                        schedule=schedule,
                                                        sub_batches=args.sub_batches,
+                                                       moe_schedule=args.moe_schedule,
+                                                       moe_chunks=args.moe_chunks,
                                                        pipeline=args.pipeline,
                                                        stage_layers=args.stage_layers,
                                                        virtual_stages=args.virtual_stages,

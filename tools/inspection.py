@@ -13,7 +13,7 @@ import tempfile
 import time
 
 from oases_jax import registry
-from oases_jax.analysis import fusions
+from oases_jax.analysis import fusions, moe_program
 from oases_jax.analysis.attention import attention_kernel
 from oases_jax.analysis.program import Analysis, Program, analyze
 from oases_jax.analysis.simulate import SimResult, simulate
@@ -73,6 +73,11 @@ class Inspection:
             "compile_s": self.compile_s,
             "compiler_options": self.options,
             "xla_estimate": self.xla.to_json() if self.xla else None,
+            "moe_schedule": par.moe_schedule if self.spec.model.moe else None,
+            "moe_chunks": par.moe_chunks if self.spec.model.moe else None,
+            # MoE collectives by kind and axis, parm_s2's chunk overlap (`analysis.moe_program`).
+            "moe": (moe_program.report(self.program, self.spec.model.n_moe_layers)
+                    if self.spec.model.moe else None),
             # Where the compute time goes outside the GEMMs (`oases_jax.analysis.fusions`).
             "fusions": fusions.summarize(
                 fusions.account(self.program, self.target.cluster.device_spec)),

@@ -52,6 +52,7 @@ def summary(r: dict) -> str:
         f"{mem.get('alias', 0) / MIB:.1f} + temporaries {mem.get('temp', 0) / MIB:.1f}",
         f"FLOPs per device: {r['flops'] / 1e12:.3f} TFLOP",
         *attention_lines(r),
+        *moe_lines(r),
         f"simulated on {r['cluster']}: step {_fmt_s(r['simulated_step_s'])}, compute "
         f"{_fmt_s(r['compute_s'])}, comm {_fmt_s(r['comm_s'])}, exposed comm "
         f"{_fmt_s(r['exposed_comm_s'])}",
@@ -60,6 +61,30 @@ def summary(r: dict) -> str:
         f"compile time: {r['compile_s']:.1f} s",
     ]
     return "\n".join(parts)
+
+
+def moe_lines(r: dict) -> list[str]:
+    """An MoE program's collectives by kind and axis (per step and per MoE layer, forward and
+    backward together) and, where the schedule chunks them, whether each chunk's ESP
+    all-gather runs beside the next chunk's all-to-all (`oases_jax.analysis.moe_program`)."""
+    moe = r.get("moe")
+    if not moe:
+        return []
+    chunks = r.get("moe_chunks")
+    out = [f"MoE (MoE layers: {moe['n_moe_layers']}, --moe-schedule {r.get('moe_schedule')}"
+           + (f", {chunks} chunks" if chunks else "") + "): per step / per MoE layer"]
+    for key, row in moe["collectives"].items():
+        sizes = ", ".join(f"{b / MIB:.3f}" for b in row["sizes"])
+        out.append(f"  {key:<28} {row['count']:4d} x {sizes} MiB = {row['bytes'] / MIB:.2f} MiB"
+                   f" / {moe['per_layer_bytes'][key] / MIB:.2f} MiB")
+    for side, what in (("dispatch_pipelines", "all-gather of chunk i beside the all-to-all of "
+                        "chunk i+1"), ("combine_pipelines", "all-to-all back of chunk i beside "
+                                       "the reduce-scatter of chunk i+1")):
+        for p in moe[side]:
+            ok = sum(p["overlapped"])
+            out.append(f"  chunks ({p['computation']}): {what}: {ok}/{len(p['overlapped'])} "
+                       f"pairs overlap ({p['chunks']} chunks)")
+    return out
 
 
 def attention_lines(r: dict) -> list[str]:

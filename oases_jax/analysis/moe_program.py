@@ -168,3 +168,20 @@ def moe_collectives(program: Program, ep_axis: str = EP_AXIS, mp_axis: str = MP_
     for row in out.values():
         row["sizes"] = sorted(row["sizes"])
     return out
+
+
+def report(program: Program, n_moe_layers: int) -> dict:
+    """The MoE part of an inspection report (`tools.inspection`): the MoE collectives per step
+    and per MoE layer (forward, backward and any recompute together), and the chunk pipelines
+    of parm_s2, dispatch side (chunk i's ESP all-gather beside chunk i+1's all-to-all) and
+    combine side (chunk i's all-to-all back beside chunk i+1's ESP reduce-scatter)."""
+    colls = moe_collectives(program)
+    n = max(1, n_moe_layers)
+    return {
+        "n_moe_layers": n_moe_layers,
+        "collectives": colls,
+        "per_layer_bytes": {k: v["bytes"] / n for k, v in colls.items()},
+        "dispatch_pipelines": [p.to_json() for p in pipelines(program)],
+        "combine_pipelines": [p.to_json() for p in pipelines(
+            program, f"reduce-scatter@{MP_AXIS}", f"all-to-all@{EP_AXIS}")],
+    }

@@ -153,3 +153,20 @@ def test_s2_needs_its_combiner_options_on_h100():
     merged = [c for c in analysis.collectives if c.kind == "all-gather" and c.axes == ("tensor",)
               and c.bytes == 2 * ag["all-gather", "tensor"].nbytes]
     assert sum(c.count for c in merged) == 2 * MODEL.n_moe_layers
+
+
+def test_inspection_report_names_the_moe_collectives_and_the_chunk_overlap():
+    """What inspect_hlo.py prints for S2 on h100:8: per-layer bytes and the chunk pairs."""
+    from tools.report import moe_lines
+
+    _, program, _ = _compiled("h100:8", "parm_s2", 2)
+    moe = mp.report(program, MODEL.n_moe_layers)
+    a2a = {(c.kind, c.axis): c for c in cost.collectives(_shape("h100:8"), "parm_s2", 2,
+                                                         restore=False)}["all-to-all", "expert"]
+    # forward and backward: 2 chunks x (dispatch + combine) all-to-alls each
+    assert moe["per_layer_bytes"]["all-to-all@expert"] == 2 * a2a.count * a2a.nbytes
+    lines = moe_lines({"moe": moe, "moe_schedule": "parm_s2", "moe_chunks": 2})
+    assert lines[0] == ("MoE (MoE layers: 2, --moe-schedule parm_s2, 2 chunks): per step / "
+                        "per MoE layer")
+    assert sum("all-gather of chunk i beside the all-to-all of chunk i+1: 1/1 pairs overlap"
+               in ln for ln in lines) == 2, lines
