@@ -131,7 +131,7 @@ class Plan:
                 virtual_stages=pipe.get("virtual_stages", 1) if pipe["schedule"] ==
                 "interleaved" else 0, remat_ratios=",".join(pipe["remat_ratios"]))
         return ParallelConfig(mesh=self.mesh, rules=self.rules, schedule=self.schedule,
-                              layers=self.layers)
+                              layers=tuple(self.layers))
 
     def compile_spec(self, model: ModelConfig) -> CompileSpec:
         """The whole train step this plan describes, every layer under its own strategy."""

@@ -143,7 +143,6 @@ def plan_config(args, model):
     from planner import local_cluster, make_plan
     from planner import plan as plans
     from planner.profile import Profile, default_profile_path
-    from training import ParallelConfig
 
     if args.plan == "auto":
         cluster = local_cluster(jax.devices())
@@ -161,9 +160,8 @@ def plan_config(args, model):
     else:
         plan = plans.load(args.plan)
     plan.check_model(model)
-    parallel = ParallelConfig(mesh=plan.mesh, rules=plan.rules, schedule=plan.schedule,
-                              layers=tuple(plan.layers))
-    return parallel, plan.global_batch, plan.microbatches, plan.seq_len
+    # The plan's own config (`Plan.parallel`): its per-layer strategies, or its pipeline section.
+    return plan.parallel(), plan.global_batch, plan.microbatches, plan.seq_len
 
 
 def main() -> int:

@@ -83,3 +83,25 @@ def test_tiny_run_writes_checkpoint_and_metrics(tmp_path):
     assert [r["step"] for r in records if "val_loss" in r] == [3, 6]
     assert (tmp_path / "run" / "ckpt" / "6").is_dir()
     assert "loss" in proc.stdout and "tokens/s" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_pipelined_plan_trains(tmp_path):
+    """`train.py --plan` runs a 3D plan's stage section (schedule, stage layers, per-stage
+    recompute), not just its mesh."""
+    plan = {"format": "oases-jax-plan/1", "version": 1, "model": "tiny", "global_batch": 8,
+            "seq_len": 32, "mesh": {"data": 2, "stage": 2, "tensor": 2}, "rules": "tp",
+            "microbatches": 4, "layers": [{"schedule": "megatron"}] * 2,
+            "pipeline": {"schedule": "1f1b", "stages": 2, "stage_layers": [1, 1],
+                         "remat_ratios": ["1", "0"], "virtual_stages": 1}}
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    proc = run_train("--model", "tiny", "--plan", str(path), "--steps", "3", "--out-dir",
+                     str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "loss" in proc.stdout
+    # The stage section is what runs: Merak's schedule needs more than one micro-batch.
+    merak = {**plan, "microbatches": 1, "pipeline": {**plan["pipeline"], "schedule": "merak"}}
+    path.write_text(json.dumps(merak))
+    assert_one_line_error(run_train("--model", "tiny", "--plan", str(path), "--steps", "1",
+                                    "--out-dir", str(tmp_path / "merak")), "merak")
