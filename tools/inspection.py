@@ -13,7 +13,7 @@ import tempfile
 import time
 
 from oases_jax import registry
-from oases_jax.analysis import fusions, moe_program
+from oases_jax.analysis import fusions, moe_program, pipeline_time
 from oases_jax.analysis.attention import attention_kernel
 from oases_jax.analysis.program import Analysis, Program, analyze
 from oases_jax.analysis.simulate import SimResult, simulate
@@ -35,6 +35,7 @@ class Inspection:
     mesh: str  # resolved, e.g. data=1,tensor=8
     xla: XlaEstimate | None = None  # XLA's own estimate (GPU targets only)
     options: dict = dataclasses.field(default_factory=dict)  # the XLA options it compiled with
+    pipeline: dict | None = None  # a pipelined program's tick-by-tick time (`pipeline_time`)
 
     def report(self) -> dict:
         a, sim, par = self.analysis, self.sim, self.spec.parallel
@@ -81,6 +82,9 @@ class Inspection:
             # Where the compute time goes outside the GEMMs (`oases_jax.analysis.fusions`).
             "fusions": fusions.summarize(
                 fusions.account(self.program, self.target.cluster.device_spec)),
+            # Pipelined programs: the tick loop priced per branch and stage (the simulated step
+            # above replays each tick's conditional by its first branch).
+            "pipeline": self.pipeline,
         }
 
 
@@ -128,7 +132,20 @@ def inspect_program(spec: CompileSpec, target: Target) -> Inspection:
     analysis, program = analyze(compiled, mesh)
     sim = simulate(program, target.cluster)
     return Inspection(spec, target, analysis, program, sim, compile_s, prog.resolved_mesh, xla,
-                      options=prog.options)
+                      options=prog.options, pipeline=_pipeline(spec, mesh, program, target))
+
+
+def _pipeline(spec: CompileSpec, mesh, program: Program, target: Target) -> dict | None:
+    """A pipelined train step's tick loop timed by `analysis.pipeline_time` (None otherwise)."""
+    if not spec.parallel.pipeline or spec.layer:
+        return None
+    from oases_jax.pipeline import executor
+    from training.pipeline_step import spec_for
+
+    plan = executor.plan(spec_for(spec.model, spec.parallel, spec.microbatches,
+                                  mesh).schedule_table())
+    timed = pipeline_time.pipeline_time(program, target.cluster, plan)
+    return timed.to_json() if timed else {"error": "no tick loop matching the plan found"}
 
 
 if __name__ == "__main__":  # the child of `inspect_isolated`

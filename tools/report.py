@@ -56,11 +56,39 @@ def summary(r: dict) -> str:
         f"simulated on {r['cluster']}: step {_fmt_s(r['simulated_step_s'])}, compute "
         f"{_fmt_s(r['compute_s'])}, comm {_fmt_s(r['comm_s'])}, exposed comm "
         f"{_fmt_s(r['exposed_comm_s'])}",
+        *pipeline_lines(r),
         *planner_lines(r),
         *xla_lines(r),
         f"compile time: {r['compile_s']:.1f} s",
     ]
     return "\n".join(parts)
+
+
+def pipeline_lines(r: dict) -> list[str]:
+    """A pipelined program's tick loop, priced per branch and stage
+    (`oases_jax.analysis.pipeline_time`): the simulated step above replays each tick's
+    conditional by its first branch, this one by what each stage runs."""
+    p = r.get("pipeline")
+    if not p:
+        return []
+    if "error" in p:
+        return [f"pipeline: {p['error']}"]
+    ev = p["events"]
+    pct = lambda xs: ", ".join(f"{x:.1%}" for x in xs)  # noqa: E731
+    branches = ", ".join(f"{b['kind']}{b['virtual_stage']} {b['step_s'] * 1e3:.2f}"
+                         for b in p["branches"][1:])
+    return [
+        f"pipeline {p['schedule']} S={p['stages']} M={p['microbatches']}, {p['ticks']} ticks: "
+        f"step {_fmt_s(p['step_s'])} = outside the loop {_fmt_s(p['outside_s'])} + loop "
+        f"{_fmt_s(p['loop_s'])}",
+        f"  branches (ms): {branches}; rest of a tick {p['rest_s'] * 1e3:.3f} ms",
+        f"  idle per stage {pct(p['idle_fraction'])} (bubble {p['bubble']:.1%}), recompute "
+        f"{p['recompute_share']:.1%}, permutes {_fmt_s(p['permute_s'])}, exposed comm "
+        f"{_fmt_s(p['exposed_comm_s'])}",
+        f"  event model (stages run ahead): {_fmt_s(ev['makespan_s'])}, idle per stage "
+        f"{pct(ev['idle_fraction'])}; lockstep {_fmt_s(ev['lockstep_s'])} vs switch time "
+        f"{_fmt_s(p['switch_s'])}",
+    ]
 
 
 def moe_lines(r: dict) -> list[str]:

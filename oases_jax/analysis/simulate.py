@@ -82,11 +82,13 @@ class SimResult:
 
 class Simulator:
     """`compute_cost(comp, instr)` and `comm_cost(comp, idx, instr, kind)` may replace the roofline
-    and alpha-beta costs (tests use hand-chosen costs)."""
+    and alpha-beta costs (tests use hand-chosen costs). Instructions named in `skip` replay as
+    nothing (`replay` prices one computation without, say, the loop or conditional inside it)."""
 
     def __init__(self, program: Program, cluster: ClusterSpec, *, max_events: int = 20000,
                  compute_cost=None, comm_cost=None):
         self.p = program
+        self.skip: frozenset[str] = frozenset()
         self.cluster = cluster
         self.device = cluster.device_spec
         self.max_events = max_events
@@ -105,11 +107,16 @@ class Simulator:
 
     # Replay.
     def run(self) -> SimResult:
+        return self.replay(self.p.module.entry)
+
+    def replay(self, comp_name: str, skip: frozenset[str] = frozenset()) -> SimResult:
+        """Replay computation `comp_name` alone, from idle streams."""
+        self.skip = frozenset(skip)
         self.tc = self.tm = 0.0
         self.compute_s = self.comm_s = 0.0
         self.pending: dict[str, float] = {}
         self.events: list[Event] = []
-        self._replay(self.p.module.entry)
+        self._replay(comp_name)
         step = max(self.tc, self.tm)
         return SimResult(step_s=step, compute_s=self.compute_s, comm_s=self.comm_s,
                          exposed_comm_s=max(step - self.compute_s, 0.0), events=self.events)
@@ -122,6 +129,8 @@ class Simulator:
         comp = self.p.comp(comp_name)
         for idx, instr in enumerate(comp.instrs):
             kind = collective_kind(instr, self.p.module)
+            if instr.name in self.skip:
+                continue
             if instr.opcode == "while":
                 body = instr.attr("body").lstrip("%")
                 for _ in range(self.p.module.trip_count(instr) or 1):

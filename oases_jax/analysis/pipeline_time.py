@@ -1,0 +1,185 @@
+"""Time a compiled pipelined program tick by tick (docs/inspection.md, "Timing a pipelined
+program").
+
+The executor (`oases_jax.pipeline.executor`) runs a schedule's tick table as one `lax.scan` over
+the T ticks; in each tick every stage runs `lax.switch(row[BRANCH], branches)` on its own row,
+and one activation and one gradient permute follow outside the switch. The whole-program
+simulator replays a conditional by its first branch, so it cannot tell what a device runs each
+tick. Here the tick loop is found (the while loop of T trips whose body holds a conditional with
+one branch computation per `Plan.branches`, in lax.switch's order: XLA's `branch_computations[i]`
+runs for index i), each branch computation and the rest of the tick body are priced alone by the
+simulator (`Simulator.replay`), and the plan's rows say which branch each stage runs:
+
+    tick_t = rest + max_s cost[rows[t, s, BRANCH]]        (SPMD: the slowest stage sets the tick)
+    loop   = sum_t tick_t;  step = outside the loop + loop
+
+Per stage: busy = sum_t cost of its non-idle branches, idle fraction = 1 - busy / switch time
+(switch time = sum_t max_s cost). Beside it, the event simulator (`pipeline.events`, stages
+running ahead asynchronously) and `lockstep_makespan` with F/B/R costs taken from the branches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from oases_jax.analysis.hardware import ClusterSpec
+from oases_jax.analysis.hlo import Instr
+from oases_jax.analysis.program import Program
+from oases_jax.analysis.simulate import SimResult, Simulator
+from oases_jax.pipeline import events
+from oases_jax.pipeline.executor import BRANCH, Plan
+
+
+@dataclasses.dataclass(frozen=True)
+class TickLoop:
+    loop: Instr  # the while
+    body: str  # its body computation
+    switch: Instr  # the conditional
+    branches: tuple[str, ...]  # branch computations, in Plan.branches' order
+
+
+def find_tick_loop(program: Program, plan: Plan) -> TickLoop | None:
+    """The while loop of `len(plan.rows)` trips whose body (or a call inside it) holds a
+    conditional with `len(plan.branches)` branch computations; None when there is none."""
+    T, n = len(plan.rows), len(plan.branches)
+    module = program.module
+    for comp, _ in program.walk():
+        for instr in comp.instrs:
+            if instr.opcode != "while" or module.trip_count(instr) != T:
+                continue
+            body = (instr.attr("body") or "").lstrip("%")
+            for switch in _conditionals(program, body):
+                if len(switch.called) == n:
+                    return TickLoop(instr, body, switch, tuple(switch.called))
+    return None
+
+
+def _conditionals(program: Program, comp_name: str):
+    for instr in program.comp(comp_name).instrs:
+        if instr.opcode == "conditional":
+            yield instr
+        elif instr.opcode == "call":
+            for c in instr.called:
+                yield from _conditionals(program, c)
+
+
+@dataclasses.dataclass
+class PipelineTime:
+    plan: Plan
+    loop: TickLoop
+    branch: list[SimResult]  # per branch of Plan.branches
+    rest: SimResult  # one tick body without the conditional (the permutes, buffer updates)
+    outside: SimResult  # the program without the tick loop
+
+    @property
+    def cost(self) -> np.ndarray:
+        return np.array([b.step_s for b in self.branch])
+
+    @property
+    def per_tick(self) -> np.ndarray:
+        """[T, S] time of each stage's branch."""
+        return self.cost[self.plan.rows[..., BRANCH]]
+
+    @property
+    def switch_s(self) -> float:
+        return float(self.per_tick.max(axis=1).sum())
+
+    @property
+    def ticks_s(self) -> np.ndarray:
+        return self.rest.step_s + self.per_tick.max(axis=1)
+
+    @property
+    def loop_s(self) -> float:
+        return float(self.ticks_s.sum())
+
+    @property
+    def busy_s(self) -> np.ndarray:
+        return np.where(self.plan.rows[..., BRANCH] > 0, self.per_tick, 0.0).sum(axis=0)
+
+    @property
+    def idle_fraction(self) -> np.ndarray:
+        return 1 - self.busy_s / self.switch_s if self.switch_s else np.zeros(self.plan.stages)
+
+    def share(self, kind: str) -> float:
+        """`kind` branches' time over all stages' switch time."""
+        kinds = np.array([k == kind for k, _ in self.plan.branches])
+        sel = kinds[self.plan.rows[..., BRANCH]]
+        total = self.plan.stages * self.switch_s
+        return float(np.where(sel, self.per_tick, 0.0).sum() / total) if total else 0.0
+
+    @property
+    def exposed_comm_s(self) -> float:
+        """Communication not hidden behind compute: the rest's (permutes) every tick, plus that
+        of each tick's slowest branch (collectives inside the stage, e.g. tensor parallel)."""
+        slowest = self.plan.rows[..., BRANCH][np.arange(len(self.plan.rows)),
+                                              self.per_tick.argmax(axis=1)]
+        inside = sum(self.branch[b].exposed_comm_s for b in slowest)
+        return len(self.plan.rows) * self.rest.exposed_comm_s + float(inside)
+
+    def stage_costs(self) -> events.Costs:
+        """Per physical stage, F/B/R of one micro-batch (all its chunks) from the branch costs:
+        F from the F branch (FS where a stage has no F), R defaults to F."""
+        S, V = self.plan.stages, self.plan.virtual
+        cost = {kb: c for kb, c in zip(self.plan.branches, self.cost, strict=True)}
+
+        def per_stage(*kinds):
+            out = []
+            for s in range(S):
+                total = 0.0
+                for j in range(s, V, S):
+                    c = next((cost[(k, j)] for k in kinds if (k, j) in cost), None)
+                    if c is None:
+                        return None
+                    total += float(c)
+                out.append(total)
+            return out
+
+        return events.Costs(f=per_stage("F", "FS") or 0, b=per_stage("B") or 0,
+                            r=per_stage("R"), p2p=0)
+
+    def to_json(self) -> dict:
+        p = self.plan
+        costs = self.stage_costs()
+        timeline = events.simulate(p.schedule, costs)
+        lockstep = float(events.lockstep_makespan(p.schedule.ticks(), costs))
+        makespan = float(timeline.makespan)
+        return {
+            "schedule": p.schedule.name, "stages": p.stages,
+            "microbatches": p.schedule.microbatches, "ticks": len(p.rows),
+            "loop": self.loop.loop.name, "conditional": self.loop.switch.name,
+            "branches": [{"kind": k, "virtual_stage": j, "computation": c, "step_s": r.step_s,
+                          "compute_s": r.compute_s, "comm_s": r.comm_s}
+                         for (k, j), c, r in zip(p.branches, self.loop.branches, self.branch,
+                                                 strict=True)],
+            "rest_s": self.rest.step_s, "rest_comm_s": self.rest.comm_s,
+            "outside_s": self.outside.step_s,
+            "switch_s": self.switch_s, "loop_s": self.loop_s,
+            "step_s": self.outside.step_s + self.loop_s,
+            "busy_s": self.busy_s.tolist(), "idle_fraction": self.idle_fraction.tolist(),
+            # Idle share of the busiest stage, and the mean over stages.
+            "bubble": float(self.idle_fraction.min()),
+            "mean_idle": float(self.idle_fraction.mean()),
+            "recompute_share": self.share("R"),
+            "permute_s": len(p.rows) * self.rest.comm_s,
+            "exposed_comm_s": self.exposed_comm_s,
+            "events": {"makespan_s": makespan, "lockstep_s": lockstep,
+                       "idle_fraction": [float(i / timeline.makespan) if makespan else 0.0
+                                         for i in timeline.idle],
+                       "bubble": float(timeline.bubble)},
+        }
+
+
+def pipeline_time(program: Program, cluster: ClusterSpec, plan: Plan, *,
+                  compute_cost=None, comm_cost=None) -> PipelineTime | None:
+    """Price the tick loop of `program` (None when it has none that matches `plan`)."""
+    loop = find_tick_loop(program, plan)
+    if loop is None:
+        return None
+    sim = Simulator(program, cluster, max_events=0, compute_cost=compute_cost,
+                    comm_cost=comm_cost)
+    branch = [sim.replay(c) for c in loop.branches]
+    rest = sim.replay(loop.body, skip=frozenset({loop.switch.name}))
+    outside = sim.replay(program.module.entry, skip=frozenset({loop.loop.name}))
+    return PipelineTime(plan, loop, branch, rest, outside)

@@ -1,0 +1,178 @@
+"""The tick-by-tick time of a compiled pipelined program (`analysis.pipeline_time`) against hand
+arithmetic on the plan's table and the event simulator, with hand-set costs on a tiny CPU
+compile; and XLA's order of a conditional's branch computations against lax.switch's index."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from models import get_preset
+from oases_jax.analysis import hlo
+from oases_jax.analysis.hardware import get_cluster
+from oases_jax.analysis.pipeline_time import find_tick_loop, pipeline_time
+from oases_jax.analysis.program import Program
+from oases_jax.mesh import make_mesh
+from oases_jax.pipeline import events, executor, schedules
+from training import ParallelConfig
+from training.program import CompileSpec, lower
+
+MESH = "data=2,stage=2"
+CFG = get_preset("tiny").replace(n_layers=2, d_model=64, d_ff=128)
+UNARY = ("sine", "cosine", "exponential", "tanh")
+
+
+def _opcodes(module, name, seen=None):
+    seen = set() if seen is None else seen
+    for ins in module.computations[name].instrs:
+        yield ins.opcode
+        for c in ins.called:
+            if c in module.computations and c not in seen:
+                seen.add(c)
+                yield from _opcodes(module, c, seen)
+
+
+def test_branch_computations_follow_switch_index():
+    """XLA keeps lax.switch's order: branch_computations[i] is branch i (the analysis reads the
+    plan's branch i as the conditional's i-th computation)."""
+    fns = [jnp.sin, jnp.cos, jnp.exp, jnp.tanh]
+
+    def f(i, x):
+        return jax.lax.switch(i, [lambda x, g=g: g(x) for g in fns], x)
+
+    text = jax.jit(f).lower(jnp.int32(0), jnp.ones(8)).compile().as_text()
+    module = hlo.parse_module(text)
+    switches = [i for c in module.computations.values() for i in c.instrs
+                if i.opcode == "conditional"]
+    assert len(switches) == 1 and len(switches[0].called) == 4
+    for op, branch in zip(UNARY, switches[0].called, strict=True):
+        ops = set(_opcodes(module, branch))
+        assert op in ops and not (set(UNARY) - {op}) & ops, (op, branch, ops)
+
+
+def _program(schedule: str, m: int):
+    spec = CompileSpec(model=CFG, parallel=ParallelConfig(mesh=MESH, rules="tp",
+                                                          schedule="megatron", pipeline=schedule),
+                       batch_size=4 * m, seq_len=16, microbatches=m)
+    mesh = make_mesh(MESH, jax.devices()[:4])
+    compiled = lower(spec, mesh).compile()
+    plan = executor.plan(schedules.get(schedule)(2, m))
+    return Program(compiled.as_text(), (("data", 2), ("stage", 2))), plan
+
+
+@pytest.fixture(scope="module")
+def gpipe():
+    return _program("gpipe", 2)
+
+
+@pytest.fixture(scope="module")
+def one_f_one_b():
+    return _program("1f1b", 4)
+
+
+def _timed(program, plan, by_branch, rest=0.0, outside=0.0, permute=0.0):
+    """pipeline_time with hand costs: each branch computation `by_branch[(kind, j)]`, the tick
+    body's own ops `rest`, the entry's `outside`, each collective `permute` (charged on the
+    first instruction of each computation, nothing elsewhere)."""
+    loop = find_tick_loop(program, plan)
+    per_comp = {c: by_branch.get(kb, 0.0) for kb, c in zip(plan.branches, loop.branches,
+                                                            strict=True)}
+    per_comp[loop.body] = rest
+    per_comp[program.module.entry] = outside
+
+    def compute(comp, instr):
+        return per_comp.get(comp.name, 0.0) if instr is comp.instrs[0] else 0.0
+
+    return pipeline_time(program, get_cluster("h100:8"), plan, compute_cost=compute,
+                         comm_cost=lambda comp, idx, instr, kind: permute)
+
+
+def test_finds_the_tick_loop_and_its_branches(gpipe):
+    program, plan = gpipe
+    loop = find_tick_loop(program, plan)
+    assert loop is not None and program.module.trip_count(loop.loop) == len(plan.rows) == 6
+    flops = {kb: program.flops_of(c) for kb, c in zip(plan.branches, loop.branches, strict=True)}
+    assert flops[("IDLE", -1)] == 0
+    for j in range(2):  # a backward does more arithmetic than its forward
+        assert flops[("B", j)] > flops[("F", j)] > 0
+
+
+def test_gpipe_against_hand_arithmetic(gpipe):
+    """GPipe S=2, M=2: ticks F0 | F0 F1 | F1 | B1 | B0 B1 | B0 with F0=1, F1=3, B1=4, B0=2 take
+    1+3+3+4+4+2 = 17, plus 0.25 of tick body each and 10 outside the loop."""
+    program, plan = gpipe
+    costs = {("F", 0): 1.0, ("F", 1): 3.0, ("B", 1): 4.0, ("B", 0): 2.0}
+    pt = _timed(program, plan, costs, rest=0.25, outside=10.0)
+    assert pt.switch_s == 17 and pt.loop_s == 17 + 6 * 0.25 and pt.outside.step_s == 10
+    r = pt.to_json()
+    assert r["step_s"] == 28.5
+    assert r["busy_s"] == [6.0, 14.0]
+    assert r["idle_fraction"] == pytest.approx([11 / 17, 3 / 17])
+    assert r["bubble"] == pytest.approx(3 / 17)
+    # The event model's lockstep step from per-stage F/B agrees with the plan-row arithmetic.
+    assert r["events"]["lockstep_s"] == 17
+    c = pt.stage_costs()
+    assert (c.f, c.b) == ([1.0, 3.0], [2.0, 4.0])
+
+
+def test_gpipe_idle_is_the_bubble_formula(gpipe):
+    """Equal F and B: every stage idles (S-1)/(M+S-1) = 1/3 of the switch time, in the lockstep
+    analysis and in the event simulator alike."""
+    program, plan = gpipe
+    pt = _timed(program, plan, {("F", 0): 1.0, ("F", 1): 1.0, ("B", 0): 1.0, ("B", 1): 1.0})
+    r = pt.to_json()
+    assert r["idle_fraction"] == pytest.approx([1 / 3, 1 / 3])
+    assert r["events"]["idle_fraction"] == pytest.approx([1 / 3, 1 / 3])
+    assert r["switch_s"] == r["events"]["makespan_s"] == r["events"]["lockstep_s"] == 6
+
+
+def test_permutes_are_exposed_every_tick(gpipe):
+    """CPU permutes are synchronous: the two per tick (activation, gradient) cost 2 x 0.5 each
+    of the 6 ticks, none of it hidden."""
+    program, plan = gpipe
+    pt = _timed(program, plan, {("F", 0): 1.0, ("F", 1): 1.0, ("B", 0): 1.0, ("B", 1): 1.0},
+                permute=0.5)
+    r = pt.to_json()
+    assert r["permute_s"] == r["exposed_comm_s"] == 6.0
+    assert r["loop_s"] == 6 * (1 + 1.0)
+
+
+def test_one_f_one_b_lockstep_exceeds_the_event_step(one_f_one_b):
+    """1F1B S=2, M=4 with F=1, B=2: the event simulator's (M+S-1)(F+B) = 15, while lockstep
+    ticks that pair an F with a B last max(F, B) = 2, and the plan-row arithmetic equals
+    `lockstep_makespan`."""
+    program, plan = one_f_one_b
+    pt = _timed(program, plan, {("F", 0): 1.0, ("F", 1): 1.0, ("B", 0): 2.0, ("B", 1): 2.0})
+    r = pt.to_json()
+    table = plan.schedule.ticks()
+    hand = sum(max((2 if a.kind == "B" else 1) for a in row if a.kind != "IDLE")
+               for row in table.ticks)
+    assert r["switch_s"] == r["events"]["lockstep_s"] == hand
+    assert r["events"]["makespan_s"] == 15 < hand
+    timeline = events.simulate(plan.schedule, events.Costs(f=1, b=2))
+    assert timeline.makespan == Fraction(15)
+    assert r["busy_s"] == [12.0, 12.0]
+    assert r["idle_fraction"] == pytest.approx([1 - 12 / hand] * 2)
+
+
+def test_inspection_reports_the_pipeline():
+    """`inspect_program` of a pipelined step carries the tick-loop time (outside + ticks, each
+    tick its slowest branch plus the rest of the body) and its summary lines."""
+    from oases_jax.analysis.targets import get_target
+    from tools.inspection import inspect_program
+    from tools.report import summary
+
+    spec = CompileSpec(model=CFG, parallel=ParallelConfig(mesh="data=4,stage=2", rules="tp",
+                                                          schedule="megatron", pipeline="gpipe"),
+                       batch_size=8, seq_len=16, microbatches=2)
+    r = inspect_program(spec, get_target("local")).report()
+    p = r["pipeline"]
+    assert p["ticks"] == 6 and [b["kind"] for b in p["branches"]] == ["IDLE", "F", "F", "B", "B"]
+    assert p["step_s"] == pytest.approx(p["outside_s"] + p["loop_s"])
+    assert p["loop_s"] == pytest.approx(p["switch_s"] + 6 * p["rest_s"])
+    assert 0 < p["bubble"] <= max(p["idle_fraction"]) < 1
+    text = summary(r)
+    assert "pipeline gpipe S=2 M=2, 6 ticks" in text and "event model" in text
