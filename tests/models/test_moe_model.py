@@ -19,6 +19,8 @@ from oases_jax.rules import get_rules
 from oases_jax.stacks import Parallel, use_parallel
 from tests.scriptrun import run_script
 
+pytestmark = pytest.mark.slow  # CI runs it (`make test MARK=...`)
+
 MOE_PRESETS = [n for n in PRESETS if get_preset(n).moe]
 
 

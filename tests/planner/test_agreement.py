@@ -12,7 +12,7 @@ from planner.layout import Layout
 from planner.prices import Hardware
 from planner.step_cost import step_cost
 
-pytestmark = [pytest.mark.gpu_aot,
+pytestmark = [pytest.mark.slow, pytest.mark.gpu_aot,
               pytest.mark.skipif(not has_gpu_aot(), reason="needs the gpu-aot extra")]
 
 # Four layers, not two: a run of one layer compiles without a scan loop, so it has none of the

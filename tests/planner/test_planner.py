@@ -221,6 +221,7 @@ def test_plan_script_errors(args, message):
     assert len(lines) == 1 and message in lines[0], r.stderr
 
 
+@pytest.mark.slow
 def test_mixed_plan_trains_like_megatron():
     """A plan with a different strategy on each layer gives the losses of plain megatron."""
     from training import ParallelConfig, TrainConfig, train
@@ -237,6 +238,7 @@ def test_mixed_plan_trains_like_megatron():
     np.testing.assert_allclose([got[s] for s in ref], list(ref.values()), rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_plan_then_train_end_to_end(tmp_path):
     plan = tmp_path / "plan.json"
     r = run_script("plan.py", "--model", "tiny", "--cluster", "cpu-8", "--global-batch", "8",

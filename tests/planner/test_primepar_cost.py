@@ -173,6 +173,7 @@ def test_search_offers_primepar_layouts_and_plans_round_trip():
         search(cfg, hw, global_batch=16, seq_len=128, schedules=("primepar",), n_devices=6)
 
 
+@pytest.mark.slow
 def test_primepar_plan_then_train(tmp_path):
     from tests.scriptrun import run_script
 

@@ -198,6 +198,7 @@ def test_measured_programs_run_every_call_in_a_chain():
         assert text.count(f" {kind}(") + text.count(f" {kind}-start(") == 3, kind
 
 
+@pytest.mark.slow
 def test_profile_script_quick_writes_a_loadable_profile(tmp_path):
     out = tmp_path / "cpu-8.json"
     r = run_script("calibrate.py", "--quick", "--out", str(out))

@@ -63,6 +63,7 @@ def _tiny_cpu8():
     return cfg, cluster, result
 
 
+@pytest.mark.slow
 def test_verified_figures_are_the_compiled_programs():
     """The top two tiny plans on cpu-8 (8 CPU devices): each figure is the same plan's
     directly compiled report; the chosen one fits and has the fastest simulated step."""

@@ -155,6 +155,7 @@ def run_bench_cli(*args, timeout=240):
     return run_script("bench.py", *args, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_cli_writes_json(tmp_path):
     out = tmp_path / "sub" / "bench.json"
     proc = run_bench_cli(

@@ -8,6 +8,7 @@ import pytest
 from tests.scriptrun import run_script
 
 
+@pytest.mark.slow
 def test_verify_writes_the_fastest_plan_that_fits_and_inspect_reads_its_model(tmp_path):
     out = tmp_path / "plan.json"
     r = run_script("plan.py", "--model", "tiny", "--cluster", "cpu-8", "--global-batch", "8",

@@ -107,6 +107,7 @@ def llama_7b():
     return inspect_program(spec, get_target("h100:8"))
 
 
+@pytest.mark.slow
 @pytest.mark.gpu_aot
 def test_llama_7b_on_h100s_holds_cudnn_flash_and_no_scores(llama_7b):
     ins = llama_7b

@@ -62,6 +62,7 @@ def _data_reductions(module: hlo.HloModule, comp: hlo.Computation, data_of, n: i
     return count
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["dp", "megatron", "oases", "fsdp"])
 def test_data_reduction_once_per_step(case):
     """The micro-batch loop (the entry's outermost while) holds no reduction over `data`

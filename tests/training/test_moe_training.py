@@ -10,6 +10,8 @@ import pytest
 from models import get_preset
 from training import CheckpointConfig, ParallelConfig, TrainConfig, train
 
+pytestmark = pytest.mark.slow  # CI runs it (`make test MARK=...`)
+
 STEPS, STOP = 8, 4
 
 
