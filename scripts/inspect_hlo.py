@@ -16,8 +16,7 @@ import sys
 
 from oases_jax import registry
 from oases_jax.cli import Parser, add_runtime_flags, init_runtime, run_main, write_atomic
-from oases_jax.moe import schedules as moe_schedules
-from training.flags import add_model_flags, model_from_flags
+from training.flags import add_layout_flags, add_model_flags, layout_kwargs, model_from_flags
 
 DEFAULTS = {"mesh": "tensor=-1", "rules": "tp", "schedule": "megatron", "sub_batches": 2,
             "batch_size": 8, "seq_len": None}
@@ -34,16 +33,8 @@ def parse_args(argv=None):
     p.add_argument("--schedule", help=f"tensor-parallel schedule: {', '.join(registry.SCHEDULES)} "
                    f"(default {DEFAULTS['schedule']})")
     p.add_argument("--sub-batches", type=int, help="oases schedules: sub-batches (default 2)")
-    p.add_argument("--moe-schedule", default="auto", help="MoE models: how MoE layers run: "
-                   f"{', '.join(moe_schedules.CHOICES)} (default auto: by the cost model)")
-    p.add_argument("--moe-chunks", type=int, default=0,
-                   help="parm_s2: capacity chunks (default 0: the cost model's choice)")
-    p.add_argument("--pipeline", help="pipeline schedule over the mesh's stage axis: gpipe, "
-                   "1f1b, interleaved or merak (as train.py)")
+    add_layout_flags(p)
     p.add_argument("--microbatches", type=int, default=1, help="micro-batches per step")
-    p.add_argument("--stage-layers", help="pipeline: layers per stage, e.g. 5,6,6,7")
-    p.add_argument("--virtual-stages", type=int, default=0, help="interleaved: chunks per stage")
-    p.add_argument("--remat-ratios", help="pipeline: stage-aware recompute ratios (r0 or a list)")
     p.add_argument("--plan", help="a plan JSON from scripts/plan.py: its model (unless --model "
                    "is given), mesh, rules, batch, micro-batches and per-layer strategies")
     p.add_argument("--target", default="local",
@@ -129,12 +120,7 @@ def main() -> int:
                                parallel=ParallelConfig(mesh=args.mesh, rules=args.rules,
                                                        schedule=schedule,
                                                        sub_batches=args.sub_batches,
-                                                       moe_schedule=args.moe_schedule,
-                                                       moe_chunks=args.moe_chunks,
-                                                       pipeline=args.pipeline,
-                                                       stage_layers=args.stage_layers,
-                                                       virtual_stages=args.virtual_stages,
-                                                       remat_ratios=args.remat_ratios))
+                                                       **layout_kwargs(args)))
         png = timeline_path(schedule, first)
         xla_png = png if args.timeline_source == "xla" else None
         if target.is_gpu_aot and may_abort(spec):

@@ -11,8 +11,7 @@ import statistics
 
 from oases_jax import registry
 from oases_jax.cli import Parser, add_runtime_flags, init_runtime, run_main
-from oases_jax.moe import schedules as moe_schedules
-from training.flags import add_model_flags, model_from_flags
+from training.flags import add_layout_flags, add_model_flags, layout_kwargs, model_from_flags
 
 
 def parse_args(argv=None):
@@ -24,18 +23,7 @@ def parse_args(argv=None):
     g.add_argument("--schedule", default="megatron",
                    help=f"tensor-parallel schedule: {', '.join(registry.SCHEDULES)}")
     g.add_argument("--sub-batches", type=int, default=2, help="oases schedules: sub-batches")
-    g.add_argument("--moe-schedule", default="auto", help="MoE models: how MoE layers run: "
-                   f"{', '.join(moe_schedules.CHOICES)} (default auto: by the cost model)")
-    g.add_argument("--moe-chunks", type=int, default=0,
-                   help="parm_s2's capacity chunks (default 0: the cost model's choice)")
-    g.add_argument("--pipeline", help="pipeline schedule over the mesh's stage axis: gpipe, "
-                   "1f1b, interleaved or merak (default: none)")
-    g.add_argument("--stage-layers", help="layers per pipeline stage, e.g. 5,6,6,7 (default "
-                   "uniform)")
-    g.add_argument("--virtual-stages", type=int, default=0,
-                   help="interleaved: model chunks per stage (default 2)")
-    g.add_argument("--remat-ratios", help="stage-aware recompute: the first stage's ratio r0 "
-                   "(Merak's rule for the others) or one ratio per stage, e.g. 0.8,0.7,0.4,0")
+    add_layout_flags(g)
     g.add_argument("--plan", help="a plan JSON from scripts/plan.py, or `auto` to plan for the "
                    "local devices (sets mesh, rules, micro-batches and each layer's strategy)")
     g = p.add_argument_group("optimisation")
@@ -74,11 +62,7 @@ def build_config(args):
     import jax
 
     parallel = ParallelConfig(mesh=args.mesh, rules=args.rules, schedule=args.schedule,
-                              sub_batches=args.sub_batches, moe_schedule=args.moe_schedule,
-                              moe_chunks=args.moe_chunks, pipeline=args.pipeline,
-                              stage_layers=args.stage_layers,
-                              virtual_stages=args.virtual_stages,
-                              remat_ratios=args.remat_ratios)
+                              sub_batches=args.sub_batches, **layout_kwargs(args))
     batch_size, microbatches, seq_len = args.batch_size, args.microbatches, args.seq_len
     if args.plan:
         parallel, batch_size, microbatches, seq_len = plan_config(args, model)

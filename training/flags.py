@@ -24,3 +24,27 @@ def model_from_flags(args: argparse.Namespace) -> ModelConfig:
     model = get_preset(args.model).with_overrides(args.model_set)
     given = (("dtype", args.dtype), ("remat", args.remat), ("scan_layers", args.scan))
     return model.replace(**{k: v for k, v in given if v is not None})
+
+
+def add_layout_flags(group) -> None:
+    """The MoE and pipeline flags of train.py and inspect_hlo.py (docs/cli.md)."""
+    from oases_jax.moe import schedules as moe_schedules
+
+    group.add_argument("--moe-schedule", default="auto", help="MoE models: how MoE layers run: "
+                       f"{', '.join(moe_schedules.CHOICES)} (default auto: by the cost model)")
+    group.add_argument("--moe-chunks", type=int, default=0,
+                       help="parm_s2's capacity chunks (default 0: the cost model's choice)")
+    group.add_argument("--pipeline", help="pipeline schedule over the mesh's stage axis: gpipe, "
+                       "1f1b, interleaved or merak (default: none)")
+    group.add_argument("--stage-layers", help="layers per pipeline stage, e.g. 5,6,6,7 "
+                       "(default uniform)")
+    group.add_argument("--virtual-stages", type=int, default=0,
+                       help="interleaved: model chunks per stage (default 2)")
+    group.add_argument("--remat-ratios", help="stage-aware recompute: the first stage's ratio r0 "
+                       "(Merak's rule for the others) or one ratio per stage, e.g. 0.8,0.7,0.4,0")
+
+
+def layout_kwargs(args: argparse.Namespace) -> dict:
+    """The `ParallelConfig` fields `add_layout_flags` sets."""
+    return {k: getattr(args, k) for k in ("moe_schedule", "moe_chunks", "pipeline",
+                                          "stage_layers", "virtual_stages", "remat_ratios")}

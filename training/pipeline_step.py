@@ -212,67 +212,32 @@ def build_pipeline_step_fns(cfg: ModelConfig, tx: optax.GradientTransformation,
                             parallel: Parallel, pipe: PipelineSpec):
     """`training.state.build_step_fns` for a pipelined model: the same StepFns (train step,
     evaluation, optimizer init, shardings), over parameters in the stage layout."""
-    from training.state import StepFns, _eval_loss, accumulation_groups, loss_fn
+    from training.state import (
+        _eval_loss,
+        accumulation_groups,
+        assemble_step_fns,
+        loss_fn,
+        optimizer_update,
+    )
 
     rules, mesh = parallel.rules, parallel.mesh
     graphdef, abstract_std = abstract_model(cfg)
     abstract_params = jax.eval_shape(lambda p: to_stages(p, pipe), abstract_std)
     p_sh = stage_shardings(abstract_params, rules, mesh)
-    replicated = NamedSharding(mesh, P())
-    abstract_opt = jax.eval_shape(tx.init, abstract_params)
-    o_sh = optax.tree_map_params(tx, lambda _, s: s, abstract_opt, p_sh,
-                                 transform_non_params=lambda _: replicated, is_leaf=_is_var)
-    state_sh = {"params": p_sh, "opt_state": o_sh, "step": replicated, "rng": replicated}
     groups = accumulation_groups(rules, mesh)
     batch_sh = NamedSharding(mesh, P(None, "data") if groups > 1 else P())
 
     def train_step(state, batch_MBL):
-        params = state["params"]
-        loss, grads = pipeline_grads(cfg, pipe, parallel, params, batch_MBL, groups)
-        with jax.named_scope("optimizer"):
-            updates, opt_state = tx.update(grads, state["opt_state"], params)
-            new_state = {"params": optax.apply_updates(params, updates), "opt_state": opt_state,
-                         "step": state["step"] + 1, "rng": state["rng"]}
-            return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+        loss, grads = pipeline_grads(cfg, pipe, parallel, state["params"], batch_MBL, groups)
+        return optimizer_update(tx, state, grads, {"loss": loss})
 
     def evaluate(params, tokens):
         # Evaluation is rare: the standard layout (gathered over `stage`) and the plain model.
         return _eval_loss(*loss_fn(graphdef, from_stages(params, pipe), tokens[0],
                                    cfg.vocab_size))
 
-    def traced(fn):
-        def wrapper(*args):
-            with use_parallel(parallel):
-                return fn(*args)
-        return wrapper
-
-    with jax.set_mesh(mesh):
-        step_jit = jax.jit(traced(train_step), in_shardings=(state_sh, batch_sh),
-                           out_shardings=(state_sh, replicated), donate_argnums=0)
-        eval_jit = jax.jit(traced(evaluate), in_shardings=(p_sh, batch_sh),
-                           out_shardings=replicated)
-        init_opt = jax.jit(tx.init, in_shardings=(p_sh,), out_shardings=o_sh)
-
-    def with_sharding(a, s):
-        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-
-    abstract_state = {
-        "params": jax.tree.map(with_sharding, abstract_params, p_sh),
-        "opt_state": jax.tree.map(with_sharding, abstract_opt, o_sh),
-        "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
-        "rng": jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated),
-    }
-
-    def under_mesh(fn):
-        def call(*args):
-            with jax.set_mesh(mesh):
-                return fn(*args)
-        return call
-
-    return StepFns(train_step=under_mesh(step_jit), step_jit=step_jit,
-                   eval_loss=under_mesh(eval_jit), init_opt=under_mesh(init_opt),
-                   state_shardings=state_sh, batch_sharding=batch_sh,
-                   abstract_state=abstract_state)
+    return assemble_step_fns(parallel, tx, abstract_params=abstract_params, p_sh=p_sh,
+                             batch_sh=batch_sh, train_step=train_step, evaluate=evaluate)
 
 
 def layout(pipe: PipelineSpec, fns, rules: ShardingRules, mesh: Mesh):

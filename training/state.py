@@ -56,17 +56,6 @@ def build_step_fns(cfg: ModelConfig, tx: optax.GradientTransformation,
     rules, mesh = parallel.rules, parallel.mesh
     graphdef, abstract_params = abstract_model(cfg)
     p_sh = param_shardings(abstract_params, rules, mesh)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    abstract_opt = jax.eval_shape(tx.init, abstract_params)
-    o_sh = optax.tree_map_params(
-        tx,
-        lambda _, s: s,
-        abstract_opt,
-        p_sh,
-        transform_non_params=lambda _: replicated,
-        is_leaf=lambda x: isinstance(x, nnx.Variable),
-    )
-    state_sh = {"params": p_sh, "opt_state": o_sh, "step": replicated, "rng": replicated}
     batch_spec = rules.act_spec((None, "batch", None), mesh)
     batch_sh = NamedSharding(mesh, batch_spec)
     value_and_grad = jax.value_and_grad(lambda p, t: loss_fn(graphdef, p, t, cfg.vocab_size),
@@ -94,15 +83,48 @@ def build_step_fns(cfg: ModelConfig, tx: optax.GradientTransformation,
             zeros = (metric_zeros(cfg), jax.tree.map(jnp.zeros_like, params))
             (loss, grads), _ = jax.lax.scan(micro, zeros, batch_MBL)
             loss, grads = jax.tree.map(lambda x: x / batch_MBL.shape[0], (loss, grads))
-        with jax.named_scope("optimizer"):
-            updates, opt_state = tx.update(grads, state["opt_state"], params)
-            new_state = {
-                "params": optax.apply_updates(params, updates),
-                "opt_state": opt_state,
-                "step": state["step"] + 1,
-                "rng": state["rng"],
-            }
-            return new_state, {**loss, "grad_norm": optax.tree.norm(grads)}
+        return optimizer_update(tx, state, grads, loss)
+
+    return assemble_step_fns(
+        parallel, tx, abstract_params=abstract_params, p_sh=p_sh, batch_sh=batch_sh,
+        train_step=train_step,
+        evaluate=lambda p, t: _eval_loss(*loss_fn(graphdef, p, t[0], cfg.vocab_size)))
+
+
+def optimizer_update(tx: optax.GradientTransformation, state: TrainState, grads,
+                     metrics: dict) -> tuple[TrainState, dict]:
+    """The step's AdamW update of `state` by `grads`, and the metrics with the gradient norm."""
+    params = state["params"]
+    with jax.named_scope("optimizer"):
+        updates, opt_state = tx.update(grads, state["opt_state"], params)
+        new_state = {
+            "params": optax.apply_updates(params, updates),
+            "opt_state": opt_state,
+            "step": state["step"] + 1,
+            "rng": state["rng"],
+        }
+        return new_state, {**metrics, "grad_norm": optax.tree.norm(grads)}
+
+
+def assemble_step_fns(parallel: Parallel, tx: optax.GradientTransformation, *,
+                      abstract_params, p_sh, batch_sh: NamedSharding, train_step: Callable,
+                      evaluate: Callable) -> StepFns:
+    """StepFns of a `train_step(state, batch)` and `evaluate(params, batch)` over parameters
+    shaped `abstract_params` and sharded `p_sh` (the plain layout, or a pipeline's stage
+    layout): the optimizer state's shardings, the jitted functions traced under `parallel`,
+    and the abstract state a checkpoint is restored onto."""
+    mesh = parallel.mesh
+    replicated = NamedSharding(mesh, PartitionSpec())
+    abstract_opt = jax.eval_shape(tx.init, abstract_params)
+    o_sh = optax.tree_map_params(
+        tx,
+        lambda _, s: s,
+        abstract_opt,
+        p_sh,
+        transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, nnx.Variable),
+    )
+    state_sh = {"params": p_sh, "opt_state": o_sh, "step": replicated, "rng": replicated}
 
     def traced(fn):
         # Trace under the mesh, rules and layer strategies, so the model's `constrain` calls and
@@ -120,11 +142,8 @@ def build_step_fns(cfg: ModelConfig, tx: optax.GradientTransformation,
             out_shardings=(state_sh, replicated),
             donate_argnums=0,
         )
-        eval_jit = jax.jit(
-            traced(lambda p, t: _eval_loss(*loss_fn(graphdef, p, t[0], cfg.vocab_size))),
-            in_shardings=(p_sh, batch_sh),
-            out_shardings=replicated,
-        )
+        eval_jit = jax.jit(traced(evaluate), in_shardings=(p_sh, batch_sh),
+                           out_shardings=replicated)
         init_opt = jax.jit(tx.init, in_shardings=(p_sh,), out_shardings=o_sh)
 
     def with_sharding(a, s):

@@ -68,27 +68,28 @@ class OpCost:
                 "total_bytes": self.total_bytes}
 
 
+def _leaves(program: Program, instr: Instr):
+    """The op itself, or every op inside it (nested fusions opened) when it is a fusion."""
+    if instr.opcode not in ("fusion", "fusion-start"):
+        yield instr
+        return
+    for c in instr.called:
+        if c in program.module.computations:
+            for inner in program.module.computations[c].instrs:
+                yield from _leaves(program, inner)
+
+
 def _op_names(program: Program, instr: Instr) -> list[str]:
     """The `op_name`s of an op, and of every op inside it when it is a fusion."""
     names = _OP_NAME.findall(instr.attrs)
     if instr.opcode in ("fusion", "fusion-start"):
-        for c in instr.called:
-            if c in program.module.computations:
-                for inner in program.module.computations[c].instrs:
-                    names += _op_names(program, inner)
+        names += [n for leaf in _leaves(program, instr) for n in _OP_NAME.findall(leaf.attrs)]
     return names
 
 
 def _leaf_opcodes(program: Program, instr: Instr) -> set[str]:
     """The opcodes inside an op (itself if not a fusion), scalar index arithmetic left out."""
-    if instr.opcode not in ("fusion", "fusion-start"):
-        return {instr.opcode} if instr.result_bytes > 8 else set()
-    out: set[str] = set()
-    for c in instr.called:
-        if c in program.module.computations:
-            for inner in program.module.computations[c].instrs:
-                out |= _leaf_opcodes(program, inner)
-    return out
+    return {leaf.opcode for leaf in _leaves(program, instr) if leaf.result_bytes > 8}
 
 
 def categorize(program: Program, instr: Instr) -> tuple[str, str]:
