@@ -1,10 +1,11 @@
 """The planner: an overlap-aware cost model (layouts `planner.layout`, single-op prices
 `planner.prices`, the two-stream `planner.replay`, one layer `planner.layer_work`,
-`planner.layer_cost` and `planner.primepar_cost`, the whole step `planner.step_cost`),
-calibration profiles (`planner.profile`, measured by `planner.calibrate`), an exact per-layer
-search (`planner.search`), JSON plans (`planner.plan`) and their check against compiled
-programs (`planner.verify`, imported on use: it loads the compile path). `make_plan` is the
-one-call entry point."""
+`planner.layer_cost` and `planner.primepar_cost`, the whole step `planner.step_cost`, an MoE
+model's step `planner.moe_step`), calibration profiles (`planner.profile`, measured by
+`planner.calibrate`), an exact per-layer search (`planner.search`; MoE models:
+`planner.moe_search`), JSON plans (`planner.plan`) and their check against compiled programs
+(`planner.verify`, imported on use: it loads the compile path). `make_plan` is the one-call
+entry point."""
 
 from __future__ import annotations
 
@@ -77,10 +78,14 @@ def default_xla_profile(cluster: ClusterSpec):
 def make_plan(cfg: ModelConfig, *, model: str, cluster: ClusterSpec, global_batch: int,
               seq_len: int, memory_fraction: float = 0.9, profile=None,
               cost_source: str = "datasheet", schedules=None) -> tuple[dict, object]:
-    """Search and return (plan JSON, SearchResult)."""
+    """Search and return (plan JSON, SearchResult): an MoE model's data x expert x tensor
+    search (`planner.moe_search`), a dense model's per-layer one (`planner.search`)."""
     hw = Hardware.of(cluster, profile)
-    result = search(cfg, hw, global_batch=global_batch, seq_len=seq_len,
-                    memory_fraction=memory_fraction, schedules=schedules or SCHEDULES)
+    find = search
+    if cfg.moe:
+        from planner.moe_search import search_moe as find
+    result = find(cfg, hw, global_batch=global_batch, seq_len=seq_len,
+                  memory_fraction=memory_fraction, schedules=schedules or SCHEDULES)
     return plan_json(result, model=model, cfg=cfg, cluster=cluster.name,
                      cost_source=cost_source), result
 

@@ -1,5 +1,6 @@
-"""Layouts: how the devices and the global batch are split (data x fsdp x tensor, or primepar's
-data x q x q square, and accumulated micro-batches), and the device ids of each group."""
+"""Layouts: how the devices and the global batch are split (data x fsdp x tensor, an MoE
+model's data x expert x tensor, or primepar's data x q x q square, and accumulated
+micro-batches), and the device ids of each group."""
 
 from __future__ import annotations
 
@@ -18,7 +19,12 @@ class Layout:
 
     A `primepar` layout's tensor group is a q x q square (`tensor` = q^2, mesh axes `tp_row` and
     `tp_col`, rules `primepar`); its parameters are stacked with one sharding, so every layer of
-    its plans runs `primepar` (`planner.primepar_cost`)."""
+    its plans runs `primepar` (`planner.primepar_cost`).
+
+    An MoE model's layout adds `expert` (EP: the experts split over it, the batch split over
+    data x expert, as the runtime's rules do) between data and tensor; `expert_inner` says
+    which of data and expert is the inner (closer, within a node) mesh axis: the mesh is
+    data, expert, tensor, or expert, data, tensor (`planner.moe_search`)."""
 
     data: int = 1
     fsdp: int = 1
@@ -27,6 +33,8 @@ class Layout:
     global_batch: int
     seq_len: int
     primepar: bool = False
+    expert: int = 1
+    expert_inner: bool = True
 
     def __post_init__(self):
         if self.fsdp > 1 and self.data > 1:
@@ -36,6 +44,9 @@ class Layout:
                               or self.square < 2):
             raise ValueError(f"a primepar layout needs tensor = q^2 with q >= 2 and no fsdp, "
                              f"got tensor={self.tensor}, fsdp={self.fsdp}")
+        if self.expert > 1 and (self.fsdp > 1 or self.primepar):
+            raise ValueError(f"expert={self.expert}: MoE layouts run under rules dp or tp, "
+                             "without fsdp or primepar")
 
     @property
     def square(self) -> int:
@@ -44,11 +55,12 @@ class Layout:
 
     @property
     def n_devices(self) -> int:
-        return self.data * self.fsdp * self.tensor
+        return self.data * self.fsdp * self.expert * self.tensor
 
     @property
     def replicas(self) -> int:
-        return self.data * self.fsdp
+        """The ways the batch is split: data x fsdp (x expert: EP splits the batch too)."""
+        return self.data * self.fsdp * self.expert
 
     @property
     def rows(self) -> int:
@@ -57,8 +69,12 @@ class Layout:
 
     def mesh(self) -> dict[str, int]:
         """The training mesh: replicas on `data` (sharded or not, per `rules()`), then tensor
-        (or primepar's square, `tp_row` x `tp_col`)."""
+        (or primepar's square, `tp_row` x `tp_col`); with experts, data and expert in the
+        layout's order, then tensor."""
         axes = {"data": self.replicas, "tensor": self.tensor}
+        if self.expert > 1:
+            outer = [("data", self.data), ("expert", self.expert)]
+            axes = dict(outer if self.expert_inner else outer[::-1]) | {"tensor": self.tensor}
         if self.primepar:
             axes = {"data": self.replicas, "tp_row": self.square, "tp_col": self.square}
         return {k: v for k, v in axes.items() if v > 1} or {"data": 1}
@@ -87,8 +103,22 @@ def tensor_group(layout: Layout) -> list[int]:
 
 
 def replica_group(layout: Layout) -> list[int]:
-    """Device ids of one data(+fsdp) group: strided by the tensor size."""
+    """Device ids of one data(+fsdp, +expert) group: strided by the tensor size."""
     return [i * layout.tensor for i in range(layout.replicas)]
+
+
+def expert_group(layout: Layout) -> list[int]:
+    """Device ids of one `expert` group: strided by tensor when expert is the inner axis, by
+    tensor x data when it is the outer one."""
+    stride = layout.tensor * (1 if layout.expert_inner else layout.data)
+    return [i * stride for i in range(layout.expert)]
+
+
+def data_group(layout: Layout) -> list[int]:
+    """Device ids of one `data` group of an MoE layout (the devices holding the same experts'
+    shards): strided by tensor x expert when expert is the inner axis, by tensor otherwise."""
+    stride = layout.tensor * (layout.expert if layout.expert_inner else 1)
+    return [i * stride for i in range(layout.data)]
 
 
 def col_group(q: int) -> list[int]:

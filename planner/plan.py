@@ -7,7 +7,11 @@
      "predicted_step_s": ..., "predicted_peak_memory_bytes": ..., "predicted_exposed_comm_s": ...,
      "memory": {...}, "baselines": {"megatron": {...}, "best_uniform": {...}},
      "search_s": ..., "cost_source": "datasheet" | "profile", "alternatives": [...],
-     "verified": {...}}  # with `plan.py --verify N` only (`planner.verify`)
+     "verified": {...},  # with `plan.py --verify N` only (`planner.verify`)
+     "moe": {"expert": 2, "schedule": "parm_s2", "chunks": 2, ...}}  # MoE models only
+
+An MoE model's plan (`planner.moe_search`) gains the `moe` section: the expert degree (the mesh's
+`expert` axis), the MoE schedule and its chunk count; its layers all run one dense strategy.
 
 `load` and `from_json` validate a plan against its schema (`planner.plan_schema`) before anything
 runs: every problem is one UserError line naming the field.
@@ -35,6 +39,20 @@ if TYPE_CHECKING:  # the compile path loads Flax and optax: only when a plan is 
     from training.config import ParallelConfig
     from training.program import CompileSpec
 
+def candidate_plan(c: Candidate) -> dict:
+    """The fields of a plan a run reads, for a candidate of either search (an MoE candidate,
+    `planner.moe_search.MoECandidate`, adds its `moe` section)."""
+    d = {"global_batch": c.layout.global_batch, "seq_len": c.layout.seq_len,
+         "mesh": c.layout.mesh(), "rules": c.layout.rules(),
+         "microbatches": c.layout.microbatches, "layers": [s.to_json() for s in c.strategies]}
+    moe = getattr(c, "moe", None)
+    if moe is not None:
+        d["moe"] = {"expert": c.layout.expert, "schedule": moe.schedule, "chunks": moe.chunks,
+                    "predicted_moe_s": c.step.moe_s, "predicted_moe_comm_s": c.step.moe_comm_s,
+                    "predicted_grad_reduce_s": c.step.reduce_s}
+    return d
+
+
 def candidate_json(c: Candidate) -> dict:
     return {"summary": c.summary(), "mesh": c.layout.mesh(), "microbatches": c.layout.microbatches,
             "step_s": c.cost.step_s, "peak_memory_bytes": c.cost.peak_memory_bytes,
@@ -47,18 +65,17 @@ def plan_json(result: SearchResult, *, model: str, cfg: ModelConfig, cluster: st
     alternatives are the next-ranked other plans."""
     best = best or result.best
     others = [c for c in result.ranked if c is not best]
+    run = candidate_plan(best)
+    config = dataclasses.asdict(cfg)
+    if "moe" in run:  # an MoE plan's one remat policy is its model's (`Plan.run_model`)
+        config["remat"] = best.strategies[0].remat
     return {
         "format": FORMAT,
         "version": VERSION,
         "model": model,
-        "model_config": dataclasses.asdict(cfg),
+        "model_config": config,
         "cluster": cluster,
-        "global_batch": best.layout.global_batch,
-        "seq_len": best.layout.seq_len,
-        "mesh": best.layout.mesh(),
-        "rules": best.layout.rules(),
-        "microbatches": best.layout.microbatches,
-        "layers": [s.to_json() for s in best.strategies],
+        **run,
         "predicted_step_s": best.cost.step_s,
         "predicted_peak_memory_bytes": best.cost.peak_memory_bytes,
         "predicted_exposed_comm_s": best.cost.exposed_comm_s,
@@ -122,6 +139,12 @@ class Plan:
         """The parallel config a run of this plan trains and compiles with."""
         from training.config import ParallelConfig
 
+        moe = self.raw.get("moe")
+        if moe:  # one dense strategy on every layer (the model carries its remat: run_model)
+            return ParallelConfig(
+                mesh=self.mesh, rules=self.rules, schedule=self.layers[0].schedule,
+                sub_batches=self.layers[0].sub_batches, moe_schedule=moe["schedule"],
+                moe_chunks=moe.get("chunks", 1) if moe["schedule"] == "parm_s2" else 0)
         pipe = self.raw.get("pipeline")
         if pipe:  # the runtime pipelines one layer strategy; the stages carry the remat
             return ParallelConfig(
@@ -133,12 +156,21 @@ class Plan:
         return ParallelConfig(mesh=self.mesh, rules=self.rules, schedule=self.schedule,
                               layers=tuple(self.layers))
 
+    def run_model(self, model: ModelConfig) -> ModelConfig:
+        """The model a run of this plan trains: `model` itself, or for an MoE plan `model`
+        with the plan's remat policy (the runtime's MoE layer groups take the model's remat,
+        `oases_jax.moe.stack.run_groups`, not a per-layer one)."""
+        if self.raw.get("moe"):
+            return model.replace(remat=self.layers[0].remat)
+        return model
+
     def compile_spec(self, model: ModelConfig) -> CompileSpec:
         """The whole train step this plan describes, every layer under its own strategy."""
         from training.program import CompileSpec
 
-        return CompileSpec(model=model, parallel=self.parallel(), batch_size=self.global_batch,
-                           seq_len=self.seq_len, microbatches=self.microbatches)
+        return CompileSpec(model=self.run_model(model), parallel=self.parallel(),
+                           batch_size=self.global_batch, seq_len=self.seq_len,
+                           microbatches=self.microbatches)
 
     def model(self, where: str = "plan") -> ModelConfig:
         """The model the plan was made for: its `model_config`, else its `model` preset."""

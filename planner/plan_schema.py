@@ -1,7 +1,8 @@
 """The plan file's schema (docs/planner.md, "The plan file"): strict types, sizes within the sanity
 caps, names from the registries (schedules, remat policies, rule sets, mesh axes, model fields),
 and the checks across fields: micro-batches divide the batch, the rule set fits the mesh, primepar
-runs on every layer or none, the layers match the model."""
+runs on every layer or none, an MoE section goes with an MoE model and its expert axis, the layers
+match the model."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from pydantic import Field, create_model
 from models.config import CHOICES, SIZE_CAP, SIZE_CAPS, ModelConfig, field_kinds
 from oases_jax.errors import UserError
 from oases_jax.mesh import KNOWN_AXES
+from oases_jax.moe.schedules import MOE_SCHEDULES
+from oases_jax.moe.stack import scan_schedules
 from oases_jax.remat import POLICIES as REMATS
 from oases_jax.rules import RULE_SETS
 from oases_jax.schema import (
@@ -73,6 +76,19 @@ class PipelineEntry(Strict):
     exact: bool = None
 
 
+class MoEEntry(Strict):
+    """The MoE section of an MoE model's plan (`planner.moe_search`): the expert degree (the
+    mesh's `expert` axis, 1 without one), how the MoE layers run (`oases_jax.moe.schedules`:
+    `local` without an expert axis) and parm_s2's chunk count, with what the search predicted."""
+
+    expert: at_most(MAX_DEVICES) = 1
+    schedule: one_of(MOE_SCHEDULES, "MoE schedule")
+    chunks: at_most(64) = 1
+    predicted_moe_s: NonNegativeFloat = None
+    predicted_moe_comm_s: NonNegativeFloat = None
+    predicted_grad_reduce_s: NonNegativeFloat = None
+
+
 def _model_field(f: dataclasses.Field) -> tuple[object, object]:
     """The schema of one ModelConfig field: sizes within their caps, positive finite scales,
     names from `CHOICES`; its dataclass default when the plan leaves it out."""
@@ -119,6 +135,7 @@ class PlanFile(Strict):
     alternatives: list[CandidateEntry] = None
     verified: dict = None  # `planner.verify`'s record of the compiled candidates
     pipeline: PipelineEntry = None  # 3D plans only; absent: no pipeline
+    moe: MoEEntry = None  # MoE models' plans only; absent: a dense plan
 
 
 def check(p: PlanFile, where: str) -> ModelConfig | None:
@@ -140,6 +157,7 @@ def check(p: PlanFile, where: str) -> ModelConfig | None:
                             f"than the {rows} rows of a micro-batch; {FIX}")
     _check_primepar(p, where)
     _check_pipeline(p, where)
+    _check_moe(p, where)
     _check_rules(p, where)
     return _check_model(p, where)
 
@@ -187,6 +205,39 @@ def _check_pipeline(p: PlanFile, where: str) -> None:
                         f"sum to the plan's {len(p.layers)} layers; {FIX}")
 
 
+def _check_moe(p: PlanFile, where: str) -> None:
+    """An MoE section and an `expert` mesh axis agree; the section runs `local` exactly when
+    there is no expert axis, chunks only under parm_s2, under rules dp, tp or tp_sp, without a
+    pipeline, and one dense strategy on every layer from those MoE layer groups run under."""
+    expert = p.mesh.get("expert", 1)
+    q = p.moe
+    if q is None:
+        if expert > 1:
+            raise UserError(f"{where}: mesh {_mesh(p)} has an expert axis but the plan has no "
+                            f"moe section; {FIX}")
+        return
+    problem = None
+    if q.expert != expert:
+        problem = f"moe.expert = {q.expert} but the mesh's expert axis is {expert}"
+    elif (q.schedule == "local") != (expert == 1):
+        problem = (f"moe.schedule = {q.schedule!r} on mesh {_mesh(p)}: 'local' runs without an "
+                   "expert axis, the other MoE schedules on one")
+    elif q.chunks > 1 and q.schedule != "parm_s2":
+        problem = f"moe.chunks = {q.chunks}: only parm_s2 runs in chunks"
+    elif p.pipeline is not None:
+        problem = "an MoE plan has a pipeline section: pipelines do not run MoE models yet"
+    elif p.rules not in ("dp", "tp", "tp_sp"):
+        problem = f"MoE models run under rules dp, tp or tp_sp, not {p.rules!r}"
+    elif len({(s.schedule, s.sub_batches, s.remat) for s in p.layers}) > 1:
+        problem = ("its layers differ: MoE plans run one dense strategy on every layer (the "
+                   "runtime scans (dense..., MoE) layer groups under one segment)")
+    elif p.layers[0].schedule not in scan_schedules():
+        problem = (f"layers run {p.layers[0].schedule!r}; MoE layer groups run under "
+                   f"{', '.join(s for s in scan_schedules() if s in SCHEDULES)}")
+    if problem:
+        raise UserError(f"{where}: {problem}; {FIX}")
+
+
 def _rule_axes(name: str) -> set[str]:
     """The mesh axes a rule set splits anything over."""
     rules = RULE_SETS[name]()
@@ -229,6 +280,14 @@ def _check_model(p: PlanFile, where: str) -> ModelConfig | None:
     if len(p.layers) != cfg.n_layers:
         raise UserError(f"{where}: layers has {len(p.layers)} entries but {what} is "
                         f"{cfg.n_layers}; {FIX}")
+    if cfg.moe and p.moe is None:
+        raise UserError(f"{where}: {field} is a mixture of experts ({cfg.n_experts} experts) but "
+                        f"the plan has no moe section (planned as a dense model); {FIX}")
+    if not cfg.moe and p.moe is not None:
+        raise UserError(f"{where}: the plan has a moe section but {field} is a dense model; {FIX}")
+    if cfg.moe and cfg.n_experts % p.moe.expert:
+        raise UserError(f"{where}: moe.expert = {p.moe.expert} does not divide {field}'s "
+                        f"{cfg.n_experts} experts; {FIX}")
     if p.seq_len > cfg.max_seq_len:
         raise UserError(f"{where}: seq_len = {p.seq_len} is more than {field}'s max_seq_len "
                         f"{cfg.max_seq_len}; {FIX}")

@@ -218,6 +218,9 @@ def search(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int,
     needed when nothing fits."""
     t0 = time.perf_counter()
     n = n_devices or hw.cluster.n_devices
+    if cfg.moe:  # its experts, dispatch and expert axis are not in this search's cost model
+        raise ValueError("search() plans dense models; plan an MoE model with "
+                         "planner.moe_search.search_moe (planner.make_plan chooses)")
     if not 0 < memory_fraction <= 1:
         raise UserError(f"--memory-fraction {memory_fraction} must be in (0, 1]")
     if seq_len > cfg.max_seq_len:

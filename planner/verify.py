@@ -88,10 +88,7 @@ def target_for(cluster: ClusterSpec) -> Target:
 def candidate_spec(c: Candidate, cfg: ModelConfig):
     """The CompileSpec of a candidate: the train step its plan JSON describes, so the program
     verified is the one `train.py --plan` and `inspect_hlo.py --plan` build."""
-    d = {"global_batch": c.layout.global_batch, "seq_len": c.layout.seq_len,
-         "mesh": c.layout.mesh(), "rules": c.layout.rules(),
-         "microbatches": c.layout.microbatches, "layers": [s.to_json() for s in c.strategies]}
-    return plans.from_json(d, "candidate").compile_spec(cfg)
+    return plans.from_json(plans.candidate_plan(c), "candidate").compile_spec(cfg)
 
 
 def verify_one(c: Candidate, rank: int, cfg: ModelConfig, target: Target) -> Verified:

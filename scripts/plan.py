@@ -23,6 +23,12 @@ def parse_args(argv=None):
     g.add_argument("--memory-fraction", type=float, default=0.9,
                    help="share of each device's memory a plan may use")
     g.add_argument("--schedules", metavar="A,B,...", help="restrict the per-layer schedules")
+    g.add_argument("--expert-degrees", metavar="A,B,...",
+                   help="MoE models: the expert degrees (sizes of the expert mesh axis) to "
+                        "search, each dividing the experts and the devices (default: all such)")
+    g.add_argument("--moe-schedules", metavar="A,B,...",
+                   help="MoE models: the MoE schedules to search on an expert axis, of ds_moe, "
+                        "parm_s1, parm_s2 (default: all three; parm_s2 with each chunk count)")
     g.add_argument("--verify", type=int, default=0, metavar="N",
                    help="compile the top N plans (by predicted step) for the cluster (without a "
                         "GPU for GPU clusters), report each one's compiled peak memory, our "
@@ -54,11 +60,61 @@ def _ms(s: float) -> str:
 
 
 def ranked_table(result, top: int) -> str:
-    rows = [f"{'#':>3}  {'plan':<62} {'step ms':>10} {'exposed':>10} {'peak GiB':>9}"]
+    """The best plan of each layout, fastest first. MoE plans add what decides the expert
+    degree: the step's MoE feed-forwards, the communication they expose, and the gradient
+    reduction (dense gradients over data x expert, the experts' over data)."""
+    moe = hasattr(result.best, "moe")
+    width = 70 if moe else 62
+    head = f"{'#':>3}  {'plan':<{width}} {'step ms':>10} {'exposed':>10} {'peak GiB':>9}"
+    rows = [head + (f" {'MoE ms':>9} {'MoE comm':>9} {'reduce':>9}" if moe else "")]
     for i, c in enumerate(result.ranked[:top]):
-        rows.append(f"{i + 1:3d}  {c.summary()[:62]:<62} {_ms(c.cost.step_s)} "
-                    f"{_ms(c.cost.exposed_comm_s)} {c.cost.peak_memory_bytes / 2**30:9.2f}")
+        row = (f"{i + 1:3d}  {c.summary()[:width]:<{width}} {_ms(c.cost.step_s)} "
+               f"{_ms(c.cost.exposed_comm_s)} {c.cost.peak_memory_bytes / 2**30:9.2f}")
+        if moe:
+            row += (f" {c.step.moe_s * 1e3:9.2f} {c.step.moe_comm_s * 1e3:9.2f} "
+                    f"{c.step.reduce_s * 1e3:9.2f}")
+        rows.append(row)
     return "\n".join(rows)
+
+
+def moe_baselines(result) -> str:
+    """Why the chosen expert degree: the best plan with and without an expert axis (their MoE
+    communication and gradient reduction side by side), and the speedup over ds_moe."""
+    b = result.best
+    lines = []
+    for key, what in (("no_expert", "best without an expert axis"),
+                      ("expert", "best with an expert axis"), ("ds_moe", "best under ds_moe")):
+        c = result.baselines.get(key)
+        if c is None:
+            lines.append(f"{what}: none fits")
+            continue
+        lines.append(f"{what}: {c.summary()}  {c.cost.step_s * 1e3:.2f} ms (MoE comm "
+                     f"{c.step.moe_comm_s * 1e3:.2f} ms, gradient reduction "
+                     f"{c.step.reduce_s * 1e3:.2f} ms, {c.cost.peak_memory_bytes / 2**30:.2f} "
+                     f"GiB); chosen plan {c.cost.step_s / b.cost.step_s:.2f}x faster")
+    return "\n".join(lines)
+
+
+def explain_moe(result, cfg, hw) -> str:
+    """For the chosen layout: every (dense strategy, MoE schedule) pair's step, MoE time and
+    memory, and why the layers share one strategy."""
+    from planner.moe_search import UNIFORM, plan_moe_layout
+    from planner.search import REMATS, SCHEDULES
+
+    best = result.best
+    lines = [f"layout {best.layout.label()}: each dense strategy x MoE schedule (whole step)",
+             f"{'dense':<24} {'MoE':<10} {'step ms':>9} {'MoE ms':>9} {'MoE comm':>9} "
+             f"{'peak GiB':>9}"]
+    for c in plan_moe_layout(cfg, best.layout, hw, result.budget_bytes, SCHEDULES, REMATS,
+                             ("ds_moe", "parm_s1", "parm_s2")):
+        fits = c.cost.peak_memory_bytes <= result.budget_bytes
+        mark = "  <- chosen" if c == best else "" if fits else "  (does not fit)"
+        lines.append(f"{c.dense.label():<24} {c.moe.label():<10} {c.cost.step_s * 1e3:9.2f} "
+                     f"{c.step.moe_s * 1e3:9.2f} {c.step.moe_comm_s * 1e3:9.2f} "
+                     f"{c.cost.peak_memory_bytes / 2**30:9.2f}{mark}")
+    lines.append(f"{UNIFORM}; the MoE feed-forwards are priced by the alpha-beta MoE model "
+                 "(oases_jax/analysis/moe_cost.py) on the datasheet numbers")
+    return "\n".join(lines)
 
 
 def explain(result, cfg, hw) -> str:
@@ -170,9 +226,57 @@ def check_args(args) -> None:
         raise UserError(f"--top {args.top} must be >= 1 (rows of the ranked table)")
     if args.schedules is not None and not args.schedules.strip(", "):
         raise UserError(f"--schedules {args.schedules!r} names no schedule; e.g. megatron,oases")
+    args.expert_degrees = _int_list("--expert-degrees", args.expert_degrees)
+    if args.moe_schedules is not None:
+        args.moe_schedules = tuple(s.strip() for s in args.moe_schedules.split(",") if s.strip())
+        if not args.moe_schedules:
+            raise UserError("--moe-schedules names no MoE schedule; e.g. parm_s1,parm_s2")
     for flag, value in (("--json", args.json), ("--save-cluster", args.save_cluster)):
         if value:
             output_file(value, flag)
+
+
+def _int_list(flag: str, text: str | None) -> tuple[int, ...] | None:
+    """`2,4` -> (2, 4); anything but positive integers is one line."""
+    from oases_jax.errors import UserError
+
+    if text is None:
+        return None
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise UserError(f"{flag} {text!r} must be positive integers separated by commas, e.g. "
+                        "1,2,4")
+    return values
+
+
+def search_plan(args, cfg, cluster, profile, seq_len, schedules):
+    """(plan JSON, SearchResult): `planner.make_plan`, or for an MoE model the MoE search with
+    --expert-degrees and --moe-schedules (refused for dense models)."""
+    from oases_jax.errors import UserError
+    from planner import make_plan
+    from planner.plan import plan_json
+
+    moe_flags = [f for f, v in (("--expert-degrees", args.expert_degrees),
+                                ("--moe-schedules", args.moe_schedules)) if v is not None]
+    if not cfg.moe:
+        if moe_flags:
+            raise UserError(f"{moe_flags[0]} needs an MoE model (n_experts set, e.g. --model "
+                            f"small-moe); {args.model} is dense: drop it")
+        return make_plan(cfg, model=args.model, cluster=cluster, global_batch=args.global_batch,
+                         seq_len=seq_len, memory_fraction=args.memory_fraction, profile=profile,
+                         cost_source=args.cost_source, schedules=schedules)
+    from planner.moe_search import EP_SCHEDULES, search_moe
+    from planner.prices import Hardware
+
+    result = search_moe(cfg, Hardware.of(cluster, profile), global_batch=args.global_batch,
+                        seq_len=seq_len, memory_fraction=args.memory_fraction,
+                        schedules=schedules, expert_degrees=args.expert_degrees,
+                        moe_schedules=args.moe_schedules or EP_SCHEDULES)
+    return plan_json(result, model=args.model, cfg=cfg, cluster=cluster.name,
+                     cost_source=args.cost_source), result
 
 
 def setup_verify(cluster) -> None:
@@ -190,6 +294,21 @@ def setup_verify(cluster) -> None:
         jax.config.update("jax_platforms", "cpu")
 
 
+def agreement(verified) -> str:
+    """Predicted against simulated step over the compiled plans: the ratio range and the
+    Spearman rank correlation."""
+    from planner.rank import spearman
+
+    done = [v for v in verified if v.simulated_step_s]
+    if len(done) < 2:
+        return f"ranking agreement: {len(done)} plan(s) compiled, too few to rank"
+    pred = [v.candidate.cost.step_s for v in done]
+    sim = [v.simulated_step_s for v in done]
+    ratios = [p / s for p, s in zip(pred, sim, strict=True)]
+    return (f"predicted / simulated step over {len(done)} compiled plans: {min(ratios):.2f} to "
+            f"{max(ratios):.2f}; ranking agreement (Spearman) {spearman(pred, sim):.2f}")
+
+
 def main() -> int:
     args = parse_args()
     check_args(args)
@@ -197,7 +316,7 @@ def main() -> int:
 
     from oases_jax.analysis.hardware import get_cluster
     from oases_jax.errors import UserError
-    from planner import load_profile, make_plan
+    from planner import load_profile
     from planner.plan import save
     from planner.prices import Hardware
     from planner.search import SCHEDULES
@@ -225,10 +344,7 @@ def main() -> int:
     profile = load_profile(args.cost_source, cluster, args.profile)
     compared = compare_profiles(args, cluster) if args.compare or args.compare_sources else {}
     t0 = time.perf_counter()
-    plan, result = make_plan(cfg, model=args.model, cluster=cluster,
-                             global_batch=args.global_batch, seq_len=seq_len,
-                             memory_fraction=args.memory_fraction, profile=profile,
-                             cost_source=args.cost_source, schedules=schedules)
+    plan, result = search_plan(args, cfg, cluster, profile, seq_len, schedules)
     print(f"{args.model} on {cluster.name} ({cluster.n_devices} x {cluster.device}), global "
           f"batch {args.global_batch} x {seq_len}, costs: {args.cost_source}; "
           f"{result.layouts_considered} layouts searched in {result.search_s:.2f} s "
@@ -239,18 +355,22 @@ def main() -> int:
     if base is not None:
         print(f"megatron at its best mesh: {base.summary()}  {base.cost.step_s * 1e3:.2f} ms; "
               f"predicted speedup {base.cost.step_s / best.cost.step_s:.2f}x")
+    if cfg.moe:
+        print(moe_baselines(result))
     if args.explain:
-        print(explain(result, cfg, Hardware.of(cluster, profile)))
+        why = explain_moe if cfg.moe else explain
+        print(why(result, cfg, Hardware.of(cluster, profile)))
     if compared:
         print(compare_table(args, cluster, compared, schedules))
     if args.verify:
         from planner.verify import verify_plan
 
-        plan, _, chosen = verify_plan(result, cfg, cluster, args.verify, model=args.model,
-                                      cost_source=args.cost_source,
-                                      log=lambda s: print(s, flush=True))
+        plan, verified, chosen = verify_plan(result, cfg, cluster, args.verify,
+                                             model=args.model, cost_source=args.cost_source,
+                                             log=lambda s: print(s, flush=True))
         print(f"chosen: {chosen.candidate.summary()} (predicted rank {chosen.rank}, "
               f"simulated {chosen.simulated_step_s * 1e3:.2f} ms)")
+        print(agreement(verified))
     if args.json:
         save(plan, args.json)
         print(f"plan written to {args.json}")

@@ -65,7 +65,7 @@ def build_config(args):
                               sub_batches=args.sub_batches, **layout_kwargs(args))
     batch_size, microbatches, seq_len = args.batch_size, args.microbatches, args.seq_len
     if args.plan:
-        parallel, batch_size, microbatches, seq_len = plan_config(args, model)
+        model, parallel, batch_size, microbatches, seq_len = plan_config(args, model)
 
     if jax.process_count() > 1 and not (args.out_dir or (args.ckpt_dir and args.metrics_out)):
         raise UserError(
@@ -121,7 +121,8 @@ def check_paths(args, cfg) -> None:
 
 
 def plan_config(args, model):
-    """(ParallelConfig, batch size, micro-batches, seq len) from --plan FILE or --plan auto."""
+    """(model, ParallelConfig, batch size, micro-batches, seq len) from --plan FILE or --plan
+    auto; the model is --model's, with an MoE plan's remat policy (`Plan.run_model`)."""
     import jax
 
     from planner import local_cluster, make_plan
@@ -136,16 +137,20 @@ def plan_config(args, model):
         d, _ = make_plan(model, model=args.model, cluster=cluster, global_batch=args.batch_size,
                          seq_len=args.seq_len, profile=profile, cost_source=source)
         plan = plans.from_json(d, "auto plan")
+        moe = f", moe {d['moe']['schedule']}" if d.get("moe") else ""
         print(f"plan auto ({source} costs on {cluster.name}): mesh {plan.mesh}, "
               f"{plan.microbatches} micro-batch(es), layers "
               f"{', '.join(s.label() for s in plan.layers[:1])}"
-              f"{' ...' if len(set(plan.layers)) > 1 else ''}; predicted "
+              f"{' ...' if len(set(plan.layers)) > 1 else ''}"
+              f"{moe}; predicted "
               f"{d['predicted_step_s'] * 1e3:.1f} ms/step")
     else:
         plan = plans.load(args.plan)
     plan.check_model(model)
-    # The plan's own config (`Plan.parallel`): its per-layer strategies, or its pipeline section.
-    return plan.parallel(), plan.global_batch, plan.microbatches, plan.seq_len
+    # The plan's own config (`Plan.parallel`): its per-layer strategies, its pipeline section,
+    # or its MoE section (one dense strategy, the MoE schedule, the remat on the model).
+    return (plan.run_model(model), plan.parallel(), plan.global_batch, plan.microbatches,
+            plan.seq_len)
 
 
 def main() -> int:

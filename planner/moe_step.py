@@ -1,0 +1,263 @@
+"""One optimizer step of an MoE model on a data x expert x tensor layout: the dense layers and
+the MoE layers' attention priced as the dense planner prices them (`planner.layer_cost`), each
+MoE feed-forward by the alpha-beta MoE model (`oases_jax.analysis.moe_cost`, the planner's
+hardware model: the links its expert and tensor groups cross), the experts' parameters and
+optimizer state split over expert x tensor, and the dispatch buffers in memory."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from models.config import ModelConfig
+from oases_jax.analysis import moe_cost as cost
+from oases_jax.analysis.hardware import LinkSpec
+from oases_jax.analysis.simulate import collective_time
+from oases_jax.layer_plan import LayerSpec
+from planner.layer_cost import LayerCost, LayerModel
+from planner.layer_work import SubLayerWork, elem_bytes, sequence_split
+from planner.layout import Layout, data_group, expert_group, replica_group, tensor_group
+from planner.prices import Hardware
+from planner.step_cost import OPTIMIZER_PASSES, StepCost, head_cost
+
+# What an expert axis may run: the Parm schedules; without one, `local` (S1 with N_EP = 1).
+EP_SCHEDULES = ("ds_moe", "parm_s1", "parm_s2")
+LOCAL = "local"
+_FREE = LinkSpec(name="free", bytes_per_s=math.inf, latency_s=0.0)  # prices compute alone
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class MoEChoice:
+    """How a plan's MoE layers run: an MoE schedule and its chunk count (1 unless parm_s2)."""
+
+    schedule: str
+    chunks: int = 1
+
+    def label(self) -> str:
+        return f"{self.schedule}/{self.chunks}" if self.schedule == "parm_s2" else self.schedule
+
+
+def moe_shape(cfg: ModelConfig, layout: Layout) -> cost.LayerShape:
+    """One MoE layer on `layout`, as the runtime resolves it: T = rows x seq tokens per
+    (data, expert) shard, i.e. per tensor group (`oases_jax.moe.layer.moe_layer`)."""
+    return cost.LayerShape(
+        tokens=layout.rows * layout.seq_len, d_model=cfg.d_model, d_ff=cfg.expert_ff_dim,
+        experts=cfg.n_experts, top_k=cfg.top_k, capacity_factor=cfg.capacity_factor,
+        dtype_bytes=elem_bytes(cfg), gated=cfg.gated_mlp, ep=layout.expert, mp=layout.tensor,
+        dp=layout.data)
+
+
+def moe_hardware(layout: Layout, hw: Hardware) -> cost.MoEHardware:
+    """The MoE model's hardware: the cluster's device and the links of one expert group and
+    one tensor group of this layout (expert inside or across nodes, as the layout orders it)."""
+    return cost.MoEHardware.of(hw.cluster, expert_group(layout), tensor_group(layout))
+
+
+def moe_choices(cfg: ModelConfig, layout: Layout, schedules=EP_SCHEDULES) -> list[MoEChoice]:
+    """The MoE schedules a layout can run: `local` without an expert axis; else those of
+    `schedules` among ds_moe, parm_s1 and parm_s2 with each chunk count of the cost model
+    (`moe_cost.CHUNKS`) up to the slots per expert."""
+    if layout.expert == 1:
+        return [MoEChoice(LOCAL)]
+    shape = moe_shape(cfg, layout)
+    out = [MoEChoice("parm_s1")] if "parm_s1" in schedules else []
+    if "parm_s2" in schedules:
+        out += [MoEChoice("parm_s2", r) for r in cost.CHUNKS
+                if r > 1 and r <= cost.slots(shape, "parm_s1")]
+    # Last: without a tensor split ds_moe prices the same as parm_s1; ties go to Parm's.
+    return out + ([MoEChoice("ds_moe")] if "ds_moe" in schedules else [])
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEFFNCost:
+    """One MoE feed-forward, one micro-batch on one device: forward, backward (with the
+    forward's recomputation under remat), the part of them no communication adds (`compute_s`),
+    saved activations and backward working set."""
+
+    fwd_s: float
+    bwd_s: float
+    compute_s: float
+    act_bytes: float
+    temp_bytes: float
+
+    @property
+    def step_s(self) -> float:
+        return self.fwd_s + self.bwd_s
+
+    @property
+    def comm_s(self) -> float:
+        """What the MoE collectives add beyond the compute (exposed communication)."""
+        return max(self.step_s - self.compute_s, 0.0)
+
+
+def moe_ffn_cost(cfg: ModelConfig, layout: Layout, hw: Hardware, choice: MoEChoice,
+                 dense: LayerSpec) -> MoEFFNCost:
+    """`moe_cost.estimate` of the choice on the layout's links, adjusted for the residual
+    stream the dense schedule leaves (r = the all-gather of T D e bytes over tensor, the
+    restore the estimate counts once forward and once backward):
+      parm_s1/s2/local under a sequence-parallel dense schedule: the stream is already split
+        over tensor, so no restore: - 2 r
+      ds_moe under a sequence-parallel schedule: its input is gathered first: + 2 r
+    Remat (save_proj or full: nothing in the MoE feed-forward is saved by name) recomputes the
+    forward before the backward. Compute alone: the same estimate on links of no cost."""
+    shape, mhw = moe_shape(cfg, layout), moe_hardware(layout, hw)
+    name = "parm_s1" if choice.schedule == LOCAL else choice.schedule
+    est = cost.estimate(shape, mhw, name, choice.chunks)
+    free = cost.estimate(shape, dataclasses.replace(mhw, ep_link=_FREE, mp_link=_FREE), name,
+                         choice.chunks)
+    restore = collective_time("all-gather", shape.tokens * shape.d_model * shape.dtype_bytes,
+                              layout.tensor, mhw.mp_link)
+    seq = sequence_split(dense.schedule, layout.tensor) > 1
+    adjust = 0.0 if not seq else restore if name == "ds_moe" else -restore
+    fwd = est.forward_s + adjust
+    bwd = est.backward_s + adjust + (fwd if dense.remat != "none" else 0.0)
+    compute = free.forward_s + free.backward_s \
+        + (free.forward_s if dense.remat != "none" else 0.0)
+    saved, work = moe_buffers(cfg, layout, name, choice.chunks)
+    act = saved if dense.remat == "none" else 0.0
+    temp = work + (saved if dense.remat != "none" else 0.0)
+    return MoEFFNCost(fwd_s=fwd, bwd_s=bwd, compute_s=compute, act_bytes=act, temp_bytes=temp)
+
+
+def moe_buffers(cfg: ModelConfig, layout: Layout, schedule: str, chunks: int
+                ) -> tuple[float, float]:
+    """(saved bytes, backward working set) of one MoE feed-forward per device and micro-batch.
+    With T_g the tokens a device gates (T/t, all T for ds_moe), N = E x slots the rows of its
+    dispatch buffer (`moe_cost.slots`: capacity, per chunk padding included), e bytes:
+      saved  = T_g D e (gate input) + 3 x 4 T_g E (f32 logits, probabilities, mask)
+             + b N D e (dispatch, after the all-to-all, after the ESP all-gather (t N rows),
+               after the reduce-scatter, after the all-to-all back: b = 2 + 2 [ep>1] + t [t>1])
+             + g N F e (each expert's hidden on the t N gathered rows, F/t wide: g = 3 gated,
+               2 otherwise)
+      work   = (t N D + g N F) e (the gradients of the gathered buffer and of the hidden)"""
+    shape = moe_shape(cfg, layout)
+    e, t, d, f = elem_bytes(cfg), layout.tensor, cfg.d_model, cfg.expert_ff_dim
+    n = cfg.n_experts * cost.slots(shape, schedule, chunks)
+    gated = 3 if cfg.gated_mlp else 2
+    gate_tokens = shape.tokens if schedule == "ds_moe" else shape.tokens / t
+    bufs = 2 + (2 if layout.expert > 1 else 0) + (t if t > 1 else 0)
+    saved = gate_tokens * d * e + 3 * 4 * gate_tokens * cfg.n_experts \
+        + bufs * n * d * e + gated * n * f * e
+    return saved, (t * n * d + gated * n * f) * e
+
+
+class AttentionModel(LayerModel):
+    """An MoE layer without its feed-forward: the dense layer model with the MLP's GEMMs,
+    activation and collectives taken out (its norm kept), for the attention half."""
+
+    def sublayers(self, rows, strategy, chunks=1):
+        work = super().sublayers(rows, strategy, chunks)
+        mlp = work["mlp"]
+        return {**work, "mlp": SubLayerWork(pre=mlp.pre, col=0.0, core=0.0, row=0.0,
+                                            col_bytes=0.0)}
+
+    def saved_bytes(self, strategy: LayerSpec) -> float:
+        """The dense formula (`LayerModel.saved_bytes`) without the MLP: no hidden (none), and
+        under save_proj the attention's two saved projections only."""
+        c, t, e = self.cfg, self.layout.tensor, self.e
+        tok = self.layout.rows * self.layout.seq_len
+        s = sequence_split(strategy.schedule, t)
+        if strategy.remat == "none":
+            hidden = (3 if c.gated_mlp else 2) * tok * c.ff_dim / t
+            return super().saved_bytes(strategy) - hidden * e
+        if strategy.remat == "save_proj":
+            spec = strategy.spec
+            gathers = t > 1 and (spec.rings or spec.projection == "seq_parallel")
+            qkv = tok * (c.n_heads + 2 * c.kv_heads) * c.k_dim / t
+            return (3 * tok * c.d_model / s + (qkv if gathers else 0.0)) * e
+        return super().saved_bytes(strategy)
+
+
+def moe_static_memory(cfg: ModelConfig, layout: Layout) -> dict[str, float]:
+    """Parameters, gradients and AdamW moments per device (fp32 each), the experts' split over
+    expert x tensor, everything else over tensor (as `step_cost.static_memory`):
+      params_local = (P - P_exp) / t + P_mat / (ep t) + P_bout / ep
+    P_exp: all experts' parameters; P_mat their matrices and input biases; P_bout their output
+    biases [E, D] (split over expert only). Plus the compute-dtype copy of the blocks' weights
+    and the gradient accumulator as for dense models."""
+    local_dense, local_experts = _local_params(cfg, layout)
+    local = local_dense + local_experts
+    mem = {"params": 4 * local, "grads": 4 * local, "optimizer": 8 * local}
+    e = elem_bytes(cfg)
+    if e < 4:
+        emb = cfg.param_count() - cfg.param_count(embeddings=False)
+        mem["compute_weights"] = e * (local - emb / layout.tensor)
+    if layout.microbatches > 1:
+        mem["grad_accumulator"] = 4 * local
+    return mem
+
+
+def _local_params(cfg: ModelConfig, layout: Layout) -> tuple[float, float]:
+    """(dense, expert) parameters on one device."""
+    d, f, n = cfg.d_model, cfg.expert_ff_dim, cfg.n_experts * cfg.n_moe_layers
+    mats = n * (d * f * (3 if cfg.gated_mlp else 2) + (f if cfg.use_bias else 0))
+    b_out = n * d if cfg.use_bias else 0
+    dense = cfg.param_count() - mats - b_out
+    t, ep = layout.tensor, layout.expert
+    return dense / t, mats / (ep * t) + b_out / ep
+
+
+def grad_reduce_s(cfg: ModelConfig, layout: Layout, hw: Hardware) -> float:
+    """The gradient reduction of one step: the dense gradients (4 bytes each) all-reduced over
+    data x expert, the experts' over data alone. With an expert axis the runtime's batch is
+    split over more than `data`, so accumulation reduces every micro-batch
+    (`training.state.accumulation_groups`): x microbatches."""
+    dense, experts = _local_params(cfg, layout)
+    reduce = hw.comm_s("all-reduce", 4 * dense, replica_group(layout)) \
+        + hw.comm_s("all-reduce", 4 * experts, data_group(layout))
+    return reduce * (layout.microbatches if layout.expert > 1 else 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEStep:
+    """A priced MoE plan: the step (as the dense planner's `StepCost`) and what explains it:
+    every MoE feed-forward of the step (`moe_s`), their exposed communication (`moe_comm_s`)
+    and the gradient reduction (`reduce_s`)."""
+
+    cost: StepCost
+    moe_s: float
+    moe_comm_s: float
+    reduce_s: float
+
+
+def moe_step_cost(cfg: ModelConfig, layout: Layout, dense: LayerSpec, choice: MoEChoice,
+                  hw: Hardware, costs: tuple[LayerCost | None, LayerCost] | None = None
+                  ) -> MoEStep:
+    """One step: microbatches x (head + (L - L_moe) dense layers + L_moe x (attention +
+    MoE feed-forward)), then the gradient reduction (`grad_reduce_s`; only the head's backward
+    hides it, as for dense models) and the AdamW update; memory as `moe_static_memory` plus
+    every layer's saved activations and the largest working set. `costs`: the dense layer's
+    and the attention half's `LayerCost` under `dense` when already priced (`layer_costs`)."""
+    m, n_moe = layout.microbatches, cfg.n_moe_layers
+    n_dense = cfg.n_layers - n_moe
+    lc, attn = costs or layer_costs(cfg, layout, dense, hw)
+    ffn = moe_ffn_cost(cfg, layout, hw, choice, dense)
+    head_s, head_temp = head_cost(cfg, layout, hw)
+    layers = n_moe * (attn.step_s + ffn.step_s) + (n_dense * lc.step_s if lc else 0.0)
+    compute = n_moe * (attn.compute_s + ffn.compute_s) + (n_dense * lc.compute_s if lc else 0.0)
+    comm = n_moe * (attn.comm_s + ffn.comm_s) + (n_dense * lc.comm_s if lc else 0.0)
+    static = moe_static_memory(cfg, layout)
+    local = static["params"] / 4
+    reduce = grad_reduce_s(cfg, layout, hw)
+    hidden = min(reduce, 0.5 * head_s) if hw.async_collectives else 0.0
+    opt_s = hw.mem_s(OPTIMIZER_PASSES * 4 * local)
+    accum_s = hw.mem_s(3 * 4 * local) * (m if m > 1 else 0)
+    step = m * (layers + head_s) + reduce - hidden + opt_s + accum_s
+    compute_all = m * (compute + head_s) + opt_s + accum_s
+    acts = n_moe * (attn.act_bytes + ffn.act_bytes) + (n_dense * lc.act_bytes if lc else 0.0)
+    temps = [attn.temp_bytes + ffn.temp_bytes, head_temp] + ([lc.temp_bytes] if lc else [])
+    memory = {**static, "activations": acts, "temporaries": max(temps)}
+    sc = StepCost(step_s=step, compute_s=compute_all, comm_s=m * comm + reduce,
+                  exposed_comm_s=max(step - compute_all, 0.0), dp_reduce_s=reduce,
+                  peak_memory_bytes=sum(memory.values()), memory=memory)
+    return MoEStep(cost=sc, moe_s=m * n_moe * ffn.step_s, moe_comm_s=m * n_moe * ffn.comm_s,
+                   reduce_s=reduce)
+
+
+def layer_costs(cfg: ModelConfig, layout: Layout, dense: LayerSpec, hw: Hardware
+                ) -> tuple[LayerCost | None, LayerCost]:
+    """(a dense layer, an MoE layer's attention half) under `dense` (for `--explain`)."""
+    n_dense = cfg.n_layers - cfg.n_moe_layers
+    return (LayerModel(cfg, layout, hw).time(dense) if n_dense else None,
+            AttentionModel(cfg, layout, hw).time(dense))
+
