@@ -1,0 +1,88 @@
+"""A pipelined program's step as a picture: one row per stage, each tick of the tick loop as
+long as `pipeline_time` prices it (the slowest stage's branch, then the permutes and buffer
+updates every stage runs), each stage's action coloured by kind and its wait for the slowest
+stage hatched as idle (docs/inspection.md, "Timing a pipelined program"). matplotlib is imported
+only when drawing."""
+
+from __future__ import annotations
+
+from oases_jax.analysis.pipeline_stages import base_kind
+from oases_jax.analysis.pipeline_time import PipelineTime
+from oases_jax.pipeline.executor import BRANCH, MB
+
+COLORS = {"F": "tab:blue", "FS": "tab:cyan", "R": "tab:orange", "B": "tab:green"}
+NAMES = {"F": "forward (F)", "FS": "forward, input stashed (F/PF)",
+         "R": "recompute (R/RrG)", "B": "backward (B)"}
+
+
+def timeline_json(pt: PipelineTime) -> dict:
+    """What `draw` needs beyond `PipelineTime.to_json()`: per tick its start in the loop and
+    length, and per stage its branch and micro-batch (-1 on idle ticks)."""
+    ticks = pt.ticks_s
+    rows = pt.plan.rows[..., [BRANCH, MB]].copy()
+    rows[..., 1] = [[mb if b else -1 for b, mb in row] for row in rows.tolist()]
+    return {"tick_start_s": (ticks.cumsum() - ticks).tolist(), "tick_s": ticks.tolist(),
+            "rows": rows.tolist()}
+
+
+def _label(kind: str, j: int, mb: int, stages: int, chunks: int) -> str:
+    part = "abcdefgh"[int(kind[1:])] if kind[0] == "B" and kind[1:].isdigit() else ""
+    chunk = f".{j // stages}" if chunks > 1 else ""
+    return f"{base_kind(kind)[0]}{mb}{chunk}{part}"
+
+
+def draw(pipeline: dict, path: str, title: str = "") -> None:
+    """Write the PNG of a report's `pipeline` block (`PipelineTime.to_json()` with
+    `timeline_json`'s keys) to `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.patches as mpatches
+    import matplotlib.pyplot as plt
+
+    p, ms = pipeline, 1e3
+    S, T = p["stages"], p["ticks"]
+    branches = p["branches"]
+    chunks = max(1, (max(b["virtual_stage"] for b in branches) + 1) // S)
+    fig, ax = plt.subplots(figsize=(max(8.0, min(24.0, 0.45 * T + 3)), 0.7 * S + 1.6))
+    rest = p["rest_s"] * ms
+    for t in range(T):
+        start, length = p["tick_start_s"][t] * ms, p["tick_s"][t] * ms - rest
+        for s in range(S):
+            b, mb = p["rows"][t][s]
+            y = S - 1 - s
+            kind = base_kind(branches[b]["kind"])
+            busy = branches[b]["step_s"] * ms if b else 0.0
+            if busy:
+                ax.broken_barh([(start, busy)], (y + 0.1, 0.8), color=COLORS.get(kind, "gray"),
+                               edgecolor="white", linewidth=0.4)
+                if T <= 60:
+                    ax.text(start + busy / 2, y + 0.5,
+                            _label(branches[b]["kind"], branches[b]["virtual_stage"], mb, S,
+                                   chunks), ha="center", va="center", fontsize=6, color="white")
+            if length > busy:
+                ax.broken_barh([(start + busy, length - busy)], (y + 0.1, 0.8),
+                               facecolor="whitesmoke", edgecolor="lightgray", hatch="////",
+                               linewidth=0.2)
+            if rest > 0:
+                ax.broken_barh([(start + length, rest)], (y + 0.1, 0.8), color="darkgray",
+                               linewidth=0)
+    ax.set_yticks([S - 1 - s + 0.5 for s in range(S)], [f"stage {s}" for s in range(S)])
+    ax.set_xlim(0, (p["tick_start_s"][-1] + p["tick_s"][-1]) * ms if T else 1)
+    ax.set_ylim(0, S)
+    ax.set_xlabel("time in the tick loop (ms)")
+    idle = ", ".join(f"{x:.0%}" for x in p["idle_fraction"])
+    ax.set_title((title + "\n" if title else "")
+                 + f"{p['schedule']}: S={S}, M={p['microbatches']}, {T} ticks, loop "
+                 f"{p['loop_s'] * ms:.2f} ms (+{p['outside_s'] * ms:.2f} ms outside); idle per "
+                 f"stage {idle}", fontsize=9)
+    kinds = [k for k in COLORS if any(base_kind(b["kind"]) == k for b in branches)]
+    handles = [mpatches.Patch(color=COLORS[k], label=NAMES[k]) for k in kinds]
+    handles.append(mpatches.Patch(facecolor="whitesmoke", edgecolor="lightgray", hatch="////",
+                                  label="idle: waits for the tick's slowest stage"))
+    handles.append(mpatches.Patch(color="darkgray", label="permutes and buffer updates"))
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=len(handles),
+              fontsize=7, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
