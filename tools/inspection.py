@@ -139,11 +139,9 @@ def _pipeline(spec: CompileSpec, mesh, program: Program, target: Target) -> dict
     """A pipelined train step's tick loop timed by `analysis.pipeline_time` (None otherwise)."""
     if not spec.parallel.pipeline or spec.layer:
         return None
-    from oases_jax.pipeline import executor
-    from training.pipeline_step import spec_for
+    from training.pipeline_step import spec_for, step_plan
 
-    plan = executor.plan(spec_for(spec.model, spec.parallel, spec.microbatches,
-                                  mesh).schedule_table())
+    plan = step_plan(spec.model, spec_for(spec.model, spec.parallel, spec.microbatches, mesh))
     timed = pipeline_time.pipeline_time(program, target.cluster, plan)
     return timed.to_json() if timed else {"error": "no tick loop matching the plan found"}
 

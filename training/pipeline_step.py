@@ -15,6 +15,7 @@ layout conversions are in `training.pipeline_layout`.
 from __future__ import annotations
 
 import functools
+import math
 import types
 from collections.abc import Sequence
 
@@ -44,14 +45,14 @@ from training.pipeline_layout import (
     to_stages,
 )
 
-__all__ = ["STAGE", "PipelineSpec", "build_pipeline_step_fns", "from_stages", "layout",
-           "pipeline_grads", "pipeline_spec", "spec_for", "stage_program", "stage_shardings",
-           "to_stages"]
+__all__ = ["STAGE", "PipelineSpec", "backward_parts", "build_pipeline_step_fns", "from_stages",
+           "layout", "pipeline_grads", "pipeline_spec", "spec_for", "stage_program",
+           "stage_shardings", "step_plan", "to_stages"]
 
 
 def pipeline_spec(cfg: ModelConfig, *, schedule: str, stages: int, microbatches: int,
                   stage_layers: str | Sequence[int] | None = None, chunks: int = 1,
-                  remat_ratios: str | None = None) -> PipelineSpec:
+                  remat_ratios: str | None = None, backward_ticks: int = 0) -> PipelineSpec:
     """Checked pipeline settings (one-line UserErrors naming the value and the fix)."""
     if cfg.moe:
         raise UserError("--pipeline does not run MoE models yet; drop --pipeline or use a dense "
@@ -72,90 +73,160 @@ def pipeline_spec(cfg: ModelConfig, *, schedule: str, stages: int, microbatches:
         ratios = pipe_remat.parse_ratios(remat_ratios, stages, shifted=schedule == "merak")
     _graphdefs(cfg)
     return PipelineSpec(schedule=schedule, stages=stages, microbatches=microbatches,
-                        layers=layers, chunks=chunks, ratios=ratios)
+                        layers=layers, chunks=chunks, ratios=ratios, backward_ticks=backward_ticks)
 
 
 # --- The stage program of the transformer -------------------------------------------------------
 
 
-def _shared_keys(cfg: ModelConfig, j: int, virtual: int) -> tuple[str, ...]:
-    keys = []
-    if j == 0:
-        keys += ["embed"] + (["pos"] if cfg.learned_positions else [])
-    if j == virtual - 1:
-        keys += ["norm_f"] + (["embed"] if cfg.tied else ["head"])
-    return tuple(dict.fromkeys(keys))
-
-
 @functools.lru_cache(maxsize=16)
 def _graphdefs(cfg: ModelConfig):
-    """The graphdefs of the stacked blocks and of the final norm (built outside any mesh:
-    `pipeline_spec` calls this first)."""
+    """The graphdefs of the stacked blocks and of the final norm, and the head's matmul work
+    in blocks (built outside any mesh: `pipeline_spec` calls this first)."""
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    return nnx.split(model.blocks)[0], nnx.split(model.norm_f)[0]
+    block = sum(math.prod(a.shape[1:]) for a in jax.tree.leaves(nnx.state(model.blocks))
+                if a.ndim >= 3)
+    head = cfg.d_model * cfg.vocab_size / max(block, 1.0)
+    return nnx.split(model.blocks)[0], nnx.split(model.norm_f)[0], head
+
+
+# Recomputed share of a layer's forward inside its backward, per remat policy: chooses how many
+# ticks a backward spans (`backward_parts`), nothing else.
+_RECOMPUTE_SHARE = {"none": 0.0, "full": 1.0, "save_proj": 0.5, "save_dots": 0.1}
+
+
+def _head_weight(cfg: ModelConfig) -> float:
+    """The head's forward work in layers: its matmul against one block's matmuls."""
+    return _graphdefs(cfg)[2]
+
+
+def backward_parts(cfg: ModelConfig, pipe: PipelineSpec
+                   ) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per virtual stage, the contiguous parts its backward runs as, one tick each: (first,
+    end) over the stage's items (its layers, then the head on the last stage). A backward
+    that costs k forwards (k = 2, plus what remat recomputes in it) spans k ticks, so every
+    tick of the lockstep program holds about one forward's work; the parts balance the
+    backward's cost (a recomputed layer's backward costs 3, another's 2, the head's twice its
+    weight). `pipe.backward_ticks` sets k instead (1: the whole backward in one tick); a stage
+    never has more parts than items."""
+    V = pipe.virtual
+    n_j, k_j = pipe.virtual_layers(), pipe.recomputed()
+    head = _head_weight(cfg)
+    share = _RECOMPUTE_SHARE.get(cfg.remat, 0.0)
+    out = []
+    for j in range(V):
+        fwd = [1.0] * n_j[j] + ([head] if j == V - 1 else [])
+        bwd = [2.0 + (1.0 if i < k_j[j] else share) for i in range(n_j[j])]
+        bwd += [2.0 * head] if j == V - 1 else []
+        k = pipe.backward_ticks or round(sum(bwd) / max(sum(fwd), 1e-9))
+        k = max(1, min(len(fwd), k))
+        out.append(_balanced(bwd, k))
+    return tuple(out)
+
+
+def _balanced(costs: list[float], k: int) -> tuple[tuple[int, int], ...]:
+    """Split `costs` into k non-empty contiguous parts minimising the largest part (exact DP)."""
+    n = len(costs)
+    pre = [0.0]
+    for c in costs:
+        pre.append(pre[-1] + c)
+    best = {(0, 0): (0.0, ())}
+    for parts in range(1, k + 1):
+        for end in range(parts, n - (k - parts) + 1):
+            cands = []
+            for start in range(parts - 1, end):
+                if (parts - 1, start) in best:
+                    worst, cuts = best[(parts - 1, start)]
+                    cands.append((max(worst, pre[end] - pre[start]), (*cuts, (start, end))))
+            best[(parts, end)] = min(cands)
+    return best[(k, n)][1]
+
+
+def step_plan(cfg: ModelConfig, pipe: PipelineSpec) -> executor.Plan:
+    """The executor plan the pipelined step runs (what the analysis of its program reads)."""
+    return executor.plan(pipe.schedule_table(), tuple(map(len, backward_parts(cfg, pipe))))
 
 
 def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruct
                   ) -> executor.StageProgram:
-    V, S = pipe.virtual, pipe.stages
-    gd_blocks, gd_norm = _graphdefs(cfg)
+    S = pipe.stages
+    gd_blocks, gd_norm, _ = _graphdefs(cfg)
     n_j, k_j = pipe.virtual_layers(), pipe.recomputed()
+    parts = backward_parts(cfg, pipe)
     dt = jnp.dtype(cfg.dtype)
 
-    def params(j):
-        c, n = j // S, n_j[j]
+    def layers(j, q):
+        """[lo, hi) of the stage's layers part q runs, and whether it ends with the head."""
+        first, end = parts[j][q]
+        return min(first, n_j[j]), min(end, n_j[j]), end > n_j[j]
+
+    def shared(j, q):
+        keys = []
+        if j == 0 and q == 0:
+            keys += ["embed"] + (["pos"] if cfg.learned_positions else [])
+        if layers(j, q)[2]:
+            keys += ["norm_f"] + (["embed"] if cfg.tied else ["head"])
+        return tuple(dict.fromkeys(keys))
+
+    def params(j, q):
+        c = j // S
+        lo, hi, _ = layers(j, q)
 
         def pick(local):
             # Block weights enter the VJP already in the compute dtype: the backward keeps them
             # as its own primal (never a per-micro-batch copy); the cast's transpose is the same
             # cast of the gradient, so the gradients are those of the float32 weights.
             def block(a):
-                a = a[c, :n]
+                a = a[c, lo:hi]
                 return a.astype(dt) if a.ndim >= 3 and jnp.issubdtype(a.dtype, jnp.floating) \
                     else a
             return {"blocks": jax.tree.map(block, local["blocks"]),
-                    "shared": {k: local[k] for k in _shared_keys(cfg, j, V)}}
+                    "shared": {k: local[k] for k in shared(j, q)}}
         return pick
 
-    def add_grads(j):
-        c, n = j // S, n_j[j]
+    def add_grads(j, q):
+        c = j // S
+        lo, hi, _ = layers(j, q)
 
         def add(acc, g):
             acc = dict(acc)
-            acc["blocks"] = jax.tree.map(lambda a, b: a.at[c, :n].add(b.astype(a.dtype)),
-                                         acc["blocks"], g["blocks"])
+            if hi > lo:
+                acc["blocks"] = jax.tree.map(lambda a, b: a.at[c, lo:hi].add(b.astype(a.dtype)),
+                                             acc["blocks"], g["blocks"])
             for k, v in g["shared"].items():
                 acc[k] = jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc[k], v)
             return acc
         return add
 
-    def forward(j):
-        n, k = n_j[j], k_j[j]
-        first, last = j == 0, j == V - 1
+    def forward(j, q):
+        lo, hi, with_head = layers(j, q)
+        k = k_j[j]
 
         def f(pj, x, tokens_BL):
             sh = pj["shared"]
-            # The model's own methods on a stand-in holding only what this stage uses.
-            parts = types.SimpleNamespace(cfg=cfg, **{key: sh[key] for key in ("embed", "pos",
-                                                                             "head") if key in sh})
-            if first:
-                x = Transformer.embed_tokens(parts, tokens_BL[:, :-1])
+            # The model's own methods on a stand-in holding only what this part uses.
+            stand_in = types.SimpleNamespace(cfg=cfg, **{key: sh[key] for key in (
+                "embed", "pos", "head") if key in sh})
+            if j == 0 and q == 0:
+                x = Transformer.embed_tokens(stand_in, tokens_BL[:, :-1])
             fns = block_fns(gd_blocks)
             stacked = pj["blocks"]
-            if k:
-                x = run_stack(fns, jax.tree.map(lambda a: a[:k], stacked), x,
+            # Layers below k are recomputed in the backward (stage-aware remat).
+            if lo < min(hi, k):
+                x = run_stack(fns, jax.tree.map(lambda a: a[:min(hi, k) - lo], stacked), x,
                               scan=cfg.scan_layers, remat_default="full")
-            if n > k:
-                x = run_stack(fns, jax.tree.map(lambda a: a[k:], stacked), x,
+            if max(lo, k) < hi:
+                x = run_stack(fns, jax.tree.map(lambda a: a[max(lo, k) - lo:], stacked), x,
                               scan=cfg.scan_layers, remat_default=cfg.remat)
-            if last:
+            if with_head:
                 h = nnx.merge(gd_norm, sh["norm_f"])(x)
-                logits = Transformer.logits(parts, h)
+                logits = Transformer.logits(stand_in, h)
                 return cross_entropy(logits, tokens_BL[:, 1:], cfg.vocab_size)
             return x
         return f
 
-    return executor.StageProgram(forward=forward, params=params, add_grads=add_grads, act=act)
+    return executor.StageProgram(forward=forward, params=params, add_grads=add_grads, act=act,
+                                 parts=tuple(len(p) for p in parts))
 
 
 def pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,
@@ -163,11 +234,11 @@ def pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,
     """(mean loss, mean gradients) of a batch of M micro-batches in the stage layout."""
     mesh = parallel.mesh
     manual = {STAGE} | ({"data"} if groups > 1 else set())
-    plan = executor.plan(pipe.schedule_table())
     M, B, L1 = batch_MBL.shape
     rows = B // groups
     act = jax.ShapeDtypeStruct((rows, L1 - 1, cfg.d_model), jnp.dtype(cfg.dtype))
     prog = stage_program(cfg, pipe, act)
+    plan = step_plan(cfg, pipe)
     p_specs = jax.tree.map(lambda var: P(STAGE) if _stacked(var) else P(), params,
                            is_leaf=_is_var)
     batch_spec = P(None, "data") if groups > 1 else P()
@@ -205,7 +276,8 @@ def spec_for(cfg: ModelConfig, parallel_cfg, microbatches: int, mesh: Mesh) -> P
                          microbatches=microbatches, stage_layers=parallel_cfg.stage_layers,
                          chunks=parallel_cfg.virtual_stages or (
                              2 if parallel_cfg.pipeline == "interleaved" else 1),
-                         remat_ratios=parallel_cfg.remat_ratios)
+                         remat_ratios=parallel_cfg.remat_ratios,
+                         backward_ticks=parallel_cfg.backward_ticks)
 
 
 def build_pipeline_step_fns(cfg: ModelConfig, tx: optax.GradientTransformation,

@@ -29,7 +29,7 @@ from oases_jax.analysis.hlo import Instr
 from oases_jax.analysis.program import Program
 from oases_jax.analysis.simulate import SimResult, Simulator
 from oases_jax.pipeline import events
-from oases_jax.pipeline.executor import BRANCH, Plan
+from oases_jax.pipeline.executor import BRANCH, Plan, base_kind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +104,7 @@ class PipelineTime:
 
     def share(self, kind: str) -> float:
         """`kind` branches' time over all stages' switch time."""
-        kinds = np.array([k == kind for k, _ in self.plan.branches])
+        kinds = np.array([base_kind(k) == kind for k, _ in self.plan.branches])
         sel = kinds[self.plan.rows[..., BRANCH]]
         total = self.plan.stages * self.switch_s
         return float(np.where(sel, self.per_tick, 0.0).sum() / total) if total else 0.0
@@ -129,10 +129,14 @@ class PipelineTime:
             for s in range(S):
                 total = 0.0
                 for j in range(s, V, S):
-                    c = next((cost[(k, j)] for k in kinds if (k, j) in cost), None)
-                    if c is None:
+                    # The first of `kinds` stage j has; a backward split over several ticks is
+                    # the sum of its parts (branches B0, B1, ...).
+                    k = next((k for k in kinds if any(base_kind(b) == k and i == j
+                                                      for b, i in cost)), None)
+                    if k is None:
                         return None
-                    total += float(c)
+                    total += sum(float(c) for (b, i), c in cost.items()
+                                 if base_kind(b) == k and i == j)
                 out.append(total)
             return out
 
@@ -143,7 +147,7 @@ class PipelineTime:
         p = self.plan
         costs = self.stage_costs()
         timeline = events.simulate(p.schedule, costs)
-        lockstep = float(events.lockstep_makespan(p.schedule.ticks(), costs))
+        lockstep = float(events.lockstep_makespan(p.table, costs))
         makespan = float(timeline.makespan)
         return {
             "schedule": p.schedule.name, "stages": p.stages,

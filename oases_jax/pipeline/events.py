@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from fractions import Fraction
 
 from oases_jax.errors import UserError
-from oases_jax.pipeline.actions import RECOMPUTES, Action, Transfer
+from oases_jax.pipeline.actions import RECOMPUTES, Action, Transfer, vstage
 from oases_jax.pipeline.table import Schedule, TickTable, place
 from oases_jax.pipeline.validate import inflight
 
@@ -124,13 +124,20 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
 
 def lockstep_makespan(table: TickTable, costs: Costs | None = None) -> Fraction:
     """The step of an SPMD program that runs `table` tick by tick: every tick lasts as long as
-    its slowest action (plus `p2p` when anything moves after it). Compare with `simulate`'s
+    its slowest action (a backward spread over k ticks counts b/k in each; plus `p2p` when
+    anything moves after it). Compare with `simulate`'s
     makespan, where each stage runs ahead on its own."""
     costs = costs or Costs()
     dur = durations(table.schedule, costs)
+    S = table.schedule.stages
+
+    def cell(s: int, a: Action) -> Fraction:
+        # A backward spread over k ticks: each tick runs one k-th of it.
+        return dur[a.kind][s] / (table.span(vstage(s, a, S)) if a.kind == "B" else 1)
+
     total = Fraction(0)
     for row, moves in zip(table.ticks, table.transfers, strict=True):
-        total += max((dur[a.kind][s] for s, a in enumerate(row) if a.kind != "IDLE"),
+        total += max((cell(s, a) for s, a in enumerate(row) if a.kind != "IDLE"),
                      default=Fraction(0))
         total += Fraction(costs.p2p) if moves else 0
     return total

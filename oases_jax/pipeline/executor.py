@@ -28,11 +28,18 @@ import numpy as np
 
 from oases_jax.errors import UserError
 from oases_jax.pipeline.actions import vstage
-from oases_jax.pipeline.table import Schedule
+from oases_jax.pipeline.table import Schedule, TickTable
 
 # Columns of a plan row (one per tick and stage).
 BRANCH, MB, SLOT_IN, SLOT_OUT, ACT_READ, GRAD_READ, ACT_STORE, GRAD_STORE = range(8)
-KINDS = ("IDLE", "F", "FS", "R", "B")  # FS: a forward that stashes its input for a recompute
+# FS: a forward that stashes its input for a recompute; a backward spread over k ticks runs as
+# branches B0 .. B<k-1> (`base_kind` maps them back to B).
+KINDS = ("IDLE", "F", "FS", "R", "B")
+
+
+def base_kind(kind: str) -> str:
+    """The action kind of a branch kind: `B1` (part 1 of a split backward) -> `B`."""
+    return "B" if kind.startswith("B") else kind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +55,7 @@ class Plan:
     stash_slots: tuple[int, ...]  # per virtual stage: stashed-input slots
     act_slots: int  # receive-buffer slots (the same count on every device: SPMD shapes)
     grad_slots: int
+    table: TickTable  # what the rows were lowered from (backward spans included)
 
     @property
     def stages(self) -> int:
@@ -80,12 +88,14 @@ class _Slots:
         self.free.append(slot)
 
 
-def plan(schedule: Schedule) -> Plan:
-    """Lower a schedule's tick table to executor rows with statically allocated slots."""
+def plan(schedule: Schedule, backward_ticks: int | tuple[int, ...] = 1) -> Plan:
+    """Lower a schedule's tick table to executor rows with statically allocated slots. A
+    backward of virtual stage j spans `backward_ticks[j]` ticks (`TickTable`): branch `B<p>`
+    runs its part p, all parts read the one residual slot, part 0 the received gradient."""
     if schedule.split_backward:
         raise UserError(f"the {schedule.name} schedule splits the backward into B and W, which "
                         f"the executor does not run yet: use 1f1b, gpipe, interleaved or merak")
-    table = schedule.ticks()
+    table = schedule.ticks(backward_ticks)
     S, V = schedule.stages, schedule.virtual
     recomputed = schedule.recomputed()
     branches: list[tuple[str, int]] = [("IDLE", -1)]
@@ -128,9 +138,10 @@ def plan(schedule: Schedule) -> Plan:
                 r[SLOT_IN] = held_stash.pop(key)
                 held_res[key] = r[SLOT_OUT] = res[j].take()
             elif a.kind == "B":
-                r[BRANCH] = branch("B", j)
-                r[SLOT_IN] = held_res.pop(key)
-                if j + 1 < V:
+                part, k = table.part(t, s), table.span(j)
+                r[BRANCH] = branch("B" if k == 1 else f"B{part}", j)
+                r[SLOT_IN] = held_res[key]
+                if part == 0 and j + 1 < V:
                     r[GRAD_READ] = held_grad.pop(key)
             else:
                 raise UserError(f"the executor has no {a.kind} action (schedule "
@@ -146,8 +157,10 @@ def plan(schedule: Schedule) -> Plan:
             if a.kind in ("R", "RrG"):
                 stash[j].give(int(r[SLOT_IN]))
             if a.kind == "B":
-                res[j].give(int(r[SLOT_IN]))
-                if j + 1 < V:
+                part, k = table.part(t, s), table.span(j)
+                if part == k - 1:
+                    res[j].give(int(held_res.pop((a.mb, j))))
+                if part == 0 and j + 1 < V:
                     grad[s].give(int(r[GRAD_READ]))
         for x in table.transfers[t]:
             pending_store[t].append((x.kind, x.mb, x.dst))
@@ -166,25 +179,30 @@ def plan(schedule: Schedule) -> Plan:
     rows[..., ACT_STORE] = np.where(stored[0], rows[..., ACT_STORE], act_slots)
     rows[..., GRAD_STORE] = np.where(stored[1], rows[..., GRAD_STORE], grad_slots)
     return Plan(schedule, tuple(branches), rows, tuple(r.used for r in res),
-                tuple(s.used for s in stash), act_slots, grad_slots)
+                tuple(s.used for s in stash), act_slots, grad_slots, table)
 
 
 @dataclasses.dataclass(frozen=True)
 class StageProgram:
-    """What the executor runs for virtual stage j (all pure functions, traced per branch).
+    """What the executor runs for virtual stage j, split into `parts[j]` consecutive parts (a
+    backward of stage j spans that many ticks, one part each, last part first). All pure
+    functions, traced per branch.
 
-    forward(j)(params_j, x, data_mb) -> the activation sent on (j < V-1) or the micro-batch's
-        scalar loss (j = V-1); x is None on j = 0, which reads its input from data_mb.
-    params(j)(local) -> params_j: the pytree of parameters stage j uses, sliced from the
+    forward(j, q)(params_jq, x, data_mb) -> part q's output: the input of part q+1, or for the
+        last part what is sent on (j < V-1) or the micro-batch's scalar loss (j = V-1); x is
+        None for part 0 of j = 0, which reads its input from data_mb.
+    params(j, q)(local) -> params_jq: the parameters part q of stage j uses, sliced from the
         device's local parameters (the VJP's primal, so its gradient has the same structure).
-    add_grads(j)(acc, grads_j) -> acc: the stage's gradients added into the local accumulator.
-    act: ShapeDtypeStruct of one micro-batch's activation (what moves between stages).
+    add_grads(j, q)(acc, grads_jq) -> acc: those gradients added into the local accumulator.
+    act: ShapeDtypeStruct of one micro-batch's activation (what moves between stages and
+        between parts).
     """
 
-    forward: Callable[[int], Callable]
-    params: Callable[[int], Callable[[Any], Any]]
-    add_grads: Callable[[int], Callable[[Any, Any], Any]]
+    forward: Callable[[int, int], Callable]
+    params: Callable[[int, int], Callable[[Any], Any]]
+    add_grads: Callable[[int, int], Callable[[Any, Any], Any]]
     act: jax.ShapeDtypeStruct
+    parts: tuple[int, ...]
 
 
 def _bucket(a) -> tuple:
@@ -199,6 +217,11 @@ def _split_residuals(vjp_fn, params_j) -> tuple[list, list[bool], Any]:
     return leaves, [id(leaf) in ids for leaf in leaves], tree
 
 
+def _stored(vjp_fn, params_j) -> list:
+    leaves, is_param, _ = _split_residuals(vjp_fn, params_j)
+    return [leaf for leaf, ip in zip(leaves, is_param, strict=True) if not ip]
+
+
 def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = "stage",
         poison: bool = False):
     """Run the plan on this device (inside a shard_map manual over `stage_axis`): returns (sum
@@ -207,43 +230,54 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
     `poison` fills every buffer and every bubble's transfer with NaN: a correct plan never
     reads them, so the result must not change."""
     S, V = p.stages, p.virtual
+    if tuple(prog.parts) != tuple(p.table.span(j) for j in range(V)):
+        raise ValueError(f"the stage program has {prog.parts} parts per virtual stage but the "
+                         f"plan spans backwards over {[p.table.span(j) for j in range(V)]} ticks")
     s = jax.lax.axis_index(stage_axis)
     fill = jnp.nan if poison else 0.0
     act_aval = prog.act
+    split = any(k > 1 for k in prog.parts)
 
-    def vjp_of(j, params_j, x, data_mb):
-        fwd = prog.forward(j)
-        if j == 0:
-            return jax.vjp(lambda pj: fwd(pj, None, data_mb), params_j)
-        return jax.vjp(lambda pj, xx: fwd(pj, xx, data_mb), params_j, x)
+    def vjp_of(j, q, params_jq, x, data_mb):
+        fwd = prog.forward(j, q)
+        if x is None:
+            return jax.vjp(lambda pj: fwd(pj, None, data_mb), params_jq)
+        return jax.vjp(lambda pj, xx: fwd(pj, xx, data_mb), params_jq, x)
 
-    # Residual layouts of every virtual stage (shapes only), from one abstract trace each.
-    layouts: dict[int, list] = {}
+    def part_input(j, q):
+        return None if (j == 0 and q == 0) else jnp.zeros(act_aval.shape, act_aval.dtype)
+
+    # Residual layouts of every part of every virtual stage (shapes only), one abstract trace
+    # each. A residual slot of stage j holds all its parts' leaves, part after part.
+    layouts: dict[tuple[int, int], list] = {}
     for j in range(V):
-        def trace(local, data_mb, j=j):
-            params_j = prog.params(j)(local)
-            x = None if j == 0 else jnp.zeros(act_aval.shape, act_aval.dtype)
-            _, vjp_fn = vjp_of(j, params_j, x, data_mb)
-            leaves, is_param, _ = _split_residuals(vjp_fn, params_j)
-            return [leaf for leaf, ip in zip(leaves, is_param, strict=True) if not ip]
+        for q in range(prog.parts[j]):
+            def trace(local, data_mb, j=j, q=q):
+                params_jq = prog.params(j, q)(local)
+                _, vjp_fn = vjp_of(j, q, params_jq, part_input(j, q), data_mb)
+                return _stored(vjp_fn, params_jq)
 
-        layouts[j] = jax.eval_shape(trace, local_params, data_M[0])
+            layouts[(j, q)] = jax.eval_shape(trace, local_params, data_M[0])
     stash_layout = {j: ([] if j == 0 else [act_aval]) for j in range(V)}
 
     # Pools: one buffer per (shape, dtype); each device's virtual stages take disjoint ranges.
     offsets: dict[tuple[str, int], dict[tuple, int]] = {}
     counts: dict[tuple[str, int], dict[tuple, int]] = {}
+    firsts: dict[tuple[str, int, int], dict[tuple, int]] = {}  # a part's first index per bucket
     pool_size: dict[tuple, int] = {}
     avals: dict[tuple, Any] = {}
     for d in range(S):
         used: dict[tuple, int] = {}
         for j in range(d, V, S):
-            for what, layout, slots in (("res", layouts[j], p.res_slots[j]),
-                                        ("stash", stash_layout[j], p.stash_slots[j])):
-                per = {}
-                for leaf in layout:
-                    per[_bucket(leaf)] = per.get(_bucket(leaf), 0) + 1
-                    avals[_bucket(leaf)] = leaf
+            res_parts = [layouts[(j, q)] for q in range(prog.parts[j])]
+            for what, parts, slots in (("res", res_parts, p.res_slots[j]),
+                                       ("stash", [stash_layout[j]], p.stash_slots[j])):
+                per: dict[tuple, int] = {}
+                for q, layout in enumerate(parts):
+                    firsts[(what, j, q)] = dict(per)
+                    for leaf in layout:
+                        per[_bucket(leaf)] = per.get(_bucket(leaf), 0) + 1
+                        avals[_bucket(leaf)] = leaf
                 counts[(what, j)] = per
                 offsets[(what, j)] = {k: used.get(k, 0) for k in per}
                 for k, n in per.items():
@@ -260,87 +294,98 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
     pools = {i: empty((pool_size[k], *avals[k].shape), avals[k].dtype)
              for i, k in enumerate(keys)}
 
-    def store(pools_, what, j, slot, leaves):
-        pools_ = dict(pools_)
-        seen: dict[tuple, int] = {}
+    def index(what, j, q, slot, leaves):
+        """(pool, row) of each leaf of part q's residuals (or the stash, q=0) in `slot`."""
+        seen = dict(firsts[(what, j, q)])
+        out = []
         for leaf in leaves:
             k = _bucket(leaf)
-            i = keys.index(k)
-            at = offsets[(what, j)][k] + slot * counts[(what, j)][k] + seen.get(k, 0)
+            out.append((keys.index(k),
+                        offsets[(what, j)][k] + slot * counts[(what, j)][k] + seen.get(k, 0)))
             seen[k] = seen.get(k, 0) + 1
+        return out
+
+    def store(pools_, what, j, q, slot, leaves):
+        pools_ = dict(pools_)
+        for leaf, (i, at) in zip(leaves, index(what, j, q, slot, leaves), strict=True):
             pools_[i] = jax.lax.dynamic_update_index_in_dim(pools_[i], leaf, at, 0)
         return pools_
 
-    def load(pools_, what, j, slot, layout):
-        seen: dict[tuple, int] = {}
-        out = []
-        for leaf in layout:
-            k = _bucket(leaf)
-            at = offsets[(what, j)][k] + slot * counts[(what, j)][k] + seen.get(k, 0)
-            seen[k] = seen.get(k, 0) + 1
-            out.append(jax.lax.dynamic_index_in_dim(pools_[keys.index(k)], at, 0, keepdims=False))
-        return out
+    def load(pools_, what, j, q, slot, layout):
+        return [jax.lax.dynamic_index_in_dim(pools_[i], at, 0, keepdims=False)
+                for i, at in index(what, j, q, slot, layout)]
 
     no_send = jnp.full(act_aval.shape, fill, act_aval.dtype)
 
+    def finish(j, out, loss):
+        """A stage's output: the loss on the last stage, else the activation sent on."""
+        if j == V - 1:
+            return loss + out.astype(jnp.float32), no_send
+        return loss, out.astype(act_aval.dtype)
+
+    def keep_residuals(pools_, j, slot, x, data_mb):
+        """Run stage j's parts with their VJPs, storing each part's residuals in `slot`."""
+        for q in range(prog.parts[j]):
+            params_jq = prog.params(j, q)(local_params)
+            x, vjp_fn = vjp_of(j, q, params_jq, x, data_mb)
+            pools_ = store(pools_, "res", j, q, slot, _stored(vjp_fn, params_jq))
+        return pools_, x
+
     def forward_branch(j, stash_only):
         def go(carry, r):
-            pools_, act_buf, grad_buf, acc, loss = carry
+            pools_, act_buf, grad_buf, mid, acc, loss = carry
             data_mb = data_M[r[MB]]
-            params_j = prog.params(j)(local_params)
             x = None if j == 0 else act_buf[r[ACT_READ]]
             if stash_only:
-                out = prog.forward(j)(params_j, x, data_mb)
-                pools_ = store(pools_, "stash", j, r[SLOT_OUT], [] if j == 0 else [x])
+                out = x
+                for q in range(prog.parts[j]):
+                    out = prog.forward(j, q)(prog.params(j, q)(local_params), out, data_mb)
+                pools_ = store(pools_, "stash", j, 0, r[SLOT_OUT], [] if j == 0 else [x])
             else:
-                out, vjp_fn = vjp_of(j, params_j, x, data_mb)
-                leaves, is_param, _ = _split_residuals(vjp_fn, params_j)
-                pools_ = store(pools_, "res", j, r[SLOT_OUT],
-                               [leaf for leaf, ip in zip(leaves, is_param, strict=True)
-                                if not ip])
-            if j == V - 1:
-                loss = loss + out.astype(jnp.float32)
-                send = no_send
-            else:
-                send = out.astype(act_aval.dtype)
-            return (pools_, act_buf, grad_buf, acc, loss), send, no_send
+                pools_, out = keep_residuals(pools_, j, r[SLOT_OUT], x, data_mb)
+            loss, send = finish(j, out, loss)
+            return (pools_, act_buf, grad_buf, mid, acc, loss), send, no_send
         return go
 
     def recompute_branch(j):
         def go(carry, r):
-            pools_, act_buf, grad_buf, acc, loss = carry
+            pools_, act_buf, grad_buf, mid, acc, loss = carry
             data_mb = data_M[r[MB]]
-            params_j = prog.params(j)(local_params)
-            x = None if j == 0 else load(pools_, "stash", j, r[SLOT_IN], stash_layout[j])[0]
-            _, vjp_fn = vjp_of(j, params_j, x, data_mb)
-            leaves, is_param, _ = _split_residuals(vjp_fn, params_j)
-            pools_ = store(pools_, "res", j, r[SLOT_OUT],
-                           [leaf for leaf, ip in zip(leaves, is_param, strict=True) if not ip])
-            return (pools_, act_buf, grad_buf, acc, loss), no_send, no_send
+            x = None if j == 0 else load(pools_, "stash", j, 0, r[SLOT_IN], stash_layout[j])[0]
+            pools_, _ = keep_residuals(pools_, j, r[SLOT_OUT], x, data_mb)
+            return (pools_, act_buf, grad_buf, mid, acc, loss), no_send, no_send
         return go
 
-    def backward_branch(j):
+    def backward_branch(j, part):
+        k = prog.parts[j]
+        q = k - 1 - part  # the backward runs the stage's parts top down
+
         def go(carry, r):
-            pools_, act_buf, grad_buf, acc, loss = carry
+            pools_, act_buf, grad_buf, mid, acc, loss = carry
             data_mb = data_M[r[MB]]
-            params_j = prog.params(j)(local_params)
+            params_jq = prog.params(j, q)(local_params)
             # A fresh trace gives the VJP's structure and its parameter leaves; its forward is
             # dead code (every other residual comes from the pool) and XLA removes it.
-            x0 = None if j == 0 else jnp.zeros(act_aval.shape, act_aval.dtype)
-            _, fresh = vjp_of(j, params_j, x0, data_mb)
-            leaves, is_param, tree = _split_residuals(fresh, params_j)
-            stored = iter(load(pools_, "res", j, r[SLOT_IN], layouts[j]))
+            out0, fresh = vjp_of(j, q, params_jq, part_input(j, q), data_mb)
+            leaves, is_param, tree = _split_residuals(fresh, params_jq)
+            stored = iter(load(pools_, "res", j, q, r[SLOT_IN], layouts[(j, q)]))
             vjp_fn = jax.tree.unflatten(tree, [leaf if ip else next(stored)
                                                for leaf, ip in zip(leaves, is_param,
                                                                    strict=True)])
-            if j == V - 1:
+            if part > 0:
+                ct = mid
+            elif j == V - 1:
                 ct = jnp.ones((), jnp.float32)
             else:
                 ct = grad_buf[r[GRAD_READ]]
-            grads = vjp_fn(ct)
-            acc = prog.add_grads(j)(acc, grads[0])
-            send = no_send if j == 0 else grads[1].astype(act_aval.dtype)
-            return (pools_, act_buf, grad_buf, acc, loss), no_send, send
+            grads = vjp_fn(ct.astype(out0.dtype))
+            acc = prog.add_grads(j, q)(acc, grads[0])
+            send = no_send
+            if q > 0:
+                mid = grads[1].astype(act_aval.dtype)
+            elif j > 0:
+                send = grads[1].astype(act_aval.dtype)
+            return (pools_, act_buf, grad_buf, mid, acc, loss), no_send, send
         return go
 
     def idle(carry, r):
@@ -348,9 +393,11 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
 
     branches = [idle]
     for kind, j in p.branches[1:]:
-        branches.append({"F": lambda j: forward_branch(j, False),
-                         "FS": lambda j: forward_branch(j, True),
-                         "R": recompute_branch, "B": backward_branch}[kind](j))
+        if kind.startswith("B"):
+            branches.append(backward_branch(j, int(kind[1:] or 0)))
+        else:
+            branches.append(forward_branch(j, kind == "FS") if kind in ("F", "FS")
+                            else recompute_branch(j))
 
     shift_act = [(d, d + 1) for d in range(S - 1)]
     shift_grad = [(d + 1, d) for d in range(S - 1)]
@@ -365,16 +412,18 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
     def tick(carry, rows_t):
         r = rows_t[s]
         carry, send_act, send_grad = jax.lax.switch(r[BRANCH], branches, carry, r)
-        pools_, act_buf, grad_buf, acc, loss = carry
+        pools_, act_buf, grad_buf, mid, acc, loss = carry
         got_act = move(send_act, shift_act, (S - 1, 0), 0)
         got_grad = move(send_grad, shift_grad, (0, S - 1), S - 1)
         act_buf = jax.lax.dynamic_update_index_in_dim(act_buf, got_act, r[ACT_STORE], 0)
         grad_buf = jax.lax.dynamic_update_index_in_dim(grad_buf, got_grad, r[GRAD_STORE], 0)
-        return (pools_, act_buf, grad_buf, acc, loss), None
+        return (pools_, act_buf, grad_buf, mid, acc, loss), None
 
     acc0 = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), local_params)
     act_buf = empty((p.act_slots + 1, *act_aval.shape), act_aval.dtype)
     grad_buf = empty((p.grad_slots + 1, *act_aval.shape), act_aval.dtype)
-    carry = (pools, act_buf, grad_buf, acc0, jnp.zeros((), jnp.float32))
+    # The gradient between the parts of a split backward (empty when no backward is split).
+    mid = empty(act_aval.shape if split else (0,), act_aval.dtype)
+    carry = (pools, act_buf, grad_buf, mid, acc0, jnp.zeros((), jnp.float32))
     carry, _ = jax.lax.scan(tick, carry, jnp.asarray(p.rows))
-    return carry[4], carry[3]
+    return carry[5], carry[4]

@@ -16,7 +16,7 @@ interleaved schedules wrap (device S-1 -> 0 between one chunk and the next, and 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from fractions import Fraction
 
 from oases_jax.pipeline.actions import (
@@ -57,8 +57,8 @@ class Schedule:
         return {(a.mb, vstage(s, a, self.stages)) for s, acts in enumerate(self.actions)
                 for a in acts if a.kind in RECOMPUTES}
 
-    def ticks(self) -> TickTable:
-        return tick_table(self)
+    def ticks(self, backward_ticks: int | Sequence[int] = 1) -> TickTable:
+        return tick_table(self, backward_ticks)
 
     def pretty(self) -> str:
         """One row per stage, one column per tick (see `TickTable.pretty`)."""
@@ -125,10 +125,6 @@ def _deadlock(schedule: Schedule, nxt: list[int], done: dict, recomputed: set) -
     return f"{schedule.name} deadlocks: " + "; ".join(stuck)
 
 
-def _unit(stage: int, action: Action) -> Fraction:
-    return Fraction(1)
-
-
 def _no_latency(transfer: Transfer) -> Fraction:
     return Fraction(0)
 
@@ -136,12 +132,27 @@ def _no_latency(transfer: Transfer) -> Fraction:
 @dataclasses.dataclass(frozen=True)
 class TickTable:
     """`ticks[t][s]`: stage s's action at tick t (IDLE when it waits); `transfers[t]`: what
-    moves after tick t; `consumed[x]`: the tick whose action first reads transfer x."""
+    moves after tick t; `consumed[x]`: the tick whose action first reads transfer x.
+
+    A backward may span several consecutive ticks (`backward_ticks`: k per virtual stage): its
+    stage's layers are split into k parts, part `parts[t][s]` of the backward runs at tick t
+    (part 0 first: the top of the stage, which reads the gradient; part k-1 last, which sends
+    it). So a tick holds about one forward's work whatever the action, and lockstep ticks stay
+    balanced when a backward costs k forwards."""
 
     schedule: Schedule
     ticks: tuple[tuple[Action, ...], ...]
     transfers: tuple[tuple[Transfer, ...], ...]
     consumed: dict[Transfer, int]
+    parts: tuple[tuple[int, ...], ...] = ()
+    backward_ticks: tuple[int, ...] = ()  # per virtual stage; () means 1 everywhere
+
+    def span(self, j: int) -> int:
+        """Ticks one backward of virtual stage j takes."""
+        return self.backward_ticks[j] if self.backward_ticks else 1
+
+    def part(self, t: int, s: int) -> int:
+        return self.parts[t][s] if self.parts else 0
 
     def codes(self) -> tuple[tuple[tuple[int, int, int], ...], ...]:
         """`[T][S]` of (op code, micro-batch, chunk): the table an executor switches on
@@ -182,7 +193,12 @@ class TickTable:
         """One row per stage, one column per tick; `F3` is micro-batch 3's forward (`F3.1` its
         chunk 1 when devices hold several), `.` an idle tick."""
         sch = self.schedule
-        cells = [[a.label(sch.chunks) for a in row] for row in self.ticks]
+
+        def cell(t, s, a):
+            split = a.kind == "B" and self.span(vstage(s, a, sch.stages)) > 1
+            return a.label(sch.chunks) + ("abcdefgh"[self.part(t, s)] if split else "")
+
+        cells = [[cell(t, s, a) for s, a in enumerate(row)] for t, row in enumerate(self.ticks)]
         width = max([len(str(len(cells) - 1)), *(len(c) for row in cells for c in row)])
         head = f"{sch.name}: S={sch.stages} stages, M={sch.microbatches} micro-batches"
         head += f", v={sch.chunks} chunks per stage" if sch.chunks > 1 else ""
@@ -192,19 +208,35 @@ class TickTable:
         return "\n".join(lines)
 
 
-def tick_table(schedule: Schedule) -> TickTable:
-    """Place every action on unit ticks: an action runs at the first tick after everything it
-    waits for, and transfers happen between ticks. Raises InvalidSchedule on a deadlock."""
-    placed = place(schedule, _unit, _no_latency)
+def tick_table(schedule: Schedule, backward_ticks: int | Sequence[int] = 1) -> TickTable:
+    """Place every action on whole ticks: an action runs at the first tick after everything it
+    waits for, and transfers happen between ticks. Every action takes one tick except a
+    backward of virtual stage j, which takes `backward_ticks[j]` (one number: every stage) run
+    back to back on its device. Raises InvalidSchedule on a deadlock."""
+    S, V = schedule.stages, schedule.virtual
+    spans = ((backward_ticks,) * V if isinstance(backward_ticks, int)
+             else tuple(backward_ticks))
+    if len(spans) != V or any(not isinstance(k, int) or k < 1 for k in spans):
+        raise InvalidSchedule(f"backward_ticks={backward_ticks!r} must be a positive integer or "
+                              f"one per virtual stage ({V})")
+
+    def duration(stage: int, action: Action) -> Fraction:
+        return Fraction(spans[vstage(stage, action, S)] if action.kind == "B" else 1)
+
+    placed = place(schedule, duration, _no_latency)
     T = int(max((f for _, f in placed.values()), default=0))
-    grid = [[IDLE] * schedule.stages for _ in range(T)]
+    grid = [[IDLE] * S for _ in range(T)]
+    parts = [[0] * S for _ in range(T)]
     sends: list[list[Transfer]] = [[] for _ in range(T)]
     consumed: dict[Transfer, int] = {}
-    for (s, i), (start, _) in placed.items():
+    for (s, i), (start, finish) in placed.items():
         a = schedule.actions[s][i]
-        t = int(start)
-        grid[t][s] = a
-        sends[t].extend(a.sends)
+        for p, t in enumerate(range(int(start), int(finish))):
+            grid[t][s] = a
+            parts[t][s] = p
+        sends[int(finish) - 1].extend(a.sends)
         for x in a.recvs:
-            consumed[x] = t
-    return TickTable(schedule, tuple(map(tuple, grid)), tuple(map(tuple, sends)), consumed)
+            consumed[x] = int(start)
+    split = any(k > 1 for k in spans)
+    return TickTable(schedule, tuple(map(tuple, grid)), tuple(map(tuple, sends)), consumed,
+                     tuple(map(tuple, parts)) if split else (), spans if split else ())

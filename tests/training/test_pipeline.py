@@ -47,12 +47,12 @@ def _reference(cfg, graphdef, params, tokens):
 
 
 def _pipelined(cfg, params, tokens, mesh_text, schedule, *, tp="megatron", layers=None,
-               ratios=None, poison=False):
+               ratios=None, poison=False, backward_ticks=0):
     mesh = make_mesh(mesh_text, jax.devices())
     rules = get_rules("tp")
     pipe = ps.pipeline_spec(cfg, schedule=schedule, stages=mesh.shape["stage"],
                             microbatches=tokens.shape[0], stage_layers=layers,
-                            remat_ratios=ratios)
+                            remat_ratios=ratios, backward_ticks=backward_ticks)
     parallel = Parallel(mesh, rules, LayerSpec(schedule=tp))
     groups = accumulation_groups(rules, mesh)
     staged = jax.device_put(ps.to_stages(params, pipe),
@@ -136,6 +136,22 @@ def test_nan_bubbles_uneven_stages_and_stage_aware_remat(model):
     _assert_equal(_reference(cfg, graphdef, params, tokens),
                   _pipelined(cfg, params, tokens, "data=2,stage=4", "1f1b", layers="2,3,1,2",
                              ratios="0.8", poison=True))
+
+
+@pytest.mark.parametrize(("schedule", "ticks"), [("1f1b", 1), ("merak", 3)])
+def test_backward_over_one_or_three_ticks(model, schedule, ticks):
+    """A stage's backward in one tick, or split over three (its layers in three parts, the
+    head in the last stage's top part; uneven stages 3,5), gives the same numbers."""
+    cfg, graphdef, params = model
+    tokens = _tokens(cfg, 3)
+    pipe = ps.pipeline_spec(cfg, schedule=schedule, stages=2, microbatches=3,
+                            stage_layers="3,5", backward_ticks=ticks)
+    assert tuple(map(len, ps.backward_parts(cfg, pipe))) == (ticks, ticks)
+    parts = {kind for kind, _ in ps.step_plan(cfg, pipe).branches if kind.startswith("B")}
+    assert parts == ({"B"} if ticks == 1 else {f"B{i}" for i in range(ticks)})
+    _assert_equal(_reference(cfg, graphdef, params, tokens),
+                  _pipelined(cfg, params, tokens, "data=2,stage=2,tensor=2", schedule,
+                             layers="3,5", backward_ticks=ticks))
 
 
 def test_layout_round_trip(model):

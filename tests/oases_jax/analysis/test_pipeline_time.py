@@ -53,13 +53,14 @@ def test_branch_computations_follow_switch_index():
         assert op in ops and not (set(UNARY) - {op}) & ops, (op, branch, ops)
 
 
-def _program(schedule: str, m: int):
-    spec = CompileSpec(model=CFG, parallel=ParallelConfig(mesh=MESH, rules="tp",
-                                                          schedule="megatron", pipeline=schedule),
+def _program(schedule: str, m: int, ticks: int = 1, cfg=CFG):
+    spec = CompileSpec(model=cfg, parallel=ParallelConfig(mesh=MESH, rules="tp",
+                                                          schedule="megatron", pipeline=schedule,
+                                                          backward_ticks=ticks),
                        batch_size=4 * m, seq_len=16, microbatches=m)
     mesh = make_mesh(MESH, jax.devices()[:4])
     compiled = lower(spec, mesh).compile()
-    plan = executor.plan(schedules.get(schedule)(2, m))
+    plan = executor.plan(schedules.get(schedule)(2, m), ticks)
     return Program(compiled.as_text(), (("data", 2), ("stage", 2))), plan
 
 
@@ -71,6 +72,11 @@ def gpipe():
 @pytest.fixture(scope="module")
 def one_f_one_b():
     return _program("1f1b", 4)
+
+
+@pytest.fixture(scope="module")
+def one_f_one_b_split():
+    return _program("1f1b", 4, ticks=2, cfg=CFG.replace(n_layers=4))
 
 
 def _timed(program, plan, by_branch, rest=0.0, outside=0.0, permute=0.0):
@@ -158,6 +164,20 @@ def test_one_f_one_b_lockstep_exceeds_the_event_step(one_f_one_b):
     assert r["idle_fraction"] == pytest.approx([1 - 12 / hand] * 2)
 
 
+def test_split_backward_ticks_meet_the_event_step(one_f_one_b_split):
+    """The same 1F1B with each backward over two ticks (branches B0, B1: half a backward
+    each, 1 of B=2): every tick holds one unit, so the compiled program's switch time is the
+    event simulator's (M+S-1)(F+B) = 15 and each stage idles as the event model says."""
+    program, plan = one_f_one_b_split
+    assert {k for k, _ in plan.branches} == {"IDLE", "F", "B0", "B1"}
+    costs = {(k, j): 1.0 for k, j in plan.branches if k != "IDLE"}
+    r = _timed(program, plan, costs).to_json()
+    assert r["switch_s"] == r["events"]["lockstep_s"] == r["events"]["makespan_s"] == 15
+    assert r["idle_fraction"] == pytest.approx(r["events"]["idle_fraction"])
+    c = _timed(program, plan, costs).stage_costs()
+    assert (c.f, c.b) == ([1.0, 1.0], [2.0, 2.0])  # the backward is its parts' sum
+
+
 def test_inspection_reports_the_pipeline():
     """`inspect_program` of a pipelined step carries the tick-loop time (outside + ticks, each
     tick its slowest branch plus the rest of the body) and its summary lines."""
@@ -166,7 +186,8 @@ def test_inspection_reports_the_pipeline():
     from tools.report import summary
 
     spec = CompileSpec(model=CFG, parallel=ParallelConfig(mesh="data=4,stage=2", rules="tp",
-                                                          schedule="megatron", pipeline="gpipe"),
+                                                          schedule="megatron", pipeline="gpipe",
+                                                          backward_ticks=1),
                        batch_size=8, seq_len=16, microbatches=2)
     r = inspect_program(spec, get_target("local")).report()
     p = r["pipeline"]

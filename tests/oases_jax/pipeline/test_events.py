@@ -131,3 +131,37 @@ def test_bad_costs_are_one_line():
         with pytest.raises(UserError, match=text) as e:
             simulate(schedules.one_f_one_b(4, 4), costs)
         assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("name,S,M", [("gpipe", 4, 5), ("1f1b", 4, 8), ("1f1b", 2, 3),
+                                      ("merak", 4, 8), ("merak", 3, 7), ("interleaved", 2, 4)])
+@pytest.mark.parametrize("k", [2, 3])
+def test_split_backward_ticks_are_the_event_model(name, S, M, k):
+    """A backward spread over k ticks (each one k-th of it) makes the lockstep tick table the
+    event model's placement with B = k forwards: the same makespan, each stage busy and idle on
+    the same ticks. With whole-backward ticks (k=1) the lockstep step is longer."""
+    sch = schedules.get(name)(S, M)
+    costs = Costs(f=1, b=k)
+    table = sch.ticks(k)
+    timeline = simulate(sch, costs)
+    v = sch.chunks  # the model's costs are per stage: one chunk's forward takes 1/v
+    assert lockstep_makespan(table, costs) == timeline.makespan == Fraction(len(table.ticks), v)
+    busy = tuple(sum(a.kind != "IDLE" for a in col) for col in zip(*table.ticks, strict=True))
+    assert busy == tuple(b * v for b in timeline.busy)
+    for s, spans in enumerate(timeline.spans):  # each action on the ticks the model gives it
+        for a, start, finish in spans:
+            ticks = [t for t in range(int(start * v), int(finish * v))
+                     if table.ticks[t][s] == a]
+            assert len(ticks) == (finish - start) * v
+            assert [table.part(t, s) for t in ticks] == list(range(len(ticks)))
+    if name in ("1f1b", "merak"):
+        assert lockstep_makespan(sch.ticks(), costs) > timeline.makespan
+
+
+def test_split_backward_sends_after_its_last_part():
+    table = schedules.one_f_one_b(2, 2).ticks(2)
+    assert "B0a B0b" in table.pretty()
+    last = {x: t for t, row in enumerate(table.transfers) for x in row if x.kind == "grad"}
+    for x, t in last.items():
+        assert table.ticks[t][1].kind == "B" and table.part(t, 1) == 1
+        assert table.consumed[x] > t
