@@ -30,8 +30,8 @@ from oases_jax.pipeline import remat as pipe_remat
 from oases_jax.pipeline import schedules
 from oases_jax.rules import get_rules
 from oases_jax.stacks import Parallel, use_parallel
-from training.parallelize import graph, step
-from training.parallelize.tensor import logical_spec, map_block, names_of, trace_block
+from training.parallelize import block, graph, step
+from training.parallelize.tensor import logical_spec, map_block, names_of
 from training.pipeline_layout import STAGE, PipelineSpec
 from training.state import StepFns, assemble_step_fns, new_state, optimizer_update
 
@@ -84,7 +84,9 @@ class Parallelized:
     def init(self, model: nnx.Module, seed: int = 0) -> dict:
         """The train state (stage layout, sharded; optimizer state) from the model's values."""
         stacked, shared = _values(model, self.blocks, self._model)
-        params = {"blocks": step.to_stages(stacked, self.pipe), "shared": tuple(shared)}
+        # Host copies: the step donates its state, which must not free the model's own arrays.
+        params = {"blocks": [np.asarray(a) for a in step.to_stages(stacked, self.pipe)],
+                  "shared": tuple(np.array(a) for a in shared)}
         params = jax.device_put(params, self.fns.state_shardings["params"])
         return new_state(params, self.fns, seed)
 
@@ -208,9 +210,10 @@ def _find(model, loss_fn, micro) -> tuple[graph.Blocks, graph.Cut]:
                     f"them with nnx.scan) and call them as x = block(x) one after the other")
 
 
-def _tensor_map(blocks, cut, mesh, runner) -> tuple[list, list[str]]:
+def _tensor_map(blocks, cut, mesh, apply) -> tuple[list, list[str], Callable]:
+    """The block's tensor specs, report lines, and fn(layer leaves, x, side) running one
+    block with Megatron's activation shardings (`tensor.run_block`)."""
     t = mesh.shape.get("tensor", 1)
-    apply, _ = runner
     flat = jax.tree_util.tree_flatten_with_path(
         blocks.state, is_leaf=lambda v: isinstance(v, nnx.Variable))[0]
     sep = "." if blocks.stacked else "[*]."
@@ -219,14 +222,18 @@ def _tensor_map(blocks, cut, mesh, runner) -> tuple[list, list[str]]:
     layer = [jax.ShapeDtypeStruct(v.get_value().shape[1:], v.get_value().dtype)
              for _, v in flat]
     side = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in cut.side.outs]
-    ops, nodes = trace_block(apply, layer, cut.act, side)
+    tr = block.trace(apply, layer, cut.act, side)
     names = []
     for _, v in flat:
         n = names_of(v)
         names.append(n[1:] if n is not None and blocks.stacked and len(n) == v.get_value().ndim
                      else n)
-    tm = map_block(paths, names, ops, nodes, t)
-    return list(tm.specs), list(tm.lines)
+    tm = map_block(paths, names, tr, t)
+
+    def one(layer_leaves, x, side):
+        return block.run(tr, tm.outputs, mesh, [*layer_leaves, x, *side])[0]
+
+    return list(tm.specs), list(tm.lines), one
 
 
 def _shared_specs(model, shared_paths, t: int) -> tuple[list, list[str]]:
@@ -273,11 +280,11 @@ def parallelize(model: nnx.Module, loss_fn: Callable, batch, mesh: Mesh, plan: P
     blocks, cut = _find(model, loss_fn, micro)
     plan, pipe = _resolve(plan, S, blocks.count)
     gd_leaves = jax.tree.structure(jax.tree.map(lambda a: a[0], blocks.state))
-    runner = step.block_runner(blocks.graphdef, gd_leaves, cut.call)
-    block_specs, lines = _tensor_map(blocks, cut, mesh, runner)
+    apply = step.block_call(blocks.graphdef, gd_leaves, cut.call)
+    block_specs, lines, one = _tensor_map(blocks, cut, mesh, apply)
     shared_paths = _shared(model, blocks)
     shared_specs, shared_lines = _shared_specs(model, shared_paths, mesh.shape.get("tensor", 1))
-    prog = step.stage_program(cut, runner[1], pipe, cut.act)
+    prog = step.stage_program(cut, step.layer_stack(one), pipe, cut.act)
     p_sh = step.shardings(mesh, block_specs, shared_specs)
     stacked, shared = _values(model, blocks, _layout(model, blocks, shared_paths))
     abstract = jax.eval_shape(lambda s, h: {"blocks": step.to_stages(s, pipe), "shared": tuple(h)},

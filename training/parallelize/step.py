@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from oases_jax.pipeline import executor
-from oases_jax.rules import outer_axes
+from oases_jax.rules import constrain, outer_axes
 from training.parallelize.graph import Cut, run
 from training.pipeline_layout import STAGE, PipelineSpec
 
@@ -56,8 +56,8 @@ def shardings(mesh: Mesh, block_specs, shared_specs):
             "shared": tuple(NamedSharding(mesh, P(*s)) for s in shared_specs)}
 
 
-def block_runner(graphdef, treedef, call: tuple):
-    """fn(stacked leaves [n, ...], x, side arrays, remat) -> x after the n layers."""
+def block_call(graphdef, treedef, call: tuple):
+    """fn(layer leaves, x, side arrays) -> the user's block called on x as the loss calls it."""
     tree, statics = call
 
     def apply(layer_leaves, x, side):
@@ -67,14 +67,23 @@ def block_runner(graphdef, treedef, call: tuple):
         block = nnx.merge(graphdef, jax.tree.unflatten(treedef, layer_leaves))
         return block(x, *args, **kwargs)
 
+    return apply
+
+
+def layer_stack(one):
+    """fn(stacked leaves [n, ...], x, side, remat) -> x after n layers of `one(leaves, x, side)`,
+    a scan over the layers."""
     def layers(stacked, x, side, remat: bool):
         def body(x, layer_leaves):
-            return apply(layer_leaves, x, side), None
+            # The residual stream stays whole on every tensor rank (Megatron): each block's
+            # column layers read it as it is, its row layers' partial sums are reduced into it.
+            whole = (None,) * x.ndim
+            return constrain(one(layer_leaves, constrain(x, whole), side), whole), None
         if remat:
             body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
         return jax.lax.scan(body, x, stacked)[0]
 
-    return apply, layers
+    return layers
 
 
 def stage_program(cut: Cut, layers_fn, pipe: PipelineSpec, act: jax.ShapeDtypeStruct

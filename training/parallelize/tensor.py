@@ -21,17 +21,16 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import jax
+import jax.numpy as jnp
 from flax import nnx
-from jax.extend import core as jcore
 
 from oases_jax.errors import UserError
 from oases_jax.rules import LOGICAL_AXES, megatron
+from training.parallelize.block import ENTER, Op, Trace
 
 TENSOR = "tensor"
 # Equations that keep a parameter's dimensions (a transpose permutes them).
 _SAME = {"convert_element_type", "copy", "copy_p", "reduce_precision", "transpose"}
-_OPAQUE = {"scan", "while", "cond"}
 
 
 def names_of(var: nnx.Variable) -> tuple | None:
@@ -59,51 +58,14 @@ def logical_spec(path: str, names: tuple, shape: tuple, t: int) -> tuple:
 
 
 @dataclasses.dataclass
-class _Op:
-    name: str
-    params: dict
-    ins: list  # node ids (None for literals)
-    outs: list
-    in_avals: list
-    out_avals: list
-
-
-def _flatten(jaxpr, ins: list, ops: list, counter: list) -> list:
-    """Append the jaxpr's equations to `ops` over integer nodes, calls inlined; its outputs."""
-    env = dict(zip(jaxpr.invars, ins, strict=True))
-
-    def fresh():
-        counter[0] += 1
-        return counter[0]
-
-    for v in jaxpr.constvars:
-        env[v] = fresh()
-
-    def read(v):
-        return None if isinstance(v, jcore.Literal) else env[v]
-
-    for eqn in jaxpr.eqns:
-        in_nodes = [read(v) for v in eqn.invars]
-        subs = list(jcore.jaxprs_in_params(eqn.params))
-        if (eqn.primitive.name not in _OPAQUE and len(subs) == 1
-                and len(subs[0].invars) == len(eqn.invars)
-                and len(subs[0].outvars) == len(eqn.outvars)):
-            outs = _flatten(subs[0], in_nodes, ops, counter)
-        else:
-            outs = [fresh() for _ in eqn.outvars]
-            ops.append(_Op(eqn.primitive.name, dict(eqn.params), in_nodes, outs,
-                           [v.aval for v in eqn.invars], [v.aval for v in eqn.outvars]))
-        env.update(zip(eqn.outvars, outs, strict=True))
-    return [read(v) for v in jaxpr.outvars]
-
-
-@dataclasses.dataclass
 class Linear:
     leaf: int  # the kernel's index among the block's parameter leaves
     act_in: int  # node of its activation input
     out: int
     free: tuple[int, ...]  # kernel dims kept in the output, in order
     contract: tuple[int, ...]  # kernel dims summed over
+    op: Op  # its dot_general
+    out_dim: dict  # kernel dim -> the output dimension it becomes
     kind: str = ""  # "column" | "row" | "replicated"
 
 
@@ -130,9 +92,11 @@ def _linears(ops: list, param_nodes: dict) -> tuple[list[Linear], set[int]]:
                 other.add(leaf)
                 continue
             nd = len(op.in_avals[k].shape)
-            free = tuple(perm[d] for d in range(nd) if d not in contract)
-            linears.append(Linear(leaf, op.ins[1 - k], op.outs[0], free,
-                                  tuple(perm[d] for d in contract)))
+            ofree = [d for d in range(nd) if d not in contract]
+            base = len(lb) + (len(op.in_avals[0].shape) - len(lc) - len(lb) if k == 1 else 0)
+            linears.append(Linear(leaf, op.ins[1 - k], op.outs[0],
+                                  tuple(perm[d] for d in ofree), tuple(perm[d] for d in contract),
+                                  op, {perm[d]: base + i for i, d in enumerate(ofree)}))
             continue
         other.update(g[0] for g in got if g is not None)
     return linears, other
@@ -144,6 +108,7 @@ class TensorMap:
 
     specs: tuple[tuple, ...]
     lines: tuple[str, ...]
+    outputs: dict  # id(eqn) -> per output, the spec it is constrained to (None: left free)
 
 
 def _fix(path: str, shape: tuple, names_hint: str) -> str:
@@ -151,9 +116,9 @@ def _fix(path: str, shape: tuple, names_hint: str) -> str:
             f"{names_hint}), or None names to keep it replicated")
 
 
-def map_block(paths: list[str], names: list[tuple | None], ops: list, param_nodes: dict,
-              t: int) -> TensorMap:
+def map_block(paths: list[str], names: list[tuple | None], tr: Trace, t: int) -> TensorMap:
     """`names`: each block leaf's logical names (per layer: a stack's leading name dropped)."""
+    ops, param_nodes = tr.ops, tr.params
     shapes: list = [None] * len(paths)
     for leaf, aval in param_nodes.values():
         shapes[leaf] = tuple(aval.shape)
@@ -209,7 +174,47 @@ def map_block(paths: list[str], names: list[tuple | None], ops: list, param_node
         paths.index(b) for b in biases))
     if rest:
         lines.append("replicated: " + ", ".join(paths[i] for i in rest))
-    return TensorMap(tuple(specs), tuple(lines))
+    return TensorMap(tuple(specs), tuple(lines), _output_specs(tr, linears, up, specs, t))
+
+
+def _output_specs(tr: Trace, linears, up, specs, t) -> dict:
+    """Megatron's activations: a column layer's output split where its kernel is; every float
+    value computed from the block's input with no column layer upstream (the residual stream,
+    norms, a row layer's output, whose partial sums are all-reduced right there) whole.
+    Values inside a custom derivative or a remat are left to the partitioner (running those
+    piecewise would change their autodiff)."""
+    if t == 1:
+        return {}
+    column = {lin.out: lin for lin in linears if lin.kind == "column"}
+    cols = {n for n, lin in enumerate(linears) if lin.kind == "column"}
+    acts = set(tr.acts)
+    avals = {}
+    for op in tr.ops:
+        avals.update(zip(op.outs, op.out_avals, strict=True))
+        if any(n in acts for n in op.ins):
+            acts.update(op.outs)
+
+    def spec(node):
+        aval = avals.get(node)
+        if aval is None:
+            return None
+        if node in column:
+            lin = column[node]
+            d = next(i for i, a in enumerate(specs[lin.leaf]) if a)
+            return tuple(TENSOR if i == lin.out_dim[d] else None for i in range(aval.ndim))
+        if (node in acts and aval.ndim and jnp.issubdtype(aval.dtype, jnp.floating)
+                and not up.get(node, frozenset()) & cols):
+            return (None,) * aval.ndim
+        return None
+
+    outputs = {}
+    for key, outs in tr.outs.items():
+        if any(c.primitive.name not in ENTER for c in tr.calls[key]):
+            continue
+        eqn_specs = tuple(spec(n) for n in outs)
+        if any(x is not None for x in eqn_specs):
+            outputs[key] = eqn_specs
+    return outputs
 
 
 def _hint(shape: tuple, split: int | None) -> str:
@@ -274,18 +279,3 @@ def _bias_specs(paths, shapes, specs, linears, named) -> list[str]:
             specs[b] = (TENSOR,) + (None,) * (len(dims) - 1)
             out.append(paths[b])
     return out
-
-
-def trace_block(block_fn, leaves: list, act, side: list) -> tuple[list, dict]:
-    """Ops of one block's forward and {param node: (leaf index, aval)}."""
-    closed = jax.make_jaxpr(block_fn)(leaves, act, side)
-    jaxpr = closed.jaxpr
-    ops: list = []
-    counter = [0]
-    ins = []
-    for _ in jaxpr.invars:
-        counter[0] += 1
-        ins.append(counter[0])
-    _flatten(jaxpr, ins, ops, counter)
-    param_nodes = {ins[i]: (i, v.aval) for i, v in enumerate(jaxpr.invars[:len(leaves)])}
-    return ops, param_nodes
