@@ -111,9 +111,11 @@ class TensorMap:
     outputs: dict  # id(eqn) -> per output, the spec it is constrained to (None: left free)
 
 
-def _fix(path: str, shape: tuple, names_hint: str) -> str:
-    return (f"annotate {path} {shape} with logical names, e.g. nnx.with_partitioning(init, "
-            f"{names_hint}), or None names to keep it replicated")
+def _fix(path: str, shape: tuple) -> str:
+    whole = repr((None,) * len(shape))
+    return (f"give the block's kernels logical names, which decide instead of the shape: "
+            f"kernel_init=nnx.with_partitioning(init, {whole}) keeps {path} whole on every "
+            f"tensor rank, ('embed', 'mlp') and ('mlp', 'embed') make a column/row pair")
 
 
 def map_block(paths: list[str], names: list[tuple | None], tr: Trace, t: int) -> TensorMap:
@@ -153,7 +155,7 @@ def map_block(paths: list[str], names: list[tuple | None], tr: Trace, t: int) ->
         if cols and others:
             raise UserError(f"{path} ({fan}) reads both a column-parallel layer's output and "
                             f"the residual stream, so it is neither column nor row parallel; "
-                            f"{_fix(path, shape, _hint(shape, None))}")
+                            f"{_fix(path, shape)}")
         lin.kind = "row" if cols else "column"
         dims = lin.contract if cols else lin.free
         d = dims[0]
@@ -161,7 +163,7 @@ def map_block(paths: list[str], names: list[tuple | None], tr: Trace, t: int) ->
             raise UserError(f"{path} ({fan}, {lin.kind}-parallel by its shape) cannot be split "
                             f"over tensor={t}: dimension {d} ({shape[d]}) is not divisible by "
                             f"{t}; use a tensor size that divides {shape[d]}, or "
-                            f"{_fix(path, shape, _hint(shape, None))}")
+                            f"{_fix(path, shape)}")
         specs[lin.leaf] = tuple(TENSOR if i == d and t > 1 else None for i in range(len(shape)))
         lines.append(f"{path} {fan}: {lin.kind} (by shape and data flow)")
     _check_pairs(linears, up, paths, shapes, named)
@@ -217,10 +219,6 @@ def _output_specs(tr: Trace, linears, up, specs, t) -> dict:
     return outputs
 
 
-def _hint(shape: tuple, split: int | None) -> str:
-    return "(" + ", ".join("'mlp'" if i == split else "None" for i in range(len(shape))) + ",)"
-
-
 def _check_pairs(linears, up, paths, shapes, named) -> None:
     read_by_row = set()
     for lin in linears:
@@ -231,7 +229,7 @@ def _check_pairs(linears, up, paths, shapes, named) -> None:
             p, s = paths[lin.leaf], shapes[lin.leaf]
             raise UserError(f"{p} {s} maps to column parallel (it reads the residual stream) "
                             f"but no later layer narrows its output back, so its split output "
-                            f"would be gathered again; {_fix(p, s, _hint(s, None))}")
+                            f"would be gathered again; {_fix(p, s)}")
 
 
 def _check_heads(ops, up, linears, t, width: dict) -> None:
