@@ -15,7 +15,7 @@ from planner.layer_work import elem_bytes, sequence_split
 from planner.layout import Layout
 from planner.prices import Hardware
 from planner.search import divisors, strategies
-from planner.stage_partition import StageInputs, StagePlan, partition
+from planner.stage_partition import StageInputs, StagePlan, fixed, partition
 from planner.step_cost import OPTIMIZER_PASSES, head_cost
 
 PIPELINES = ("gpipe", "1f1b", "interleaved", "merak")  # the schedules the runtime runs
@@ -127,16 +127,70 @@ def _screen(cfg, hw, stages, layout, strategy, x, p2p, schedule) -> float:
 def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int,
               memory_fraction: float = 0.9, n_devices: int | None = None,
               pipelines: tuple[str, ...] = PIPELINES, refine: int = REFINE,
-              megatron_only: bool = False) -> list[PipelineCandidate]:
+              megatron_only: bool = False, baseline: bool = True) -> list[PipelineCandidate]:
     """Every S >= 2 dividing the devices and at most the layers, tensor t inside a node
     (dividing heads, KV heads, MLP and vocabulary), data the rest, M = S x {1, 2, 4, 8} dividing
     the per-replica batch, each schedule; the fastest non-rematted layer strategy per layout
     (`megatron_only`: Megatron's); screened by the uniform split's bubble estimate, the best
-    `refine` partitioned under the simulator. Ranked best first."""
+    `refine` partitioned under the simulator; plus (`baseline`) the best Megatron-style plan
+    (`megatron_3d`), which the screen may rank out. Ranked best first."""
     n = n_devices or hw.cluster.n_devices
     budget = memory_fraction * hw.cluster.device_spec.memory_bytes
-    node = hw.cluster.devices_per_node
     screened = []
+    for S, layout, _ in _layouts(cfg, hw, n, global_batch, seq_len):
+        strategy = _strategy(cfg, layout, hw, megatron_only)
+        if strategy is None:
+            continue
+        x = stage_inputs(cfg, layout, hw, strategy)
+        p2p = transfer_s(cfg, layout, hw, strategy, S)
+        for sch in pipelines:
+            if sch == "interleaved" and (S < 2 or cfg.n_layers % (CHUNKS * S)):
+                continue
+            est = _screen(cfg, hw, S, layout, strategy, x, p2p, sch)
+            screened.append((est, S, layout, strategy, x, p2p, sch))
+    screened.sort(key=lambda c: c[0])
+    out = []
+    for _, S, layout, strategy, x, p2p, sch in screened:
+        if len(out) >= refine:
+            break
+        sp = partition(x, schedule=sch, stages=S, microbatches=layout.microbatches,
+                       chunks=CHUNKS if sch == "interleaved" else 1, p2p=p2p, budget=budget,
+                       max_leaves=300, max_sims=10)
+        if sp is not None:
+            out.append(price(cfg, hw, S, layout, strategy, sp, x, p2p))
+    if baseline:  # Megatron's plans are in the space: never return one slower than its best
+        out += megatron_3d(cfg, hw, global_batch=global_batch, seq_len=seq_len,
+                           memory_fraction=memory_fraction, n_devices=n)[:1]
+    return sorted(out, key=lambda c: c.step_s)
+
+
+def megatron_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int,
+                memory_fraction: float = 0.9, n_devices: int | None = None
+                ) -> list[PipelineCandidate]:
+    """Megatron-LM's 3D plan, searched over the same degrees as `search_3d`: uniform stages
+    (the remainder on the first stages), 1F1B, full recompute on every stage, Megatron's
+    tensor parallelism inside a node. Ranked best first; [] when none fits."""
+    n = n_devices or hw.cluster.n_devices
+    budget = memory_fraction * hw.cluster.device_spec.memory_bytes
+    out = []
+    for S, layout, _ in _layouts(cfg, hw, n, global_batch, seq_len):
+        strategy = LayerSpec(schedule="megatron")
+        x = stage_inputs(cfg, layout, hw, strategy)
+        p2p = transfer_s(cfg, layout, hw, strategy, S)
+        base, extra = divmod(cfg.n_layers, S)
+        counts = [base + (i < extra) for i in range(S)]
+        sp = fixed(x, schedule="1f1b", counts=counts, remat=counts,
+                   microbatches=layout.microbatches, p2p=p2p, budget=budget)
+        if sp is not None:
+            out.append(price(cfg, hw, S, layout, strategy, sp, x, p2p))
+    return sorted(out, key=lambda c: c.step_s)
+
+
+def _layouts(cfg: ModelConfig, hw: Hardware, n: int, global_batch: int, seq_len: int):
+    """(S, layout, t) of every S >= 2, tensor degree inside a node dividing the model's heads,
+    KV heads, MLP and vocabulary, data the rest, M = S x {1, 2, 4, 8} dividing the per-replica
+    batch."""
+    node = hw.cluster.devices_per_node
     for S in divisors(n):
         if S < 2 or S > cfg.n_layers:
             continue
@@ -151,29 +205,8 @@ def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int
                 M = S * factor
                 if (global_batch // d) % M:
                     continue
-                layout = Layout(data=d, tensor=t, microbatches=M, global_batch=global_batch,
-                                seq_len=seq_len)
-                strategy = _strategy(cfg, layout, hw, megatron_only)
-                if strategy is None:
-                    continue
-                x = stage_inputs(cfg, layout, hw, strategy)
-                p2p = transfer_s(cfg, layout, hw, strategy, S)
-                for sch in pipelines:
-                    if sch == "interleaved" and (S < 2 or cfg.n_layers % (CHUNKS * S)):
-                        continue
-                    est = _screen(cfg, hw, S, layout, strategy, x, p2p, sch)
-                    screened.append((est, S, layout, strategy, x, p2p, sch))
-    screened.sort(key=lambda c: c[0])
-    out = []
-    for _, S, layout, strategy, x, p2p, sch in screened:
-        if len(out) >= refine:
-            break
-        sp = partition(x, schedule=sch, stages=S, microbatches=layout.microbatches,
-                       chunks=CHUNKS if sch == "interleaved" else 1, p2p=p2p, budget=budget,
-                       max_leaves=300, max_sims=10)
-        if sp is not None:
-            out.append(price(cfg, hw, S, layout, strategy, sp, x, p2p))
-    return sorted(out, key=lambda c: c.step_s)
+                yield S, Layout(data=d, tensor=t, microbatches=M, global_batch=global_batch,
+                                seq_len=seq_len), t
 
 
 def _strategy(cfg, layout, hw, megatron_only: bool) -> LayerSpec | None:

@@ -152,7 +152,10 @@ class _Stages:
         cum = lambda a: np.concatenate([[0.0], np.cumsum(np.asarray(a, float))])  # noqa: E731
         self.F, self.B, self.R = cum(x.f), cum(x.b), cum(x.r)
         self.A, self.SAVE = cum(x.act), cum(np.subtract(x.act, x.act_remat))
-        self.temp, self.temp_remat = np.asarray(x.temp, float), np.asarray(x.temp_remat, float)
+        # Python lists: max() over a short slice is a few times faster than np.max, and the
+        # partition DPs call it hundreds of thousands of times.
+        self.temp = [float(t) for t in x.temp]
+        self.temp_remat = [float(t) for t in x.temp_remat]
 
     def stage(self, s: int, i: int, j: int, lmax: int) -> tuple[float, float, float, int,
                                                                   float] | None:
@@ -166,8 +169,8 @@ class _Stages:
         per_mb = self.held[s] / self.v
         head = x.last_temp if last else 0.0
         for k in self._remat_counts(i, j, per_mb, self.budget - static):
-            temp = max(head, float(np.max(self.temp_remat[i:i + k], initial=0.0)),
-                       float(np.max(self.temp[i + k:j], initial=0.0)))
+            temp = max(head, max(self.temp_remat[i:i + k], default=0.0),
+                       max(self.temp[i + k:j], default=0.0))
             mem = static + per_mb * (self.A[j] - self.A[i] - (self.SAVE[i + k] - self.SAVE[i])) \
                 + temp
             if mem <= self.budget * (1 + 1e-12):
@@ -277,6 +280,35 @@ def partition(x: StageInputs, *, schedule: str, stages: int, microbatches: int,
     f, b, r, k, mem = (tuple(g[i] for g in got) for i in range(5))
     return StagePlan(schedule, microbatches, chunks, counts, k, f, b, r, mem, makespan, finish,
                      exact)
+
+
+def fixed(x: StageInputs, *, schedule: str, counts: Sequence[int], remat: Sequence[int],
+          microbatches: int, chunks: int = 1, p2p: float = 0.0, budget: float = math.inf
+          ) -> StagePlan | None:
+    """A given partition with given recomputed layers per stage (e.g. Megatron's uniform split
+    with full recompute), simulated and its memory counted like `partition`'s; None when a
+    stage does not fit `budget`."""
+    S = len(counts)
+    st = _Stages(x, schedule, S, microbatches, chunks, budget)
+    lmax, i, got = max(counts), 0, []
+    for s, (n, k) in enumerate(zip(counts, remat, strict=True)):
+        f = st.F[i + n] - st.F[i] + (x.first_f if s == 0 else 0) + (x.last_f if s == S - 1
+                                                                      else 0)
+        b = st.B[i + n] - st.B[i] + (x.first_b if s == 0 else 0) + (x.last_b if s == S - 1
+                                                                      else 0)
+        static = x.shared_bytes + lmax * x.block_bytes
+        per_mb = st.held[s] / chunks
+        temp = max(x.last_temp if s == S - 1 else 0.0, max(st.temp_remat[i:i + k], default=0.0),
+                   max(st.temp[i + k:i + n], default=0.0))
+        mem = static + per_mb * (st.A[i + n] - st.A[i] - (st.SAVE[i + k] - st.SAVE[i])) + temp
+        if mem > budget * (1 + 1e-12):
+            return None
+        got.append((f, b, float(st.R[i + k] - st.R[i]), k, mem))
+        i += n
+    f, b, r, k, mem = (tuple(g[j] for g in got) for j in range(5))
+    makespan, finish = simulate(schedule, microbatches, chunks, f, b, r, p2p)
+    return StagePlan(schedule, microbatches, chunks, tuple(counts), k, f, b, r, mem, makespan,
+                     finish, False)
 
 
 def _bottleneck_seeds(st: _Stages, L: int, S: int) -> list[tuple[int, ...]]:

@@ -13,6 +13,7 @@ from planner.layer_work import elem_bytes
 from planner.layout import Layout
 from planner.pipeline_search import (
     PIPELINES,
+    megatron_3d,
     price,
     search_3d,
     stage_inputs,
@@ -20,7 +21,7 @@ from planner.pipeline_search import (
 )
 from planner.prices import Hardware
 from planner.search import LayerSpec
-from planner.stage_partition import partition, simulate
+from planner.stage_partition import fixed, partition, simulate
 
 CFG = get_preset("gpt2-1.5b")
 
@@ -119,3 +120,33 @@ def test_megatron_baseline_uses_megatron_layers():
     out = search_3d(dataclasses.replace(CFG), hw("v100-64"), global_batch=128, seq_len=1024,
                     megatron_only=True, pipelines=("1f1b",), refine=3)
     assert out and all(c.strategy.schedule == "megatron" for c in out)
+
+
+def test_megatron_3d_is_uniform_1f1b_full_recompute_and_never_beats_the_search():
+    """Megatron's plan: uniform stages (remainder first), 1F1B, every layer recomputed,
+    Megatron layers; the 3D search includes it, so its best is never slower."""
+    cfg, h = dataclasses.replace(CFG), hw("h100-64")
+    meg = megatron_3d(cfg, h, global_batch=128, seq_len=1024)
+    assert meg
+    for c in meg:
+        sp = c.stage_plan
+        assert sp.schedule == "1f1b" and sp.remat == sp.layers
+        assert max(sp.layers) - min(sp.layers) <= 1 and sp.layers == tuple(sorted(sp.layers,
+                                                                               reverse=True))
+        assert c.strategy.schedule == "megatron" and sp.r[0] > 0
+    ours = search_3d(cfg, h, global_batch=128, seq_len=1024)
+    assert ours[0].step_s <= meg[0].step_s
+
+
+def test_fixed_partition_agrees_with_the_partitioner():
+    """`fixed` on the partitioner's own choice gives the partitioner's step and memory."""
+    cfg, h = dataclasses.replace(CFG), hw("v100-64")
+    layout = Layout(data=4, tensor=4, microbatches=8, global_batch=64, seq_len=1024)
+    strategy = LayerSpec(schedule="megatron")
+    x = stage_inputs(cfg, layout, h, strategy)
+    sp = partition(x, schedule="1f1b", stages=4, microbatches=8)
+    again = fixed(x, schedule="1f1b", counts=sp.layers, remat=sp.remat, microbatches=8)
+    assert again.makespan == pytest.approx(sp.makespan)
+    assert again.memory == pytest.approx(sp.memory)
+    assert fixed(x, schedule="1f1b", counts=sp.layers, remat=sp.remat, microbatches=8,
+                 budget=0.5 * min(sp.memory)) is None
