@@ -101,6 +101,16 @@ class StagePlan:
         return max(loads) / (sum(loads) / len(loads))
 
     @property
+    def backward_ticks(self) -> int:
+        """Ticks the runtime should spread a stage's backward over (`--backward-ticks`): its
+        backward in forwards, round(mean_s (b_s + r_s) / f_s), the recompute of the stage-aware
+        ratios running inside the backward (Merak's schedule recomputes in its own R actions,
+        so there r stays out). The executor's ticks then hold about one forward each."""
+        r = (0.0,) * len(self.f) if self.schedule == "merak" else self.r
+        ratios = [(b + rr) / f for f, b, rr in zip(self.f, self.b, r, strict=True) if f > 0]
+        return max(1, min(8, round(sum(ratios) / len(ratios)))) if ratios else 1
+
+    @property
     def ratios(self) -> tuple[Fraction, ...]:
         """Per-stage recompute ratios k_i / n_i, exact (floor(n_i r_i) = k_i at run time)."""
         return tuple(Fraction(k, n) for k, n in zip(self.remat, self.layers, strict=True))
