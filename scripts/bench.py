@@ -1,5 +1,6 @@
 """Time real train steps of several mesh/rules/schedule variants, interleaved in one run.
-`python scripts/bench.py` times every schedule on data=2,tensor=4 with the `small` model.
+`python scripts/bench.py` times every schedule on data=2,tensor=4 with the `small` model;
+`--pipeline gpipe,1f1b --mesh data=2,stage=4 --microbatches 8` pipeline schedules side by side.
 
 Every flag is documented in docs/cli.md.
 """
@@ -32,8 +33,19 @@ def parse_args(argv=None):
         help=f"one variant per schedule on --mesh/--rules, of {', '.join(registry.SCHEDULES)} "
         "(default: all but the square ones, if no --variant)",
     )
-    g.add_argument("--mesh", default="data=2,tensor=4", help="mesh for --schedules")
+    g.add_argument("--mesh", default="data=2,tensor=4", help="mesh for --schedules and --pipeline")
     g.add_argument("--rules", default="tp", help="rule set for --schedules and --variant")
+    g.add_argument("--pipeline", metavar="A,B,...",
+                   help="one variant per pipeline schedule (gpipe, 1f1b, interleaved, merak) on "
+                        "--mesh, which needs a stage axis; the tensor-parallel schedule is "
+                        "megatron, or the one --schedules names")
+    g.add_argument("--microbatches", type=int, default=1,
+                   help="micro-batches per step, for every variant (pipelined ones run them "
+                        "through the stages, the others accumulate gradients)")
+    g.add_argument("--stage-layers", help="pipelined variants: layers per stage (default uniform)")
+    g.add_argument("--virtual-stages", type=int, default=0,
+                   help="pipelined variants: interleaved's chunks per stage (default 2)")
+    g.add_argument("--remat-ratios", help="pipelined variants: stage-aware recompute ratios")
     g = p.add_argument_group("measurement")
     g.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
     g.add_argument("--seq-len", type=int, default=128)
@@ -55,8 +67,9 @@ def parse_args(argv=None):
 
 
 def build_config(args):
+    from oases_jax.errors import UserError
     from oases_jax.files import output_file
-    from tools.bench import BenchConfig, parse_variant
+    from tools.bench import BenchConfig, VariantSpec, parse_variant
     from training.config import check_seed
     from training.data import data_files
 
@@ -66,7 +79,15 @@ def build_config(args):
         output_file(args.json, "--json")
     model = model_from_flags(args)
     variants = [parse_variant(v, rules=args.rules) for v in args.variant]
-    if args.schedules is not None or not variants:
+    pipelines = [p.strip() for p in args.pipeline.split(",")] if args.pipeline else []
+    if pipelines:
+        schedules = args.schedules.split(",") if args.schedules else ["megatron"]
+        if len(schedules) != 1:
+            raise UserError(f"--pipeline runs one tensor-parallel schedule inside the stages, "
+                            f"but --schedules {args.schedules} names {len(schedules)}; name one")
+        variants += [VariantSpec(mesh=args.mesh, rules=args.rules, schedule=schedules[0].strip(),
+                                 pipeline=p) for p in pipelines]
+    elif args.schedules is not None or not variants:
         # primepar needs a tp_row x tp_col square: give it as a --variant with such a mesh.
         default = list(registry.names(square=False))
         schedules = args.schedules.split(",") if args.schedules is not None else default
@@ -85,6 +106,10 @@ def build_config(args):
         steps_per_round=args.steps_per_round,
         seed=args.seed,
         data=args.data,
+        microbatches=args.microbatches,
+        stage_layers=args.stage_layers,
+        virtual_stages=args.virtual_stages,
+        remat_ratios=args.remat_ratios,
     )
 
 
@@ -95,6 +120,9 @@ def add_predictions(report: dict, cfg, hw, source: str) -> None:
 
     rows = report["variants"]
     for r in rows:
+        if r.get("pipeline"):  # the planner's step model here is the non-pipelined one
+            r["predicted_s"] = None
+            continue
         r["predicted_s"] = predict_step_s(
             cfg.model, hw, mesh=r["mesh"], rules=r["rules"], schedule=r["schedule"],
             sub_batches=r.get("sub_batches", 2), global_batch=cfg.batch_size,

@@ -45,7 +45,8 @@ def parse_args(argv=None):
     p.add_argument("--json", metavar="OUT", help="write the report as JSON")
     p.add_argument("--fusions", action="store_true",
                    help="also print the per-op account of the compute outside the GEMMs")
-    p.add_argument("--timeline", metavar="OUT.png", help="draw the timeline")
+    p.add_argument("--timeline", metavar="OUT.png", help="draw the timeline (a pipelined step: "
+                   "one row per stage, tick by tick)")
     p.add_argument("--timeline-source", choices=("sim", "xla"), default="sim",
                    help="whose timeline --timeline draws: our simulator's or XLA's estimate "
                         "(GPU targets)")
@@ -123,6 +124,10 @@ def main() -> int:
                                                        **layout_kwargs(args)))
         png = timeline_path(schedule, first)
         xla_png = png if args.timeline_source == "xla" else None
+        # A pipelined step's picture is one row per stage, tick by tick (`pipeline_plot`): the
+        # two-stream replay takes each tick's conditional by its first branch.
+        stage_png = png if spec.parallel.pipeline and not spec.layer and not xla_png else None
+        png = None if stage_png else png
         if target.is_gpu_aot and may_abort(spec):
             r = inspect_isolated(spec, args.target, None if xla_png else png)
         else:
@@ -132,6 +137,8 @@ def main() -> int:
                 report.draw_timeline(ins.sim.events, r, png)
         if xla_png and "error" not in r:
             report.draw_timeline(None, r, xla_png, source="xla")
+        if stage_png and "error" not in r:
+            draw_stages(r, stage_png)
         if plan:
             r["plan"] = args.plan
             r["planner_predicted_step_s"] = plan.raw.get("predicted_step_s")
@@ -158,6 +165,20 @@ def main() -> int:
             r["command"] = command
         write_atomic(args.json, json.dumps(reports[0] if len(reports) == 1 else reports, indent=1))
     return 0
+
+
+def draw_stages(r: dict, path: str) -> None:
+    """The per-stage timeline of a pipelined report (`oases_jax.analysis.pipeline_plot`)."""
+    from oases_jax.analysis import pipeline_plot
+
+    p = r.get("pipeline") or {"error": "the report has no pipeline block"}
+    if "error" in p:
+        print(f"inspect_hlo.py: no per-stage timeline: {p['error']}", file=sys.stderr)
+        return
+    m = r["model"]
+    pipeline_plot.draw(p, path, title=f"{m['family']} d={m['d_model']} L={m['n_layers']} "
+                       f"{m['dtype']} on {r['target']}, mesh {r['mesh']}, batch "
+                       f"{r['batch_size']} x {r['seq_len']} (our simulator, tick by tick)")
 
 
 def load_plan(args, model, n_devices: int):

@@ -27,12 +27,14 @@ from training.state import TrainState, new_state
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VariantSpec:
-    """One way to run the same train step: `[LABEL:]MESH[/RULES[/SCHEDULE]]` on the command line."""
+    """One way to run the same train step: `[LABEL:]MESH[/RULES[/SCHEDULE]]` on the command line,
+    or one of bench.py's `--pipeline` schedules (over the mesh's `stage` axis)."""
 
     mesh: str
     rules: str = "tp"
     schedule: str = "megatron"
     label: str | None = None  # None: derived from what differs between the variants
+    pipeline: str | None = None  # pipeline schedule (training.pipeline_step); None: none
 
 
 def parse_variant(text: str, *, rules: str = "tp", schedule: str = "megatron") -> VariantSpec:
@@ -70,16 +72,26 @@ class BenchConfig:
     steps_per_round: int = 2  # steps of each variant per round, each timed on its own
     seed: int = 0
     data: str = "stdlib"
+    # Every variant's batch is split into this many micro-batches (pipelined variants run them
+    # through the stages; the others accumulate gradients over them).
+    microbatches: int = 1
+    # The pipelined variants' settings (ParallelConfig's fields of the same names).
+    stage_layers: str | None = None
+    virtual_stages: int = 0
+    remat_ratios: str | None = None
 
     def __post_init__(self):
         if not self.variants:
             raise UserError("no variants to time; give at least one --variant or --schedules")
-        for name in ("batch_size", "seq_len", "rounds", "steps_per_round"):
+        for name in ("batch_size", "seq_len", "rounds", "steps_per_round", "microbatches"):
             if getattr(self, name) <= 0:
                 flag = name.replace("_", "-")
                 raise UserError(f"--{flag} {getattr(self, name)} must be positive")
         if self.warmup < 0:
             raise UserError(f"--warmup {self.warmup} must be >= 0")
+        if self.batch_size % self.microbatches:
+            raise UserError(f"--batch-size {self.batch_size} does not split into --microbatches "
+                            f"{self.microbatches}; use a multiple of {self.microbatches}")
         if self.seq_len > self.model.max_seq_len:
             raise UserError(
                 f"--seq-len {self.seq_len} exceeds the model's max_seq_len "
@@ -103,6 +115,7 @@ class Resolved:
     mesh: str  # every size filled in
     rules: str  # the rule set actually used (a sequence-parallel schedule upgrades tp to tp_sp)
     schedule: str
+    pipeline: str | None = None
 
 
 def _short_mesh(mesh: str) -> str:
@@ -112,10 +125,11 @@ def _short_mesh(mesh: str) -> str:
 
 def _labels(specs: list[VariantSpec], meshes: list[str]) -> list[str]:
     """Given labels are kept; others show only the parts that differ between the variants."""
-    parts = [(_short_mesh(m), s.rules, s.schedule) for s, m in zip(specs, meshes, strict=True)]
-    differ = [len({p[i] for p in parts}) > 1 for i in range(3)]
+    parts = [(_short_mesh(m), s.rules, s.schedule, s.pipeline or "")
+             for s, m in zip(specs, meshes, strict=True)]
+    differ = [len({p[i] for p in parts}) > 1 for i in range(4)]
     if not any(differ):
-        differ = [True] * 3
+        differ = [True] * 3 + [False]
     labels, seen = [], {}
     for spec, p in zip(specs, parts, strict=True):
         label = spec.label or "/".join(x for x, d in zip(p, differ, strict=True) if d)
@@ -124,21 +138,44 @@ def _labels(specs: list[VariantSpec], meshes: list[str]) -> list[str]:
     return labels
 
 
-def resolve_variants(specs: tuple[VariantSpec, ...], n_devices: int) -> list[Resolved]:
-    """Check every variant's schedule, rules and mesh before anything is compiled."""
+def parallel_config(spec: VariantSpec, cfg: BenchConfig | None = None) -> ParallelConfig:
+    """The variant's parallel config (with `cfg`'s pipeline settings when it is pipelined)."""
+    extra = {}
+    if spec.pipeline and cfg is not None:
+        extra = {"stage_layers": cfg.stage_layers, "virtual_stages": cfg.virtual_stages,
+                 "remat_ratios": cfg.remat_ratios}
+    return ParallelConfig(mesh=spec.mesh, rules=spec.rules, schedule=spec.schedule,
+                          pipeline=spec.pipeline, **extra)
+
+
+def resolve_variants(specs: tuple[VariantSpec, ...], n_devices: int,
+                     cfg: BenchConfig | None = None) -> list[Resolved]:
+    """Check every variant's schedule, rules and mesh (and with `cfg`, a pipelined variant's
+    stages, micro-batches and ratios against the model) before anything is compiled."""
     meshes, rules = [], []
     for spec in specs:
-        where = spec.label or f"{spec.mesh}/{spec.rules}/{spec.schedule}"
+        where = spec.label or "/".join((spec.mesh, spec.rules, spec.schedule)
+                                       + ((spec.pipeline,) if spec.pipeline else ()))
         try:
-            parallel = ParallelConfig(mesh=spec.mesh, rules=spec.rules, schedule=spec.schedule)
+            parallel = parallel_config(spec, cfg)
             get_rules(parallel.rules_name)
-            meshes.append(str(parse_mesh(spec.mesh).resolve(n_devices)))
+            mesh = parse_mesh(spec.mesh).resolve(n_devices)
+            meshes.append(str(mesh))
+            if spec.pipeline and cfg is not None:
+                from training.pipeline_step import pipeline_spec
+
+                pipeline_spec(cfg.model, schedule=spec.pipeline,
+                              stages=dict(mesh.axes).get("stage", 1),
+                              microbatches=cfg.microbatches, stage_layers=cfg.stage_layers,
+                              chunks=cfg.virtual_stages or (2 if spec.pipeline == "interleaved"
+                                                            else 1),
+                              remat_ratios=cfg.remat_ratios)
         except UserError as e:
             raise UserError(f"variant {where}: {e}") from None
         rules.append(parallel.rules_name)
     labels = _labels(list(specs), meshes)
     return [
-        Resolved(label=lab, mesh=m, rules=r, schedule=s.schedule)
+        Resolved(label=lab, mesh=m, rules=r, schedule=s.schedule, pipeline=s.pipeline)
         for lab, m, r, s in zip(labels, meshes, rules, specs, strict=True)
     ]
 
@@ -167,25 +204,34 @@ def build_variant(cfg: BenchConfig, spec: Resolved, sampler: BatchSampler) -> Va
     rules = get_rules(spec.rules)
     t0 = time.perf_counter()
     try:  # the compile path training uses: same lowering, same XLA options
+        variant = VariantSpec(mesh=spec.mesh, rules=spec.rules, schedule=spec.schedule,
+                              pipeline=spec.pipeline)
         prog = lower(CompileSpec(model=cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-                                 parallel=ParallelConfig(mesh=spec.mesh, rules=spec.rules,
-                                                         schedule=spec.schedule)),
+                                 microbatches=cfg.microbatches,
+                                 parallel=parallel_config(variant, cfg)),
                      mesh, tx=make_optimizer(OptimConfig(), cfg.total_steps))
         lower_s = time.perf_counter() - t0
         fns = prog.fns
-        state = new_state(nnx.state(init_sharded(cfg.model, rules, mesh, cfg.seed)), fns, cfg.seed)
+        params = nnx.state(init_sharded(cfg.model, rules, mesh, cfg.seed))
+        if spec.pipeline:  # the same initial weights, in the stage layout the step reads
+            from training import pipeline_step
+
+            pipe = pipeline_step.spec_for(cfg.model, prog.spec.parallel, cfg.microbatches, mesh)
+            params = pipeline_step.layout(pipe, fns, rules, mesh)[0](params)
+        state = new_state(params, fns, cfg.seed)
     except UserError as e:
         raise UserError(f"variant {spec.label}: {e}") from None
     t0 = time.perf_counter()
     step = prog.compile()
     compile_s = lower_s + time.perf_counter() - t0
-    batches = [sampler.device_batch(k, fns.batch_sharding) for k in range(cfg.total_steps)]
+    batches = [sampler.device_batch(k, fns.batch_sharding, cfg.microbatches)
+               for k in range(cfg.total_steps)]
     return Variant(spec=spec, step=step, state=state, batches=batches, compile_s=compile_s)
 
 
 def prepare(cfg: BenchConfig, log: Callable[[str], None] = lambda _: None) -> list[Variant]:
     """Check every variant, then build and compile them all (every state stays in memory)."""
-    resolved = resolve_variants(cfg.variants, jax.device_count())
+    resolved = resolve_variants(cfg.variants, jax.device_count(), cfg)
     corpus = load_corpus(cfg.data, vocab_size=cfg.model.vocab_size)
     sampler = BatchSampler(
         tokens=corpus.train, seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=cfg.seed
@@ -194,7 +240,8 @@ def prepare(cfg: BenchConfig, log: Callable[[str], None] = lambda _: None) -> li
     for spec in resolved:
         variants.append(build_variant(cfg, spec, sampler))
         log(
-            f"compiled {spec.label} ({spec.mesh}, {spec.rules}, {spec.schedule}) "
+            f"compiled {spec.label} ({spec.mesh}, {spec.rules}, {spec.schedule}"
+            + (f", pipeline {spec.pipeline}" if spec.pipeline else "") + ") "
             f"in {variants[-1].compile_s:.1f} s"
         )
     return variants
@@ -240,6 +287,7 @@ def summarize(cfg: BenchConfig, variants: list[Variant], samples: list[list[floa
                 "mesh": v.spec.mesh,
                 "rules": v.spec.rules,
                 "schedule": v.spec.schedule,
+                "pipeline": v.spec.pipeline,
                 "median_s": median,
                 "min_s": min(s),
                 "max_s": max(s),
@@ -258,6 +306,7 @@ def summarize(cfg: BenchConfig, variants: list[Variant], samples: list[list[floa
         "dtype": cfg.model.dtype,
         "batch_size": cfg.batch_size,
         "seq_len": cfg.seq_len,
+        "microbatches": cfg.microbatches,
         "warmup": cfg.warmup,
         "rounds": cfg.rounds,
         "steps_per_round": cfg.steps_per_round,
@@ -274,12 +323,15 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda _: None) -> 
 
 
 def format_table(report: dict) -> str:
-    """An aligned text table of a `run_bench` report."""
+    """An aligned text table of a `run_bench` report (a pipeline column when any variant is
+    pipelined)."""
+    piped = any(r.get("pipeline") for r in report["variants"])
     head = (
         "variant",
         "mesh",
         "rules",
         "schedule",
+        *(("pipeline",) if piped else ()),
         "compile s",
         "median ms",
         "min ms",
@@ -294,6 +346,7 @@ def format_table(report: dict) -> str:
             r["mesh"],
             r["rules"],
             r["schedule"],
+            *((r.get("pipeline") or "-",) if piped else ()),
             f"{r['compile_s']:.1f}",
             f"{r['median_s'] * 1e3:.2f}",
             f"{r['min_s'] * 1e3:.2f}",
@@ -305,7 +358,7 @@ def format_table(report: dict) -> str:
         for r in report["variants"]
     ]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows, strict=True)]
-    left = 4  # text columns are left-aligned, numbers right-aligned
+    left = 5 if piped else 4  # text columns are left-aligned, numbers right-aligned
 
     def line(cells):
         return "  ".join(
@@ -314,9 +367,10 @@ def format_table(report: dict) -> str:
         ).rstrip()
 
     n = len(report["variants"][0]["samples"])
+    micro = report.get("microbatches", 1)
     title = (
         f"{report['model']} ({report['dtype']}), batch {report['batch_size']} x seq "
-        f"{report['seq_len']}, on {report['n_devices']} x {report['device']}; "
-        f"{n} timed steps per variant"
+        f"{report['seq_len']}" + (f" in {micro} micro-batches" if micro > 1 else "")
+        + f", on {report['n_devices']} x {report['device']}; {n} timed steps per variant"
     )
     return "\n".join([title, line(head), line(["-" * w for w in widths]), *map(line, rows)])

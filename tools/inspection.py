@@ -132,10 +132,12 @@ def inspect_program(spec: CompileSpec, target: Target) -> Inspection:
     analysis, program = analyze(compiled, mesh)
     sim = simulate(program, target.cluster)
     return Inspection(spec, target, analysis, program, sim, compile_s, prog.resolved_mesh, xla,
-                      options=prog.options, pipeline=_pipeline(spec, mesh, program, target))
+                      options=prog.options,
+                      pipeline=_pipeline(spec, mesh, program, target, analysis.peak_memory_bytes))
 
 
-def _pipeline(spec: CompileSpec, mesh, program: Program, target: Target) -> dict | None:
+def _pipeline(spec: CompileSpec, mesh, program: Program, target: Target,
+              peak_bytes: int) -> dict | None:
     """A pipelined train step's tick loop timed by `analysis.pipeline_time` (None otherwise)."""
     if not spec.parallel.pipeline or spec.layer:
         return None
@@ -143,7 +145,15 @@ def _pipeline(spec: CompileSpec, mesh, program: Program, target: Target) -> dict
 
     plan = step_plan(spec.model, spec_for(spec.model, spec.parallel, spec.microbatches, mesh))
     timed = pipeline_time.pipeline_time(program, target.cluster, plan)
-    return timed.to_json() if timed else {"error": "no tick loop matching the plan found"}
+    if timed is None:
+        return {"error": "no tick loop matching the plan found"}
+    from oases_jax.analysis.pipeline_plot import timeline_json
+    from tools.pipeline_report import stage_account
+
+    # Per tick and stage what ran (the --timeline picture), and per stage its FLOPs (recompute
+    # included) and the activation memory its slots hold.
+    return {**timed.to_json(), **timeline_json(timed),
+            "per_stage": stage_account(spec, mesh, program, peak_bytes)}
 
 
 if __name__ == "__main__":  # the child of `inspect_isolated`

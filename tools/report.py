@@ -88,6 +88,28 @@ def pipeline_lines(r: dict) -> list[str]:
         f"  event model (stages run ahead): {_fmt_s(ev['makespan_s'])}, idle per stage "
         f"{pct(ev['idle_fraction'])}; lockstep {_fmt_s(ev['lockstep_s'])} vs switch time "
         f"{_fmt_s(p['switch_s'])}",
+        *stage_lines(p.get("per_stage")),
+    ]
+
+
+def stage_lines(st: dict | None) -> list[str]:
+    """A pipelined program's per-stage account (`analysis.pipeline_stages`): recompute FLOPs
+    over forward FLOPs, and the activation bytes each stage's slots hold against the pools
+    every device allocates."""
+    if not st:
+        return []
+    if "error" in st:
+        return [f"  per stage: {st['error']}"]
+    f, m = st["flops"], st["memory"]
+    mib = lambda xs: ", ".join(f"{x / MIB:.1f}" for x in xs)  # noqa: E731
+    ratios = st.get("remat_ratios")
+    return [
+        "  recompute FLOPs / forward FLOPs per stage: "
+        + ", ".join(f"{x:.1%}" for x in f["recompute_ratio"])
+        + (f" (--remat-ratios {', '.join(f'{r:g}' for r in ratios)})" if ratios else ""),
+        f"  activations per stage (MiB): held {mib(m['held_bytes'])}; pools allocated on every "
+        f"device {m['pool_bytes'] / MIB:.1f}; peak per stage {mib(m['stage_peak_bytes'])} "
+        f"(XLA's peak {m['peak_bytes'] / MIB:.1f} - pools + held)",
     ]
 
 

@@ -44,7 +44,7 @@ def draw(pipeline: dict, path: str, title: str = "") -> None:
     S, T = p["stages"], p["ticks"]
     branches = p["branches"]
     chunks = max(1, (max(b["virtual_stage"] for b in branches) + 1) // S)
-    fig, ax = plt.subplots(figsize=(max(8.0, min(24.0, 0.45 * T + 3)), 0.7 * S + 1.6))
+    fig, ax = plt.subplots(figsize=(max(8.0, min(24.0, 0.45 * T + 3)), 0.7 * S + 2.0))
     rest = p["rest_s"] * ms
     for t in range(T):
         start, length = p["tick_start_s"][t] * ms, p["tick_s"][t] * ms - rest
@@ -81,7 +81,7 @@ def draw(pipeline: dict, path: str, title: str = "") -> None:
     handles.append(mpatches.Patch(facecolor="whitesmoke", edgecolor="lightgray", hatch="////",
                                   label="idle: waits for the tick's slowest stage"))
     handles.append(mpatches.Patch(color="darkgray", label="permutes and buffer updates"))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=len(handles),
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=3,
               fontsize=7, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

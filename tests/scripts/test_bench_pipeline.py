@@ -1,0 +1,74 @@
+"""bench.py with pipeline schedules side by side (`--pipeline`): every variant's pipeline is
+checked against the model and the micro-batches before anything compiles, the table gains a
+pipeline column, and a real run times each schedule on the same batches against the first."""
+
+import json
+
+import pytest
+
+from models import get_preset
+from oases_jax.errors import UserError
+from tests.scripts.test_bench import DATA, run_bench_cli
+from tools.bench import BenchConfig, VariantSpec, format_table, resolve_variants
+
+
+def piped(*schedules: str, mesh: str = "data=4,stage=2", **kw) -> BenchConfig:
+    kw = {"batch_size": 16, "seq_len": 32, "microbatches": 4, "warmup": 1, "rounds": 2,
+          "steps_per_round": 1, "data": DATA} | kw
+    return BenchConfig(model=get_preset("tiny"), model_name="tiny",
+                       variants=tuple(VariantSpec(mesh=mesh, pipeline=s) for s in schedules),
+                       **kw)
+
+
+def test_labels_are_the_schedules():
+    cfg = piped("gpipe", "1f1b", "merak")
+    rows = resolve_variants(cfg.variants, 8, cfg)
+    assert [(r.label, r.pipeline, r.mesh) for r in rows] == [
+        ("gpipe", "gpipe", "data=4,stage=2"), ("1f1b", "1f1b", "data=4,stage=2"),
+        ("merak", "merak", "data=4,stage=2")]
+
+
+@pytest.mark.parametrize("overrides, needles", [
+    ({"microbatches": 1}, ("variant data=4,stage=2/tp/megatron/merak", "M >= 2")),  # M >= S
+    ({"mesh": "data=8"}, ("variant data=8/tp/megatron/1f1b", "stage axis")),
+    ({"remat_ratios": "0.5,0.5,0.5"}, ("/1f1b", "3 recompute ratios", "S=2")),
+])
+def test_bad_pipeline_is_one_line_before_compiling(overrides, needles):
+    mesh = overrides.pop("mesh", "data=4,stage=2")
+    cfg = piped("1f1b", "merak", mesh=mesh, **overrides)
+    with pytest.raises(UserError) as e:
+        resolve_variants(cfg.variants, 8, cfg)
+    assert "\n" not in str(e.value) and all(n in str(e.value) for n in needles), str(e.value)
+
+
+def test_batch_must_split_into_microbatches():
+    with pytest.raises(UserError, match="--microbatches 3"):
+        piped("1f1b", microbatches=3)
+
+
+def test_table_has_a_pipeline_column():
+    row = {"label": "1f1b", "mesh": "data=4,stage=2", "rules": "tp", "schedule": "megatron",
+           "pipeline": "1f1b", "compile_s": 1.0, "median_s": 0.01, "min_s": 0.01,
+           "max_s": 0.01, "tokens_per_s": 100.0, "mfu": None, "ratio": 1.0, "samples": [0.01]}
+    report = {"model": "tiny", "dtype": "float32", "batch_size": 16, "seq_len": 32,
+              "microbatches": 4, "n_devices": 8, "device": "cpu", "variants": [row]}
+    lines = format_table(report).splitlines()
+    assert "in 4 micro-batches" in lines[0] and "pipeline" in lines[1].split()
+    assert lines[3].split()[4] == "1f1b"
+
+
+@pytest.mark.slow
+def test_cli_times_pipeline_schedules_side_by_side(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = run_bench_cli(
+        *("--model", "tiny", "--batch-size", "16", "--seq-len", "32", "--warmup", "1"),
+        *("--rounds", "2", "--steps-per-round", "1", "--pipeline", "gpipe,1f1b"),
+        *("--mesh", "data=4,stage=2", "--microbatches", "4", "--data", DATA),
+        *("--json", str(out)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = report["variants"]
+    assert [(r["label"], r["pipeline"]) for r in rows] == [("gpipe", "gpipe"), ("1f1b", "1f1b")]
+    assert report["microbatches"] == 4 and rows[0]["ratio"] == 1.0
+    assert rows[1]["ratio"] == pytest.approx(rows[1]["median_s"] / rows[0]["median_s"])
+    assert "pipeline" in proc.stdout and "1f1b" in proc.stdout
