@@ -204,11 +204,16 @@ def test_twenty_adamw_steps(name, mesh):
 
 
 @pytest.mark.slow
-def test_interleaved_plan_equals_unparallelized():
+@pytest.mark.parametrize("plan", [
+    Plan(schedule="interleaved", virtual_stages=2, microbatches=4),
+    Plan(schedule="merak", microbatches=4, remat_ratios="1"),  # shifted CP, stage-aware remat
+    Plan(schedule="gpipe", stage_layers="3,1"),  # uneven stages
+], ids=["interleaved", "merak-remat", "gpipe-uneven"])
+def test_other_plans_equal_unparallelized(plan):
     model, rows = list_net()
     tokens = _tokens(rows)
     run = parallelize(model, next_token_loss, tokens, make_mesh("data=2,stage=2,tensor=2"),
-                      plan=Plan(schedule="interleaved", virtual_stages=2, microbatches=4))
+                      plan=plan)
     _assert_equal(model, run, run.init(model)["params"], tokens)
 
 
