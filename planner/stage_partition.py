@@ -11,7 +11,6 @@ local search around the bottleneck optimum when that set is too large to enumera
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Sequence
 from fractions import Fraction
@@ -19,9 +18,10 @@ from fractions import Fraction
 import numpy as np
 
 from oases_jax.errors import UserError
-from oases_jax.pipeline import schedules
-from oases_jax.pipeline.table import Schedule, place
-from oases_jax.pipeline.validate import inflight
+from planner.stage_sim import build, peak_inflight, simulate
+
+__all__ = ["StageInputs", "StagePlan", "bottleneck", "build", "fixed", "partition",
+           "peak_inflight", "simulate"]
 
 MAX_LEAVES = 4000  # partitions the branch and bound may enumerate before it gives up exactness
 MAX_SIMS = 48  # simulator runs per partition search
@@ -114,41 +114,6 @@ class StagePlan:
     def ratios(self) -> tuple[Fraction, ...]:
         """Per-stage recompute ratios k_i / n_i, exact (floor(n_i r_i) = k_i at run time)."""
         return tuple(Fraction(k, n) for k, n in zip(self.remat, self.layers, strict=True))
-
-
-@functools.lru_cache(maxsize=512)
-def build(name: str, stages: int, microbatches: int, chunks: int = 1,
-          recompute: tuple[bool, ...] | None = None) -> Schedule:
-    """The schedule (cached); `recompute`: per-stage flags (Merak's schedule has its own)."""
-    flags = recompute if recompute is not None else False
-    if name == "merak":
-        return schedules.merak(stages, microbatches)
-    if name == "interleaved":
-        return schedules.interleaved(stages, microbatches, chunks, recompute=flags)
-    return schedules.get(name)(stages, microbatches, recompute=flags)
-
-
-@functools.lru_cache(maxsize=512)
-def peak_inflight(name: str, stages: int, microbatches: int, chunks: int = 1) -> tuple[int, ...]:
-    """Most (micro-batch, chunk) inputs each stage holds at once under the schedule."""
-    return inflight(build(name, stages, microbatches, chunks))[0]
-
-
-def simulate(name: str, microbatches: int, chunks: int, f: Sequence[float],
-             b: Sequence[float], r: Sequence[float], p2p: float = 0.0
-             ) -> tuple[float, tuple[float, ...]]:
-    """(makespan, per-stage finish) of the schedule with these per-stage costs: the event
-    simulator's list scheduler (`oases_jax.pipeline.table.place`) in floats, for speed;
-    `oases_jax.pipeline.events.simulate` gives the same in exact fractions."""
-    S = len(f)
-    sch = build(name, S, microbatches, chunks, tuple(x > 0 for x in r))
-    v = sch.chunks
-    dur = {"F": f, "PF": f, "R": r, "RrG": r, "B": b, "W": (0.0,) * S}
-    placed = place(sch, lambda s, a: dur[a.kind][s] / v, lambda t: p2p)
-    finish = [0.0] * S
-    for (s, _), (_, end) in placed.items():
-        finish[s] = max(finish[s], float(end))
-    return max(finish), tuple(finish)
 
 
 class _Stages:

@@ -1,0 +1,165 @@
+"""A schedule lowered to what the pipeline executor reads (`oases_jax.pipeline.executor`): per
+tick and stage the branch to run and the slots it reads and writes, with every slot (residuals,
+stashed inputs, receive buffers) allocated offline, first-fit. Pure Python: built and checked
+without devices."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from oases_jax.errors import UserError
+from oases_jax.pipeline.actions import vstage
+from oases_jax.pipeline.table import Schedule, TickTable
+
+# Columns of a plan row (one per tick and stage).
+BRANCH, MB, SLOT_IN, SLOT_OUT, ACT_READ, GRAD_READ, ACT_STORE, GRAD_STORE = range(8)
+# FS: a forward that stashes its input for a recompute; a backward spread over k ticks runs as
+# branches B0 .. B<k-1> (`base_kind` maps them back to B).
+KINDS = ("IDLE", "F", "FS", "R", "B")
+
+
+def base_kind(kind: str) -> str:
+    """The action kind of a branch kind: `B1` (part 1 of a split backward) -> `B`."""
+    return "B" if kind.startswith("B") else kind
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A schedule compiled to what the executor reads: `branches[i]` = (kind, virtual stage) of
+    branch i (0 is IDLE), `rows[t][s]` the eight columns above, and per device the slots each
+    buffer needs. Pure Python: built and checked without devices."""
+
+    schedule: Schedule
+    branches: tuple[tuple[str, int], ...]
+    rows: np.ndarray  # int32 [T, S, 8]
+    res_slots: tuple[int, ...]  # per virtual stage: residual slots
+    stash_slots: tuple[int, ...]  # per virtual stage: stashed-input slots
+    act_slots: int  # receive-buffer slots (the same count on every device: SPMD shapes)
+    grad_slots: int
+    table: TickTable  # what the rows were lowered from (backward spans included)
+
+    @property
+    def stages(self) -> int:
+        return self.schedule.stages
+
+    @property
+    def virtual(self) -> int:
+        return self.schedule.virtual
+
+    @property
+    def wraps(self) -> bool:
+        return self.schedule.chunks > 1
+
+
+class _Slots:
+    """First-fit slot allocation; `peak` is the slots ever used at once."""
+
+    def __init__(self):
+        self.free: list[int] = []
+        self.used = 0
+
+    def take(self) -> int:
+        if self.free:
+            self.free.sort()
+            return self.free.pop(0)
+        self.used += 1
+        return self.used - 1
+
+    def give(self, slot: int) -> None:
+        self.free.append(slot)
+
+
+def plan(schedule: Schedule, backward_ticks: int | tuple[int, ...] = 1) -> Plan:
+    """Lower a schedule's tick table to executor rows with statically allocated slots. A
+    backward of virtual stage j spans `backward_ticks[j]` ticks (`TickTable`): branch `B<p>`
+    runs its part p, all parts read the one residual slot, part 0 the received gradient."""
+    if schedule.split_backward:
+        raise UserError(f"the {schedule.name} schedule splits the backward into B and W, which "
+                        f"the executor does not run yet: use 1f1b, gpipe, interleaved or merak")
+    table = schedule.ticks(backward_ticks)
+    S, V = schedule.stages, schedule.virtual
+    recomputed = schedule.recomputed()
+    branches: list[tuple[str, int]] = [("IDLE", -1)]
+    index: dict[tuple[str, int], int] = {}
+
+    def branch(kind: str, j: int) -> int:
+        if (kind, j) not in index:
+            index[(kind, j)] = len(branches)
+            branches.append((kind, j))
+        return index[(kind, j)]
+
+    T = len(table.ticks)
+    rows = np.zeros((T, S, 8), np.int32)
+    res = [_Slots() for _ in range(V)]
+    stash = [_Slots() for _ in range(V)]
+    act = [_Slots() for _ in range(S)]
+    grad = [_Slots() for _ in range(S)]
+    held_res: dict[tuple[int, int], int] = {}
+    held_stash: dict[tuple[int, int], int] = {}
+    held_act: dict[tuple[int, int], int] = {}  # (mb, receiving virtual stage) -> slot
+    held_grad: dict[tuple[int, int], int] = {}
+    pending_store: list[list[tuple[str, int, int]]] = [[] for _ in range(T)]
+    for t, row in enumerate(table.ticks):
+        for s, a in enumerate(row):
+            r = rows[t, s]
+            if a.kind == "IDLE":
+                continue
+            j = vstage(s, a, S)
+            key = (a.mb, j)
+            r[MB] = a.mb
+            if a.kind in ("F", "PF"):
+                stashes = key in recomputed
+                r[BRANCH] = branch("FS" if stashes else "F", j)
+                pool, held = (stash, held_stash) if stashes else (res, held_res)
+                held[key] = r[SLOT_OUT] = pool[j].take()
+                if j > 0:
+                    r[ACT_READ] = held_act.pop(key)
+            elif a.kind in ("R", "RrG"):
+                r[BRANCH] = branch("R", j)
+                r[SLOT_IN] = held_stash.pop(key)
+                held_res[key] = r[SLOT_OUT] = res[j].take()
+            elif a.kind == "B":
+                part, k = table.part(t, s), table.span(j)
+                r[BRANCH] = branch("B" if k == 1 else f"B{part}", j)
+                r[SLOT_IN] = held_res[key]
+                if part == 0 and j + 1 < V:
+                    r[GRAD_READ] = held_grad.pop(key)
+            else:
+                raise UserError(f"the executor has no {a.kind} action (schedule "
+                                f"{schedule.name})")
+        # Slots read this tick are free before this tick's arrivals are stored.
+        for s, a in enumerate(row):
+            if a.kind == "IDLE":
+                continue
+            j = vstage(s, a, S)
+            r = rows[t, s]
+            if a.kind in ("F", "PF") and j > 0:
+                act[s].give(int(r[ACT_READ]))
+            if a.kind in ("R", "RrG"):
+                stash[j].give(int(r[SLOT_IN]))
+            if a.kind == "B":
+                part, k = table.part(t, s), table.span(j)
+                if part == k - 1:
+                    res[j].give(int(held_res.pop((a.mb, j))))
+                if part == 0 and j + 1 < V:
+                    grad[s].give(int(r[GRAD_READ]))
+        for x in table.transfers[t]:
+            pending_store[t].append((x.kind, x.mb, x.dst))
+        for kind, mb, dst in pending_store[t]:
+            d = dst % S
+            slots, held, col = ((act, held_act, ACT_STORE) if kind == "act"
+                                else (grad, held_grad, GRAD_STORE))
+            held[(mb, dst)] = rows[t, d, col] = slots[d].take()
+    act_slots = max(a.used for a in act)
+    grad_slots = max(g.used for g in grad)
+    # Ticks with no arrival store into a scratch slot past the real ones.
+    stored = np.zeros((T, S), bool), np.zeros((T, S), bool)
+    for t in range(T):
+        for kind, _, dst in pending_store[t]:
+            stored[kind != "act"][t, dst % S] = True
+    rows[..., ACT_STORE] = np.where(stored[0], rows[..., ACT_STORE], act_slots)
+    rows[..., GRAD_STORE] = np.where(stored[1], rows[..., GRAD_STORE], grad_slots)
+    return Plan(schedule, tuple(branches), rows, tuple(r.used for r in res),
+                tuple(s.used for s in stash), act_slots, grad_slots, table)
