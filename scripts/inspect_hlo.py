@@ -111,8 +111,14 @@ def main() -> int:
         path = pathlib.Path(args.timeline)
         return args.timeline if first else str(path.with_stem(f"{path.stem}-{schedule}"))
 
-    def inspect(schedule: str, first: bool = True) -> dict:
+    pipelines = args.pipeline.split(",") if args.pipeline else [None]
+    if len(pipelines) > 1 and (args.compare or args.diff):
+        raise UserError(f"--pipeline {args.pipeline} compares pipeline schedules; drop "
+                        f"--compare/--diff (or give one pipeline schedule)")
+
+    def inspect(schedule: str, first: bool = True, pipeline: str | None = None) -> dict:
         """The report of one schedule (and its timeline PNG when asked)."""
+        layout = {**layout_kwargs(args), **({"pipeline": pipeline} if pipeline else {})}
         if plan:
             spec = plan.compile_spec(model)
         else:
@@ -120,9 +126,8 @@ def main() -> int:
                                layer=args.layer, microbatches=args.microbatches,
                                parallel=ParallelConfig(mesh=args.mesh, rules=args.rules,
                                                        schedule=schedule,
-                                                       sub_batches=args.sub_batches,
-                                                       **layout_kwargs(args)))
-        png = timeline_path(schedule, first)
+                                                       sub_batches=args.sub_batches, **layout))
+        png = timeline_path(pipeline or schedule, first)
         xla_png = png if args.timeline_source == "xla" else None
         # A pipelined step's picture is one row per stage, tick by tick (`pipeline_plot`): the
         # two-stream replay takes each tick's conditional by its first branch.
@@ -149,15 +154,25 @@ def main() -> int:
         files = {n: report.load_report(n) for n in names if n.endswith(".json")}  # before compiling
         print(report.diff(*[files[n] if n in files else inspect(n) for n in names]))
         return 0
-    schedules = args.compare.split(",") if args.compare else [args.schedule]
-    reports = [inspect(s, i == 0) for i, s in enumerate(schedules)]
+    if len(pipelines) > 1:  # pipeline schedules side by side, each compiled in turn
+        for p in pipelines:  # every one checked before the first compile
+            ParallelConfig(mesh=args.mesh, rules=args.rules, schedule=args.schedule,
+                           **{**layout_kwargs(args), "pipeline": p})
+        reports = [inspect(args.schedule, i == 0, p) for i, p in enumerate(pipelines)]
+    else:
+        schedules = args.compare.split(",") if args.compare else [args.schedule]
+        reports = [inspect(s, i == 0) for i, s in enumerate(schedules)]
     for r in reports:
         print(report.summary(r), end="\n\n")
         if args.fusions and r.get("fusions"):
             from oases_jax.analysis.fusions import format_summary
 
             print(format_summary(r["fusions"]), end="\n\n")
-    if len(reports) > 1:
+    if len(pipelines) > 1 and all("error" not in r for r in reports):
+        from tools.pipeline_report import schedules_table
+
+        print(schedules_table(reports))
+    elif len(reports) > 1:
         print(report.compare_table(reports))
     if args.json:
         command = "python " + " ".join(sys.argv)

@@ -1,8 +1,11 @@
 """Per-device peak memory of whole train steps, schedules side by side, compiled for GPU targets:
-`python scripts/memory_table.py --json benchmarks/results/primepar_memory.json`.
+`python scripts/memory_table.py --json benchmarks/results/primepar_memory.json`; with
+`--pipeline 1f1b --mesh data=2,stage=4`, per-stage memory of a pipelined step without remat,
+with uniform full remat and with Merak's stage-aware ratios (`tools.pipeline_report`).
 
-Each (model, target, schedule, mesh) is compiled in a child process (`inspect_isolated`), so the
-memory of one compile is returned before the next. Every flag is documented in docs/cli.md.
+Each (model, target, schedule, mesh) is compiled in a child process (`inspect_isolated`; local
+targets in this process), so the memory of one compile is returned before the next. Every flag
+is documented in docs/cli.md.
 """
 
 from __future__ import annotations
@@ -24,13 +27,24 @@ RUNS = {
 
 def parse_args(argv=None):
     p = Parser(prog="memory_table.py", description=__doc__.splitlines()[0])
-    p.add_argument("--models", default=",".join(MODELS), help="presets, comma-separated")
-    p.add_argument("--targets", default=",".join(RUNS), help="targets, comma-separated")
+    p.add_argument("--models", help=f"presets, comma-separated (default {','.join(MODELS)}; "
+                   "with --pipeline small)")
+    p.add_argument("--targets", help=f"targets, comma-separated (default {','.join(RUNS)}; "
+                   "with --pipeline local)")
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument("--remat", default="none", help="remat policy of every run")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--json", metavar="OUT", help="write the rows as JSON (and OUT .txt: table)")
+    g = p.add_argument_group("pipelined steps (--pipeline)")
+    g.add_argument("--pipeline", metavar="A,B", help="pipeline schedules: per-stage memory of "
+                   "each without remat, with uniform full remat and with Merak's ratios")
+    g.add_argument("--mesh", default="data=2,stage=4", help="mesh of the pipelined steps")
+    g.add_argument("--r0", default="0.8", help="the first stage's recompute ratio (Merak's "
+                   "rule for the others), or one ratio per stage")
+    g.add_argument("--microbatches", type=int, default=8)
+    g.add_argument("--model-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="model override of every pipelined run (repeatable), e.g. n_layers=40")
     add_runtime_flags(p)
     return p.parse_args(argv)
 
@@ -50,6 +64,10 @@ def table(rows: list[dict]) -> str:
 def main() -> int:
     args = parse_args()
     init_runtime(args)
+    if args.pipeline:
+        return pipeline_main(args)
+    args.models = args.models or ",".join(MODELS)
+    args.targets = args.targets or ",".join(RUNS)
     from models.presets import get_preset
     from tools.inspection import inspect_isolated
     from training.config import ParallelConfig
@@ -82,6 +100,48 @@ def main() -> int:
         meta = {"command": command, "batch_size": args.batch_size, "seq_len": args.seq_len,
                 "dtype": args.dtype, "remat": args.remat}
         write_atomic(args.json, json.dumps({**meta, "rows": rows}, indent=1))
+        write_atomic(str(pathlib.Path(args.json).with_suffix(".txt")), f"{command}\n\n{text}\n")
+    return 0
+
+
+def pipeline_main(args) -> int:
+    """Per-stage memory of pipelined steps (`tools.pipeline_report.memory_rows`)."""
+    from models.presets import get_preset
+    from oases_jax.analysis.targets import get_target
+    from oases_jax.errors import UserError
+    from tools.inspection import inspect_isolated, inspect_program
+    from tools.pipeline_report import memory_rows, memory_text
+    from training.config import ParallelConfig
+    from training.program import CompileSpec
+
+    rows = []
+    variants = (("no remat", "none", None), ("uniform full remat", "full", None),
+                (f"Merak's ratios r0={args.r0}", "none", args.r0))
+    for name in (args.models or "small").split(","):
+        model = get_preset(name).with_overrides(args.model_set)
+        model = model.replace(dtype=args.dtype)
+        for target in (args.targets or "local").split(","):
+            for schedule in args.pipeline.split(","):
+                for label, remat, ratios in variants:
+                    spec = CompileSpec(model=model.replace(remat=remat),
+                                       batch_size=args.batch_size, seq_len=args.seq_len,
+                                       microbatches=args.microbatches,
+                                       parallel=ParallelConfig(mesh=args.mesh, pipeline=schedule,
+                                                               remat_ratios=ratios))
+                    if target == "local":
+                        rep = inspect_program(spec, get_target(target)).report()
+                    else:
+                        rep = inspect_isolated(spec, target, timeout_s=3000)
+                    if "error" in rep:
+                        raise UserError(f"{label}, {schedule} on {target}: {rep['error']}")
+                    new = memory_rows(rep, variant=f"{label}, {schedule}", model=name)
+                    print(memory_text(new), flush=True)
+                    rows += new
+    text = memory_text(rows)
+    print("\n" + text)
+    if args.json:
+        command = "python " + " ".join(sys.argv)
+        write_atomic(args.json, json.dumps({"command": command, "rows": rows}, indent=1))
         write_atomic(str(pathlib.Path(args.json).with_suffix(".txt")), f"{command}\n\n{text}\n")
     return 0
 

@@ -105,3 +105,101 @@ def stage_account(spec: CompileSpec, mesh: Mesh, program: Program, peak_bytes: i
     return {"flops": flops.to_json(), "memory": memory.to_json(),
             "remat_ratios": None if ratios is None else [float(r) for r in ratios],
             "unmatched_pools": len(memory.unmatched)}
+
+
+def memory_rows(report: dict, *, variant: str, model: str) -> list[dict]:
+    """One row per stage of an inspection report of a pipelined step: its recompute ratio and
+    FLOPs share, residual bytes per micro-batch and slots, the bytes its slots hold, and its
+    peak (XLA's whole-program peak - the pools + what it holds)."""
+    p = report["pipeline"]
+    st = p["per_stage"]
+    f, m = st["flops"], st["memory"]
+    ratios = st.get("remat_ratios") or [0.0] * p["stages"]
+    held = m["held_bytes"]
+    rows = []
+    for s in range(p["stages"]):
+        virtual = range(s, len(m["residual_bytes"]), p["stages"])
+        rows.append({
+            "model": model, "target": report["target"], "mesh": report["mesh"],
+            "variant": variant, "remat": report["model"]["remat"], "stage": s,
+            "ratio": ratios[s], "recompute_over_forward": f["recompute_ratio"][s],
+            "residual_bytes": sum(m["residual_bytes"][j] for j in virtual),
+            "res_slots": [m["res_slots"][j] for j in virtual],
+            "stash_slots": [m["stash_slots"][j] for j in virtual],
+            "held_bytes": held[s], "stage_peak_bytes": m["stage_peak_bytes"][s],
+            "held_max_over_min": max(held) / min(held) if min(held) else None,
+            "pool_bytes": m["pool_bytes"], "peak_bytes": m["peak_bytes"],
+            "unmatched_pools": st["unmatched_pools"]})
+    return rows
+
+
+def memory_text(rows: list[dict]) -> str:
+    """`memory_rows` as an aligned table, MiB."""
+    mib = 2**20
+    head = (f"{'variant':<34} {'stage':>5} {'r_i':>5} {'recomp/fwd':>10} {'res/mb':>8} "
+            f"{'slots':>6} {'held':>8} {'stage peak':>10} | {'held max/min':>12} "
+            f"{'pools':>8} {'XLA peak':>9}")
+    lines = [head]
+    for r in rows:
+        even = f"{r['held_max_over_min']:12.2f}" if r["held_max_over_min"] else f"{'-':>12}"
+        slots = "/".join(f"{a}+{b}" for a, b in zip(r["res_slots"], r["stash_slots"],
+                                                     strict=True))
+        tail = (f" | {even} {r['pool_bytes'] / mib:8.1f} {r['peak_bytes'] / mib:9.1f}"
+                if r["stage"] == 0 else "")
+        lines.append(f"{r['variant'][:34]:<34} {r['stage']:5d} {r['ratio']:5.2f} "
+                     f"{r['recompute_over_forward']:10.1%} {r['residual_bytes'] / mib:8.2f} "
+                     f"{slots:>6} {r['held_bytes'] / mib:8.1f} "
+                     f"{r['stage_peak_bytes'] / mib:10.1f}{tail}")
+    lines.append("MiB per device; res/mb: residual bytes of one micro-batch; slots: residual + "
+                 "stash slots; held = slots' bytes; stage peak = XLA peak - pools + held")
+    return "\n".join(lines)
+
+
+def shares(report: dict) -> dict:
+    """A pipelined report's step split the way the issue asks, each as a share of our
+    simulated step (outside the loop + every tick): bubble = the stages' mean wait inside the
+    ticks (for the slowest stage's branch), exposed communication (the permutes every tick plus
+    what the slowest branches leave exposed), recompute = the stages' mean time in R branches
+    plus the recomputing share of their backward branches (by FLOPs: `pipeline_stages`)."""
+    p = report["pipeline"]
+    f = p["per_stage"]["flops"]
+    cost = [b["step_s"] for b in p["branches"]]
+    kinds = [pipeline_stages.base_kind(b["kind"]) for b in p["branches"]]
+    S, step = p["stages"], p["step_s"]
+    rec = []
+    for s in range(S):
+        r_time = sum(cost[row[s][0]] for row in p["rows"] if kinds[row[s][0]] == "R")
+        b_time = sum(cost[row[s][0]] for row in p["rows"] if kinds[row[s][0]] == "B")
+        in_b = f["recompute_b"][s] / f["backward"][s] if f["backward"][s] else 0.0
+        rec.append(r_time + b_time * max(in_b, 0.0))
+    idle = [p["switch_s"] - b for b in p["busy_s"]]
+    return {"step_s": step, "bubble": sum(idle) / S / step,
+            "exposed_comm": p["exposed_comm_s"] / step, "recompute": sum(rec) / S / step,
+            "idle_per_stage": [i / step for i in idle]}
+
+
+def schedules_table(reports: list[dict]) -> str:
+    """Pipeline schedules of the same program side by side: our simulator's step tick by tick
+    and XLA's estimate (GPU targets), each with its ratio to the first, and the step's shares."""
+    ms, gib = 1e3, 2**30
+    first = reports[0]
+    head = (f"{'schedule':<12} {'ticks':>5} {'our step ms':>11} {'ratio':>6} {'XLA step ms':>11} "
+            f"{'ratio':>6} {'bubble':>7} {'exp comm':>8} {'recomp':>7} {'event ms':>9} "
+            f"{'peak GiB':>8}  idle per stage")
+    lines = [head]
+    x0 = (first.get("xla_estimate") or {}).get("step_s")
+    for r in reports:
+        p, sh = r["pipeline"], shares(r)
+        x = (r.get("xla_estimate") or {}).get("step_s")
+        xla = f"{x * ms:11.1f} {x / x0:6.2f}" if x and x0 else f"{'-':>11} {'-':>6}"
+        idle = ", ".join(f"{i:.1%}" for i in sh["idle_per_stage"])
+        lines.append(
+            f"{p['schedule']:<12} {p['ticks']:5d} {p['step_s'] * ms:11.1f} "
+            f"{p['step_s'] / first['pipeline']['step_s']:6.2f} {xla} {sh['bubble']:7.1%} "
+            f"{sh['exposed_comm']:8.1%} {sh['recompute']:7.1%} "
+            f"{p['events']['makespan_s'] * ms + p['outside_s'] * ms:9.1f} "
+            f"{r['peak_memory_bytes'] / gib:8.2f}  {idle}")
+    lines.append("our step: outside the tick loop + every tick (its slowest stage's branch + the "
+                 "permutes); event: the event simulator with the same branch costs (stages run "
+                 "ahead) + outside; bubble, exposed comm and recompute: shares of our step")
+    return "\n".join(lines)

@@ -24,3 +24,29 @@ def test_timeline_png_and_per_stage_report(tmp_path):
     assert len(memory["held_bytes"]) == 2 and memory["pool_bytes"] > 0
     assert "recompute FLOPs / forward FLOPs per stage" in proc.stdout
     assert "activations per stage (MiB)" in proc.stdout
+
+
+def test_shares_of_the_step_by_hand():
+    """S=2, five ticks F0 | F1 | B1 | R0 | B0 (costs 1, 1, 2, 1, 3; one stage busy each):
+    switch time 8, stage 0 busy 5 and stage 1 busy 3, so the stages wait 3 and 5 (mean 4) of a
+    step of 8 + 2 outside = 10. Stage 0's backward recomputes 6 of its 30 FLOPs, so its
+    recompute is R's 1 + 3 x 0.2 = 1.6, stage 1's 0: mean 0.8 of 10."""
+    from tools.pipeline_report import schedules_table, shares
+
+    def branch(kind, j, cost):
+        return {"kind": kind, "virtual_stage": j, "step_s": cost}
+
+    p = {"schedule": "hand", "stages": 2, "ticks": 5, "step_s": 10.0, "switch_s": 8.0,
+         "outside_s": 2.0, "busy_s": [5.0, 3.0], "exposed_comm_s": 1.0,
+         "branches": [branch("IDLE", -1, 0.0), branch("F", 0, 1.0), branch("B", 0, 3.0),
+                      branch("F", 1, 1.0), branch("B1", 1, 2.0), branch("R", 0, 1.0)],
+         "rows": [[[1, 0], [0, -1]], [[0, -1], [3, 0]], [[0, -1], [4, 0]], [[5, 0], [0, -1]],
+                  [[2, 0], [0, -1]]],
+         "per_stage": {"flops": {"recompute_b": [6.0, 0.0], "backward": [30.0, 20.0]}},
+         "events": {"makespan_s": 7.0}}
+    sh = shares({"pipeline": p})
+    assert sh["bubble"] == pytest.approx(0.4) and sh["exposed_comm"] == pytest.approx(0.1)
+    assert sh["recompute"] == pytest.approx(0.08)
+    assert sh["idle_per_stage"] == pytest.approx([0.3, 0.5])
+    table = schedules_table([{"pipeline": p, "peak_memory_bytes": 2**30}])
+    assert "hand" in table and "40.0%" in table and "8.0%" in table and "9000.0" in table
