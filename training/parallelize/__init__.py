@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -70,7 +71,6 @@ class Parallelized:
     fns: StepFns
     grads_jit: Callable
     _model: Any  # (treedef of the model's state, where each leaf comes from)
-    _tx: Any
 
     def report(self) -> str:
         return "\n".join(self.lines)
@@ -103,10 +103,10 @@ class Parallelized:
         """Parameters (or gradients) in the stage layout as the model's own nnx.State."""
         treedef, where = self._model
         stacked = step.from_stages(params["blocks"], self.pipe)
-        leaves = [params["shared"][k] if layer is None and k is not None else
+        leaves = [np.asarray(params["shared"][k]) if layer is None and k is not None else
                   stacked[r] if layer is None else stacked[r][layer]
                   for (r, layer, k) in where]
-        return jax.tree.unflatten(treedef, [np.asarray(a) for a in leaves])
+        return jax.tree.unflatten(treedef, [jnp.asarray(a) for a in leaves])
 
     def update(self, model: nnx.Module, state: dict) -> None:
         """Write a train state's parameters back into the user's model."""
@@ -137,12 +137,12 @@ def _layout(model, blocks: graph.Blocks, shared_paths: list[tuple]):
     """Where every leaf of the model's state comes from: (block leaf, layer, None) for a block
     leaf (layer None when the blocks are stacked), (None, None, k) for shared leaf k."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(nnx.state(model))
-    block_rest = {graph._keys(p): r for r, (p, _) in enumerate(
+    block_rest = {graph.keys_of(p): r for r, (p, _) in enumerate(
         jax.tree_util.tree_flatten_with_path(blocks.state)[0])}
     shared_at = {p: k for k, p in enumerate(shared_paths)}
     n, where = len(blocks.path), []
     for p, _ in flat:
-        keys = graph._keys(p)
+        keys = graph.keys_of(p)
         if keys[:n] != blocks.path:
             where.append((None, None, shared_at[keys]))
         elif blocks.stacked:
@@ -201,7 +201,7 @@ def _resolve(plan: Plan, stages: int, layers: int) -> tuple[Plan, PipelineSpec]:
 def _find(model, loss_fn, micro) -> tuple[graph.Blocks, graph.Cut]:
     found, why = graph.candidates(model)
     for blocks in found:
-        cut = graph.cut_loss(model, blocks, loss_fn, micro)
+        cut = graph.cut_loss(model, blocks, loss_fn, micro, why)
         if cut is not None:
             return blocks, cut
     near = f" ({'; '.join(why)})" if why else ""
@@ -217,7 +217,7 @@ def _tensor_map(blocks, cut, mesh, apply) -> tuple[list, list[str], Callable]:
     flat = jax.tree_util.tree_flatten_with_path(
         blocks.state, is_leaf=lambda v: isinstance(v, nnx.Variable))[0]
     sep = "." if blocks.stacked else "[*]."
-    paths = [blocks.name + sep + ".".join(str(k) for k in graph._keys(p) if k != "value")
+    paths = [blocks.name + sep + ".".join(str(k) for k in graph.keys_of(p) if k != "value")
              for p, _ in flat]
     layer = [jax.ShapeDtypeStruct(v.get_value().shape[1:], v.get_value().dtype)
              for _, v in flat]
@@ -237,7 +237,7 @@ def _tensor_map(blocks, cut, mesh, apply) -> tuple[list, list[str], Callable]:
 
 
 def _shared_specs(model, shared_paths, t: int) -> tuple[list, list[str]]:
-    variables = {graph._keys(p): v for p, v in jax.tree_util.tree_flatten_with_path(
+    variables = {graph.keys_of(p): v for p, v in jax.tree_util.tree_flatten_with_path(
         nnx.state(model), is_leaf=lambda v: isinstance(v, nnx.Variable))[0]}
     specs, lines = [], []
     for p in shared_paths:
@@ -282,7 +282,7 @@ def parallelize(model: nnx.Module, loss_fn: Callable, batch, mesh: Mesh, plan: P
     gd_leaves = jax.tree.structure(jax.tree.map(lambda a: a[0], blocks.state))
     apply = step.block_call(blocks.graphdef, gd_leaves, cut.call)
     block_specs, lines, one = _tensor_map(blocks, cut, mesh, apply)
-    shared_paths = _shared(model, blocks)
+    shared_paths = list(cut.shared_paths)
     shared_specs, shared_lines = _shared_specs(model, shared_paths, mesh.shape.get("tensor", 1))
     prog = step.stage_program(cut, step.layer_stack(one), pipe, cut.act)
     p_sh = step.shardings(mesh, block_specs, shared_specs)
@@ -318,7 +318,7 @@ def parallelize(model: nnx.Module, loss_fn: Callable, batch, mesh: Mesh, plan: P
     summary += ["shared parameters: replicated over stage and tensor"
                 + ("" if not shared_lines else "; except:")] + ["  " + x for x in shared_lines]
     return Parallelized(mesh, plan, pipe, blocks, tuple(summary), fns, grads_jit,
-                        _layout(model, blocks, shared_paths), tx)
+                        _layout(model, blocks, shared_paths))
 
 
 def _node(model, path):
@@ -326,7 +326,3 @@ def _node(model, path):
     for k in path:
         node = node[k] if isinstance(k, int) else getattr(node, k)
     return node[0] if isinstance(node, (list, tuple, nnx.List)) else node
-
-
-def _shared(model, blocks: graph.Blocks) -> list[tuple]:
-    return graph.shared_paths(model, blocks)

@@ -165,6 +165,7 @@ class Cut:
     start: Any  # the var post reads the blocks' output from
     call: tuple  # (treedef, static leaves) of the block call's extra arguments
     act: jax.ShapeDtypeStruct  # one micro-batch's activation between blocks
+    shared_paths: tuple  # the key paths of the shared leaves, in invar order
 
 
 def _is_mark(eqn) -> bool:
@@ -267,9 +268,10 @@ def _find_marks(jaxpr, blocks: Blocks):
     return None
 
 
-def cut_loss(model, blocks: Blocks, loss_fn, batch) -> Cut | None:
+def cut_loss(model, blocks: Blocks, loss_fn, batch, why: list[str]) -> Cut | None:
     """Trace `loss_fn(model, batch)` with the blocks swapped for stand-ins and cut it; None if
-    the stand-ins were not called as blocks are (the candidate is not the repeated block)."""
+    the stand-ins were not called as blocks are (the candidate is not the repeated block: the
+    reason is appended to `why` when the trace failed)."""
     graphdef, state = nnx.split(model)
     work = nnx.merge(graphdef, state)
     original = work
@@ -279,7 +281,7 @@ def cut_loss(model, blocks: Blocks, loss_fn, batch) -> Cut | None:
     gd_cut, state_cut = nnx.split(work)
     inner = blocks.path
     flat = jax.tree_util.tree_flatten_with_path(state_cut)[0]
-    shared_idx = [i for i, (p, _) in enumerate(flat) if _keys(p)[:len(inner)] != inner]
+    shared_idx = [i for i, (p, _) in enumerate(flat) if keys_of(p)[:len(inner)] != inner]
     treedef = jax.tree.structure(state_cut)
     leaves = [a for _, a in flat]
 
@@ -294,7 +296,9 @@ def cut_loss(model, blocks: Blocks, loss_fn, batch) -> Cut | None:
     token = _CALLS.set(calls)
     try:
         closed = jax.make_jaxpr(loss)(shared, batch)
-    except Exception:  # noqa: BLE001 - the model does something else with this candidate
+    except Exception as e:  # noqa: BLE001 - the model uses this candidate some other way
+        first = (str(e).strip().splitlines() or [""])[0][:160]
+        why.append(f"{blocks.name} is not called as x = block(x): {type(e).__name__}: {first}")
         return None
     finally:
         _CALLS.reset(token)
@@ -312,15 +316,9 @@ def cut_loss(model, blocks: Blocks, loss_fn, batch) -> Cut | None:
                pre=_part(jaxpr, [x_in], n_shared=n, what="the embedding"),
                side=_part(jaxpr, side, n_shared=n, what="a block's arguments"),
                post=_part(jaxpr, jaxpr.outvars, stop=(x_out,), n_shared=n, what="the head"),
-               start=x_out, call=calls[0], act=jax.ShapeDtypeStruct(aval.shape, aval.dtype))
+               start=x_out, call=calls[0], act=jax.ShapeDtypeStruct(aval.shape, aval.dtype),
+               shared_paths=tuple(keys_of(flat[i][0]) for i in shared_idx))
 
 
-def _keys(path) -> tuple:
+def keys_of(path) -> tuple:
     return tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
-
-
-def shared_paths(model, blocks: Blocks) -> list[tuple]:
-    """Paths of the model's parameters outside the blocks, in `cut_loss`'s order."""
-    state = nnx.state(model)
-    return [_keys(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]
-            if _keys(p)[:len(blocks.path)] != blocks.path]

@@ -14,6 +14,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -45,10 +46,10 @@ def to_stages(stacked: list, pipe: PipelineSpec) -> list:
 
 
 def from_stages(staged: list, pipe: PipelineSpec) -> list:
+    """The inverse of `to_stages`, on the host (numpy)."""
     idx, mask = pipe.index()
-    where = [jnp.argwhere(jnp.asarray((idx == i) & mask))[0] for i in range(sum(pipe.layers))]
-    s, c, i = (jnp.asarray([int(w[k]) for w in where]) for k in range(3))
-    return [a[s, c, i] for a in staged]
+    where = np.stack([np.argwhere((idx == i) & mask)[0] for i in range(sum(pipe.layers))])
+    return [np.asarray(a)[where[:, 0], where[:, 1], where[:, 2]] for a in staged]
 
 
 def shardings(mesh: Mesh, block_specs, shared_specs):
