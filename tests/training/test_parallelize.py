@@ -313,3 +313,49 @@ def test_unknown_logical_name_is_one_line():
         model = WideNet(32, nnx.Rngs(0), names=(("embed", "hidden"), ("hidden", "embed")))
     text = _one_line_error(model, "data=2,stage=2,tensor=2")
     assert "['hidden']" in text and "logical axis names" in text
+
+
+class SeqNet(nnx.Module):
+    """Blocks in an nnx.Sequential, and a plain list under nnx.data of the same blocks."""
+
+    def __init__(self, rngs, sequential: bool):
+        self.tok = nnx.Embed(V, D, rngs=rngs)
+        blocks = [Wide(32, rngs) for _ in range(4)]
+        self.body = nnx.Sequential(*blocks) if sequential else nnx.data(blocks)
+        self.head = nnx.Linear(D, V, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.tok(tokens)
+        if isinstance(self.body, nnx.Sequential):
+            return self.head(self.body(x))
+        for b in self.body:
+            x = b(x)
+        return self.head(x)
+
+
+class LaxScanNet(nnx.Module):
+    """A stack built by nnx.vmap, run by jax.lax.scan over its split state."""
+
+    def __init__(self, rngs):
+        self.tok = nnx.Embed(V, D, rngs=rngs)
+        self.stack = nnx.vmap(lambda key: Wide(32, nnx.Rngs(key)))(jax.random.split(
+            rngs.params(), 4))
+        self.head = nnx.Linear(D, V, rngs=rngs)
+
+    def __call__(self, tokens):
+        graphdef, state = nnx.split(self.stack)
+        x, _ = jax.lax.scan(lambda x, s: (nnx.merge(graphdef, s)(x), None),
+                            self.tok(tokens), state)
+        return self.head(x)
+
+
+@pytest.mark.parametrize(("model", "found"), [
+    (lambda: SeqNet(nnx.Rngs(0), True), "blocks: body.layers, 4 x Wide (list)"),
+    (lambda: SeqNet(nnx.Rngs(0), False), "blocks: body, 4 x Wide (list)"),
+    (lambda: LaxScanNet(nnx.Rngs(0)), "blocks: stack, 4 x Wide (stacked)"),
+], ids=["sequential", "nnx.data-list", "lax.scan"])
+def test_finds_blocks_in_other_containers(model, found):
+    run = parallelize(model(), next_token_loss, _tokens(8), make_mesh("data=2,stage=2,tensor=2"))
+    text = run.report()
+    assert found in text, text
+    assert "up.kernel 16->32: column" in text and "down.kernel 32->16: row" in text

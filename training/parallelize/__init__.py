@@ -219,7 +219,8 @@ def _tensor_map(blocks, cut, mesh, apply) -> tuple[list, list[str], Callable]:
     sep = "." if blocks.stacked else "[*]."
     paths = [blocks.name + sep + ".".join(str(k) for k in graph.keys_of(p) if k != "value")
              for p, _ in flat]
-    layer = [jax.ShapeDtypeStruct(v.get_value().shape[1:], v.get_value().dtype)
+    cut_lead = 1 if blocks.stacked else 0
+    layer = [jax.ShapeDtypeStruct(v.get_value().shape[cut_lead:], v.get_value().dtype)
              for _, v in flat]
     side = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in cut.side.outs]
     tr = block.trace(apply, layer, cut.act, side)
@@ -279,7 +280,7 @@ def parallelize(model: nnx.Module, loss_fn: Callable, batch, mesh: Mesh, plan: P
     jax.eval_shape(lambda st, b: loss_fn(nnx.merge(gd, st), b), st, micro)
     blocks, cut = _find(model, loss_fn, micro)
     plan, pipe = _resolve(plan, S, blocks.count)
-    gd_leaves = jax.tree.structure(jax.tree.map(lambda a: a[0], blocks.state))
+    gd_leaves = jax.tree.structure(blocks.state)
     apply = step.block_call(blocks.graphdef, gd_leaves, cut.call)
     block_specs, lines, one = _tensor_map(blocks, cut, mesh, apply)
     shared_paths = list(cut.shared_paths)
@@ -317,8 +318,10 @@ def parallelize(model: nnx.Module, loss_fn: Callable, batch, mesh: Mesh, plan: P
                "tensor parallel (per block):"] + ["  " + x for x in lines]
     summary += ["shared parameters: replicated over stage and tensor"
                 + ("" if not shared_lines else "; except:")] + ["  " + x for x in shared_lines]
-    return Parallelized(mesh, plan, pipe, blocks, tuple(summary), fns, grads_jit,
-                        _layout(model, blocks, shared_paths))
+    # Shapes only from here: the run must not keep the model's initial arrays alive.
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), blocks.state)
+    return Parallelized(mesh, plan, pipe, dataclasses.replace(blocks, state=shapes),
+                        tuple(summary), fns, grads_jit, _layout(model, blocks, shared_paths))
 
 
 def _node(model, path):

@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.extend import core as jcore
 
@@ -45,10 +46,12 @@ class _StandIn(nnx.Module):
 
     def __call__(self, x, *args, **kwargs):
         leaves, tree = jax.tree.flatten((args, kwargs))
-        arrays = [a for a in leaves if isinstance(a, jax.Array)]
+        is_array = [isinstance(a, (jax.Array, np.ndarray)) for a in leaves]
+        arrays = [jnp.asarray(a) for a, arr in zip(leaves, is_array, strict=True) if arr]
         calls = _CALLS.get()
         if calls is not None:
-            calls.append((tree, tuple(None if isinstance(a, jax.Array) else a for a in leaves)))
+            calls.append((tree, tuple(None if arr else a
+                                      for a, arr in zip(leaves, is_array, strict=True))))
         return mark_p.bind(x, *arrays, index=self.index)
 
 
@@ -60,7 +63,7 @@ class Blocks:
     stacked: bool
     count: int
     graphdef: Any  # one block's graphdef
-    state: Any  # nnx.State of the blocks, every leaf [L, ...]
+    state: Any  # nnx.State of the first block (list) or of the stack (leaves [L, ...])
     size: int  # parameters of all blocks
 
     @property
@@ -83,9 +86,8 @@ def _list_blocks(path, node, why: list[str]) -> Blocks | None:
             why.append(f"{'.'.join(map(str, path))}[{i}] differs from [0] "
                        f"({'structure' if gd != split[0][0] else 'parameter shapes'})")
             return None
-    state = jax.tree.map(lambda *a: jnp.stack(a), *[s for _, s in split])
-    size = sum(a.size for a in jax.tree.leaves(state))
-    return Blocks(tuple(path), False, len(mods), split[0][0], state, size)
+    size = len(mods) * sum(a.size for a in jax.tree.leaves(split[0][1]))
+    return Blocks(tuple(path), False, len(mods), split[0][0], split[0][1], size)
 
 
 def _stacked_blocks(path, node) -> Blocks | None:
@@ -258,12 +260,13 @@ def _find_marks(jaxpr, blocks: Blocks):
         for v in mark.invars[1:]:
             if isinstance(v, jcore.Literal):
                 side.append(v)
-            elif body.invars.index(v) < nc:
+            elif v in body.invars and body.invars.index(v) < nc:
                 side.append(eqn.invars[body.invars.index(v)])
             else:
-                raise UserError(f"the blocks of {blocks.name} are called with a per-layer "
-                                f"array besides their input; pass per-layer values as block "
-                                f"parameters instead")
+                raise UserError(f"the blocks of {blocks.name} are called with an array that "
+                                f"changes from layer to layer or is computed inside the loop; "
+                                f"compute it before the loop, or pass per-layer values as "
+                                f"block parameters")
         return eqn.invars[nc + k], eqn.outvars[k], side
     return None
 
@@ -307,6 +310,13 @@ def cut_loss(model, blocks: Blocks, loss_fn, batch, why: list[str]) -> Cut | Non
     if found is None or not calls:
         return None
     x_in, x_out, side = found
+    if any(c != calls[0] for c in calls):
+        raise UserError(f"the blocks of {blocks.name} are called with different static "
+                        f"arguments (a layer index?); parallelize() runs one block program for "
+                        f"every layer: pass what differs as block parameters")
+    if (x_in.aval.shape, x_in.aval.dtype) != (x_out.aval.shape, x_out.aval.dtype):
+        raise UserError(f"the blocks of {blocks.name} take {x_in.aval.str_short()} and return "
+                        f"{x_out.aval.str_short()}; pipelined blocks keep the shape and dtype")
     if len(jaxpr.outvars) != 1 or jaxpr.outvars[0].aval.shape != ():
         raise UserError(f"loss_fn returned {[v.aval.str_short() for v in jaxpr.outvars]}; "
                         f"parallelize() needs loss_fn(model, batch) to return one scalar")
