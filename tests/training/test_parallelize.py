@@ -305,6 +305,7 @@ def test_layer_that_does_not_split_is_one_line_and_names_fix():
 def test_heads_that_do_not_split_are_one_line():
     # 4 heads of 4 over tensor=8: the q/k/v columns split (16 / 8) but their heads do not.
     text = _one_line_error(ListNet(2, nnx.Rngs(0)), "tensor=8")
+    assert "column-parallel blocks[*].q.kernel is reshaped" in text
     assert "4 heads do not divide over tensor=8" in text
 
 

@@ -168,7 +168,7 @@ def map_block(paths: list[str], names: list[tuple | None], tr: Trace, t: int) ->
         lines.append(f"{path} {fan}: {lin.kind} (by shape and data flow)")
     _check_pairs(linears, up, paths, shapes, named)
     _check_heads(ops, up, linears, t, {n: math.prod(shapes[lin.leaf][d] for d in lin.free)
-                                        for n, lin in enumerate(linears)})
+                                        for n, lin in enumerate(linears)}, paths)
     biases = _bias_specs(paths, shapes, specs, linears, named)
     if biases:
         lines.append("biases split with their column kernels: " + ", ".join(biases))
@@ -232,7 +232,7 @@ def _check_pairs(linears, up, paths, shapes, named) -> None:
                             f"would be gathered again; {_fix(p, s)}")
 
 
-def _check_heads(ops, up, linears, t, width: dict) -> None:
+def _check_heads(ops, up, linears, t, width: dict, paths) -> None:
     """A split activation reshaped into heads: the head count must divide t."""
     if t == 1:
         return
@@ -254,7 +254,8 @@ def _check_heads(ops, up, linears, t, width: dict) -> None:
             continue
         heads = rb[0] if len(ra) == 1 else ra[0]
         if heads % t:
-            raise UserError(f"the output of a column-parallel layer is reshaped {a} -> {b}: "
+            layers = ", ".join(sorted(paths[linears[m].leaf] for m in u))
+            raise UserError(f"the output of column-parallel {layers} is reshaped {a} -> {b}: "
                             f"{heads} heads do not divide over tensor={t}; use a tensor size "
                             f"that divides {heads}, or annotate the attention kernels with "
                             f"logical names (None names keep them replicated)")
