@@ -10,8 +10,6 @@ it once per step, as the project's pipeline does.
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -101,7 +99,7 @@ def stage_program(cut: Cut, layers_fn, pipe: PipelineSpec, act: jax.ShapeDtypeSt
             ks |= set(cut.post.reads)
         return sorted(ks)
 
-    def params(j, q=0):
+    def params(j, q):
         c, n = j // S, n_j[j]
 
         def pick(local):
@@ -109,7 +107,7 @@ def stage_program(cut: Cut, layers_fn, pipe: PipelineSpec, act: jax.ShapeDtypeSt
                     "shared": {i: local["shared"][i] for i in keys(j)}}
         return pick
 
-    def add_grads(j, q=0):
+    def add_grads(j, q):
         c, n = j // S, n_j[j]
 
         def add(acc, g):
@@ -121,7 +119,7 @@ def stage_program(cut: Cut, layers_fn, pipe: PipelineSpec, act: jax.ShapeDtypeSt
             return {"blocks": blocks, "shared": tuple(shared)}
         return add
 
-    def forward(j, q=0):
+    def forward(j, q):
         n, k = n_j[j], k_j[j]
 
         def f(pj, x, data_mb):
@@ -142,12 +140,10 @@ def stage_program(cut: Cut, layers_fn, pipe: PipelineSpec, act: jax.ShapeDtypeSt
             return x.astype(act.dtype)
         return f
 
-    # Each backward runs in one tick (one part per stage): the executor's `parts` field, where
-    # its version has one, says so; its functions get the part index q = 0.
-    one_tick = ({"parts": (1,) * V} if "parts" in {f.name for f in dataclasses.fields(
-        executor.StageProgram)} else {})
+    # Every backward runs in one tick (one part per stage, q = 0): a user's block has no cost
+    # model to balance a backward split over several ticks by.
     return executor.StageProgram(forward=forward, params=params, add_grads=add_grads, act=act,
-                                 **one_tick)
+                                 parts=(1,) * V)
 
 
 def grads_fn(mesh: Mesh, pipe: PipelineSpec, prog: executor.StageProgram, groups: int):
