@@ -21,26 +21,32 @@ from jax.sharding import Mesh
 
 from oases_jax import compat
 from oases_jax.errors import UserError
-from oases_jax.moe import routing
+from oases_jax.moe import chunked, routing
 from oases_jax.moe.schedules import get as get_schedule
 from oases_jax.rules import ShardingRules
 
 EXPERT_AXIS, TENSOR_AXIS = "expert", "tensor"
 
 
-CHUNKS = (1, 2, 4, 8)  # parm_s2's chunk counts `auto` tries (1 is parm_s1)
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MoESetup:
     """How a run's MoE layers execute: the schedule (`auto` or a `MOE_SCHEDULES` name),
-    parm_s2's chunk count (0: the cost model's choice), and the cost model `auto` asks
+    parm_s2's forward and backward chunk counts (0: the cost model's choice under `auto`, 2
+    under parm_s2; `backward_chunks` 0: `chunks`'s), and the cost model `auto` asks
     (`oases_jax.analysis.moe_cost.choose_for_mesh`, passed in by the training layer: the
     runtime does not import the analysis tools); without one `auto` runs parm_s1."""
 
     schedule: str = "auto"
     chunks: int = 0
-    choose: Callable[..., tuple[str, int]] | None = None
+    backward_chunks: int = 0
+    choose: Callable[..., tuple[str, int, int]] | None = None
+
+    def __post_init__(self):
+        for name in ("chunks", "backward_chunks"):
+            if not 0 <= getattr(self, name) <= 64:
+                raise UserError(f"MoE {name}={getattr(self, name)} must be in 0..64 (0: the "
+                                "cost model's choice)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -98,36 +104,42 @@ def use_moe(setup: MoESetup, rules: ShardingRules, mesh: Mesh):
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """A resolved schedule for one layer: its name and chunk count (1 unless parm_s2)."""
+    """A resolved schedule for one layer: its name and forward and backward chunk counts (1
+    unless parm_s2)."""
 
     schedule: str
     chunks: int = 1
+    backward_chunks: int = 1
 
 
 def resolve(setup: MoESetup, axes: Axes, *, tokens: int, d_model: int, d_ff: int, experts: int,
             args: MoEArgs, dtype_bytes: int, mesh: Mesh, gated: bool) -> Choice:
     """The schedule one layer runs: an explicit one (checked against the mesh), or `auto`:
-    `local` without an expert axis, else the cheaper of parm_s1 and parm_s2 over chunk counts
-    under the alpha-beta model (`cost.choose`)."""
+    `local` without an expert axis, else the cheaper of parm_s1 and parm_s2 over forward and
+    backward chunk counts under the alpha-beta model (`cost.choose`)."""
     if setup.schedule == "auto":
         if axes.ep is None:
             return Choice("local")
         if setup.choose is None:
             return Choice("parm_s1")
-        name, chunks = setup.choose(
+        fixed = (setup.chunks, setup.backward_chunks or setup.chunks) if setup.chunks else None
+        name, chunks, bwd = setup.choose(
             mesh=mesh, ep_axis=axes.ep, mp_axis=axes.mp,
-            chunks=(1, setup.chunks) if setup.chunks else CHUNKS, tokens=tokens,
+            pairs=((1, 1), fixed) if fixed else None, tokens=tokens,
             d_model=d_model, d_ff=d_ff, experts=experts, top_k=args.top_k,
             capacity_factor=args.capacity_factor, dtype_bytes=dtype_bytes, gated=gated,
             ep=axes.size(axes.ep), mp=axes.size(axes.mp),
             dp=math.prod(axes.size(a) for a in axes.batch) // axes.size(axes.ep))
-        return Choice(name, chunks)
+        return Choice(name, chunks, bwd)
     spec = get_schedule(setup.schedule)
     if spec.needs_expert_axis and axes.ep is None:
         raise UserError(f"--moe-schedule {setup.schedule} needs an expert mesh axis of size > 1 "
                         f"and mesh {_mesh_str(axes.sizes)} has none; add one, e.g. --mesh "
                         "data=2,expert=2,tensor=2, or use --moe-schedule auto")
-    return Choice(spec.name, max(1, setup.chunks or 2) if spec.chunked else 1)
+    if not spec.chunked:
+        return Choice(spec.name)
+    chunks = setup.chunks or 2
+    return Choice(spec.name, chunks, setup.backward_chunks or chunks)
 
 
 def _mesh_str(sizes: dict) -> str:
@@ -248,11 +260,16 @@ def _sharded(x_BLD, router_DE, experts, expert_fn, bias_ED, names, args, rules, 
             c = routing.capacity(t, n_experts, args.top_k, args.capacity_factor)
             r = routing.route(x_TD, router, top_k=args.top_k, capacity=c,
                               norm_topk=args.norm_topk)
-            slots = -(-c // choice.chunks) * choice.chunks
-            buf = routing.dispatch(x_TD, r, n_experts, c, slots=slots)
-            parts = jnp.split(buf, choice.chunks, axis=1)
-            y = jnp.concatenate([_exchange(p, w_local, bias_local, expert_fn, axes)
-                                 for p in parts], axis=1)
+            if spec.chunked:
+                slots = chunked.padded_slots(c, choice.chunks, choice.backward_chunks)
+                buf = routing.dispatch(x_TD, r, n_experts, c, slots=slots)
+                y = chunked.exchange(buf, w_local, bias_local, expert_fn, ep=axes.ep,
+                                     mp=axes.mp, ep_size=axes.size(axes.ep), mp_size=mp_size,
+                                     fwd_chunks=choice.chunks,
+                                     bwd_chunks=choice.backward_chunks)
+            else:
+                buf = routing.dispatch(x_TD, r, n_experts, c)
+                y = _exchange(buf, w_local, bias_local, expert_fn, axes)
             out_TD = routing.combine(y, r, c)
         else:  # ds_moe: gate all duplicated tokens, keep this MP rank's 1/mp of the slots
             c = routing.capacity(t, n_experts, args.top_k, args.capacity_factor, mp_size)

@@ -47,61 +47,120 @@ def test_bytes_by_hand():
     assert (a2a.nbytes, a2a.count) == (8 * 2 * 16 * 4, 6)
 
 
-def _hw(inter: LinkSpec, intra: LinkSpec, overlap=True, device=DEVICES["h100"]):
+def _hw(inter: LinkSpec, intra: LinkSpec, overlap=True, device=DEVICES["h100"],
+        concurrent=False):
     return cost.MoEHardware(device=device, ep_link=inter, mp_link=intra,
-                            same_level=inter == intra, overlap=overlap)
+                            same_level=inter == intra, overlap=overlap,
+                            concurrent_links=concurrent)
 
 
 NVLINK = LinkSpec(name="nvlink", bytes_per_s=450e9, latency_s=3e-6)
 IB = LinkSpec(name="ib", bytes_per_s=50e9, latency_s=8e-6)
+INSTANT = dataclasses.replace(DEVICES["h100"], hbm_bytes_per_s=1e30,
+                              peak_flops={"bfloat16": 1e30, "float32": 1e30})
 
 
-def test_one_chunk_is_the_sum_of_its_stages():
-    s = _shape(tokens=4096, d_model=1024, d_ff=4096, dtype_bytes=2)
-    hw = _hw(IB, NVLINK)
-    n = 8 * cost.slots(s, "parm_s1") * 1024 * 2
-    comm = 2 * collective_time("all-to-all", n, 2, IB) + 2 * collective_time(
-        "all-gather", 4 * n, 4, NVLINK)
-    est = cost.estimate(s, hw, "parm_s1")
+def test_serial_layer_is_the_sum_of_its_tasks():
+    """Synchronous collectives (CPU): every task runs after the one before, forward and
+    backward, so each direction is the sum of its tasks, written out here."""
+    s = _shape(tokens=4096, d_model=1024, d_ff=4096, dtype_bytes=2, top_k=2)
+    dev = DEVICES["h100"]
+    hbm, peak = dev.hbm_bytes_per_s, dev.peak("bfloat16")
+    est = cost.estimate(s, _hw(IB, NVLINK, overlap=False), "parm_s1")
+    c = cost.slots(s, "parm_s1")  # ceil(2 * 1024 / 8) = 256 slots per expert
+    assert c == 256
+    n = 8 * c * 1024 * 2  # the [E, C, D] buffer
+    a2a = collective_time("all-to-all", n, 2, IB)
+    ag = collective_time("all-gather", 4 * n, 4, NVLINK)
+    rs = collective_time("reduce-scatter", 4 * n, 4, NVLINK)
     restore = collective_time("all-gather", 4096 * 1024 * 2, 4, NVLINK)
-    ffn_gate = est.forward_s - comm - restore
-    assert 0 < ffn_gate < est.forward_s
+    stats = collective_time("all-reduce", (2 * 8 + 3) * 4, 8, IB)  # over expert x tensor
+    grad = collective_time("all-reduce", 1024 * 8 * 4, 8, IB)
+    rows, f, w = 8 * 4 * c, 1024, 4 * 1024 * 1024 * 2  # 4 local experts' [D, F/mp] in bf16
+    flops = 2.0 * rows * 1024 * f
+    io, act = rows * (1024 + f) * 2, rows * f * 2
+    fwd_ffn = 2 * max(flops / peak, (w + io) / hbm) + 3 * act / hbm
+    dgrad = 2 * max(flops / peak, (w + io) / hbm) + 4 * act / hbm
+    wgrad = 2 * max(flops / peak, (2 * w + io) / hbm)
+    t = 1024  # tokens gated per device (T / mp)
+    gate = max(2.0 * t * 1024 * 8 / peak, t * 1024 * 2 / hbm)
+    row = t * 1024 * 2 / hbm
+    cast = 2 * 3 * w / hbm
+    assert est.forward_s == pytest.approx(
+        cast + gate + 3 * row + a2a + ag + fwd_ffn + rs + a2a + 3 * row + restore, rel=1e-12)
+    assert est.backward_s == pytest.approx(
+        5 * row + a2a + ag + dgrad + stats + rs + a2a + wgrad + 2 * gate + 4 * row + grad
+        + restore, rel=1e-12)
 
 
-def test_s2_wins_with_big_messages_on_two_link_levels_and_loses_otherwise():
-    big = _shape(tokens=16384, d_model=2048, d_ff=8192, dtype_bytes=2, capacity_factor=2.0)
-    small = _shape(tokens=256, d_model=768, d_ff=3072, dtype_bytes=2)
-    assert cost.choose(big, _hw(IB, NVLINK)).schedule == "parm_s2"
-    assert cost.choose(small, _hw(IB, NVLINK)).schedule == "parm_s1"
-    # One link level: the chunks' collectives share it; with negligible expert GEMMs to hide
-    # behind either, chunking only adds start-ups. With real GEMMs the chunks' GEMMs hide the
-    # next chunk's collectives, and S2 wins again.
-    instant = dataclasses.replace(DEVICES["h100"], hbm_bytes_per_s=1e30,
-                                  peak_flops={"bfloat16": 1e30, "float32": 1e30})
-    assert cost.choose(big, _hw(NVLINK, NVLINK, device=instant)).schedule == "parm_s1"
-    assert cost.choose(big, _hw(IB, NVLINK, device=instant)).schedule == "parm_s2"
-    assert cost.choose(big, _hw(NVLINK, NVLINK)).schedule == "parm_s2"
-    # Synchronous collectives (CPU): nothing overlaps.
-    assert cost.choose(big, _hw(IB, NVLINK, overlap=False)).schedule == "parm_s1"
+def test_router_all_reduces_span_the_devices_that_gate_different_tokens():
+    # S1's MP ranks gate different tokens: 8 = expert x tensor devices sum the router's
+    # statistics and gradient; ds_moe's gate the same: expert's 2, on the EP link alone.
+    s = _shape(dp=2)
+    hw = _hw(IB, NVLINK)
+    assert cost._router_all_reduces(s, hw, "parm_s1") == (
+        collective_time("all-reduce", 19 * 4, 16, IB),
+        collective_time("all-reduce", 16 * 8 * 4, 16, IB))
+    assert cost._router_all_reduces(s, hw, "ds_moe") == (
+        collective_time("all-reduce", 19 * 4, 4, IB),
+        collective_time("all-reduce", 16 * 8 * 4, 4, IB))
 
 
-def test_s2_crossover_matches_the_closed_form():
-    # Two chunks of a two-stage pipeline with equal stage times t: S1 costs 2 * (2t) (a2a then
-    # ag, each direction), S2 costs 3 * (t) plus one more alpha per collective: S2 wins exactly
-    # when the time it hides, t_chunk, exceeds its extra start-ups alpha_a2a + alpha_ag.
-    for a in (1e-6, 1e-4):
-        inter = LinkSpec(name="x", bytes_per_s=50e9, latency_s=a)
-        intra = LinkSpec(name="y", bytes_per_s=50e9 * 4 * 3 / 2 / 1, latency_s=a)
+def test_one_collective_stream_gives_chunks_nothing_to_hide_without_compute():
+    # XLA's GPU runtime runs the collectives one at a time: with free compute, S2's chunks only
+    # add each collective's start-ups: 2 (ep - 1) alpha_ep + 2 (mp - 1) alpha_mp per direction
+    # and chunk beyond the first.
+    s = _shape(tokens=16384, d_model=2048, d_ff=8192, dtype_bytes=2, capacity_factor=2.0)
+    hw = _hw(IB, NVLINK, device=INSTANT)
+    s1, s2 = cost.estimate(s, hw, "parm_s1"), cost.estimate(s, hw, "parm_s2", 2)
+    extra = 2 * 1 * 8e-6 + 2 * 3 * 3e-6
+    assert s2.forward_s - s1.forward_s == pytest.approx(extra, rel=1e-9)
+    assert s2.backward_s - s1.backward_s == pytest.approx(extra, rel=1e-9)
+    assert cost.choose(s, hw).label in ("parm_s1", "ds_moe")
+
+
+def test_concurrent_links_pipeline_by_hand():
+    """Parm's premise (collectives on two link levels at once), free compute, every stage's
+    bandwidth part A over the whole buffer, latencies a1 (all-to-all, ep = 2: one step) and
+    a2 (all-gather and reduce-scatter, mp = 4: three steps). S1: 4A + 2 a1 + 2 a2. S2 with two
+    chunks of A/2: all-to-alls at [0, a], [a, 2a] (a = A/2 + a1); all-gathers, each after its
+    chunk's all-to-all and the previous all-gather, end at a + g and a + 2g (g = A/2 + a2 >= a);
+    reduce-scatters at a + 3g, a + 4g; the all-to-alls back end at 2a + 3g and 2a + 4g: 3A +
+    2 a1 + 4 a2. S2 wins exactly when A > 2 a2."""
+    for alpha in (1e-6, 1e-4):
+        inter = LinkSpec(name="x", bytes_per_s=50e9, latency_s=alpha)
+        intra = LinkSpec(name="y", bytes_per_s=6 * 50e9, latency_s=alpha)  # equal A
         s = _shape(tokens=8192, d_model=1024, d_ff=64, dtype_bytes=2)
-        hw = _hw(inter, intra)
-        s1 = cost.estimate(s, hw, "parm_s1").total_s
-        s2 = cost.estimate(s, hw, "parm_s2", 2).total_s
+        hw = _hw(inter, intra, device=INSTANT, concurrent=True)
         n = 8 * cost.slots(s, "parm_s1") * 1024 * 2
-        hidden = collective_time("all-to-all", n / 2, 2, inter) - a  # bandwidth part of a chunk
-        assert (s2 < s1) == (hidden > 2 * a), (a, s1, s2)
+        big_a = n / 2 / 50e9
+        a1, a2 = alpha, 3 * alpha
+        restore = collective_time("all-gather", 8192 * 1024 * 2, 4, intra)
+        s1 = cost.estimate(s, hw, "parm_s1").forward_s - restore
+        s2 = cost.estimate(s, hw, "parm_s2", 2).forward_s - restore
+        assert s1 == pytest.approx(4 * big_a + 2 * a1 + 2 * a2, rel=1e-9)
+        assert s2 == pytest.approx(3 * big_a + 2 * a1 + 4 * a2, rel=1e-9)
+        assert (s2 < s1) == (big_a > 2 * a2)
 
 
-def _layer_hlo(mesh_text, schedule, shape, chunks=2):
+def test_forward_and_backward_chunk_counts_are_chosen_separately():
+    # One H100 node: two forward chunks hide the second chunk's collectives behind the first's
+    # expert GEMMs; the backward's weight-gradient GEMMs hide its unchunked reduce-scatter and
+    # all-to-all back, so one backward chunk saves the second's start-ups.
+    s = cost.LayerShape(tokens=4096, d_model=1024, d_ff=4096, experts=8, top_k=1,
+                        capacity_factor=1.0, dtype_bytes=2, ep=2, mp=4)
+    hw = _hw(NVLINK, NVLINK)
+    best = cost.choose(s, hw)
+    assert (best.schedule, best.chunks, best.backward_chunks) == ("parm_s2", 2, 1)
+    assert best.label == "parm_s2/2+1"
+    two, one = cost.estimate(s, hw, "parm_s2", 2), cost.estimate(s, hw, "parm_s1")
+    assert best.forward_s == two.forward_s < one.forward_s  # the same padding (C = 128)
+    assert best.backward_s < two.backward_s
+
+
+def _layer_hlo(mesh_text, schedule, shape, chunks=2, backward_chunks=None):
+    """The layer's compiled forward, or with `backward_chunks` its forward and its gradient
+    with respect to x and the experts."""
     b, length, d, f, e, k, factor = shape
     mesh = make_mesh(mesh_text)
     x = jax.ShapeDtypeStruct((b, length, d), jnp.float32)
@@ -112,11 +171,18 @@ def _layer_hlo(mesh_text, schedule, shape, chunks=2):
         return jnp.einsum("enf,efd->end", jax.nn.relu(jnp.einsum("end,edf->enf", buf,
                                                                   w["w_in"])), w["w_out"])
 
+    setup = MoESetup(schedule=schedule, chunks=chunks, backward_chunks=backward_chunks or 0)
+
     def f_(x, router, w):
-        with use_moe(MoESetup(schedule=schedule, chunks=chunks), get_rules("tp"), mesh):
+        with use_moe(setup, get_rules("tp"), mesh):
             y, aux = moe_layer(x, router, w, expert_fn=expert_fn, bias_ED=None, names=NAMES,
                                args=MoEArgs(top_k=k, capacity_factor=factor))
         return y, aux
+
+    if backward_chunks:
+        def f_(x, router, w, f_=f_):  # noqa: F811
+            return jax.grad(lambda x, w: jnp.sum(jnp.square(f_(x, router, w)[0])),
+                            argnums=(0, 1))(x, w)
 
     with jax.set_mesh(mesh):
         compiled = jax.jit(f_).lower(x, jax.ShapeDtypeStruct((d, e), jnp.float32), w).compile()
@@ -170,6 +236,17 @@ def test_model_bytes_equal_the_compiled_program(mesh_text, schedule, shape, chun
 @pytest.mark.parametrize("mesh_text, schedule, shape, chunks", GRID[4:])
 def test_model_bytes_equal_the_compiled_program_grid(mesh_text, schedule, shape, chunks):
     _check_bytes(mesh_text, schedule, shape, chunks)
+
+
+def test_backward_collectives_run_over_their_own_chunks():
+    """parm_s2 with 2 forward and 4 backward chunks: the forward's all-to-alls, all-gathers and
+    reduce-scatters are the model's for 2 chunks, the backward's those for 4, byte for byte."""
+    shape = (8, 16, 16, 32, 8, 2, 1.0)
+    analysis, _, _ = _layer_hlo("expert=2,tensor=4", "parm_s2", shape, 2, backward_chunks=4)
+    fwd = _model_collectives("expert=2,tensor=4", "parm_s2", shape, 2)
+    bwd = _model_collectives("expert=2,tensor=4", "parm_s2", shape, 4)
+    assert set(fwd).isdisjoint(bwd)
+    assert _compiled_collectives(analysis) == fwd | bwd
 
 
 @pytest.mark.parametrize("schedule", ["parm_s1", "ds_moe"])

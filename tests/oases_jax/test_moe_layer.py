@@ -43,11 +43,12 @@ def _objective(y, aux):
     return jnp.sum(y * wts) + 0.3 * aux["aux_loss"] + 0.1 * aux["z_loss"]
 
 
-def _sharded(mesh_text, schedule, factor, chunks=2, rules="tp"):
+def _sharded(mesh_text, schedule, factor, chunks=2, rules="tp", backward_chunks=0):
     mesh, args = make_mesh(mesh_text), MoEArgs(top_k=K, capacity_factor=factor)
+    setup = MoESetup(schedule=schedule, chunks=chunks, backward_chunks=backward_chunks)
 
     def f(x, router, w, b_out):
-        with use_moe(MoESetup(schedule=schedule, chunks=chunks), get_rules(rules), mesh):
+        with use_moe(setup, get_rules(rules), mesh):
             y, aux = moe_layer(x, router, w, expert_fn=expert_fn, bias_ED=b_out, names=NAMES,
                                args=args, with_routing=True)
         return _objective(y, aux), (y, aux)
@@ -170,6 +171,23 @@ def test_s2_chunk_counts_agree(chunks):
     _close(y2, y1, 1e-6)
     for a, b in zip(jax.tree.leaves(g2), jax.tree.leaves(g1), strict=True):
         _close(a, b, 1e-6)
+
+
+@pytest.mark.parametrize("chunks, backward_chunks, factor",
+                         [(2, 4, AMPLE), (4, 1, TIGHT), (3, 2, TIGHT)])
+def test_s2_forward_and_backward_chunk_counts_differ(chunks, backward_chunks, factor):
+    # The backward's collectives run over their own chunks (hand-written transposes that re-cut
+    # the buffers); (3, 2) pads the capacity to a multiple of 6. Outputs and every gradient equal
+    # the one-device reference of the same token groups, and the kept tokens are S1's.
+    mesh_text = "expert=2,tensor=4"
+    y, aux, grads = _sharded(mesh_text, "parm_s2", factor, chunks=chunks,
+                             backward_chunks=backward_chunks)
+    y_ref, ref, grads_ref = _reference(mesh_text, "parm_s2", factor)
+    np.testing.assert_array_equal(aux["kept"], ref["kept"])
+    _close(y, y_ref)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref), strict=True):
+        assert np.any(np.asarray(b) != 0)
+        _close(a, b)
 
 
 def test_tensor_sequence_parallel_rules_give_the_same_layer():
