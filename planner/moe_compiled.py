@@ -68,7 +68,7 @@ class Config:
         return cost.LayerShape(tokens=self.tokens, d_model=self.hidden, d_ff=4 * self.hidden,
                                experts=self.experts, top_k=self.top_k,
                                capacity_factor=self.capacity_factor, dtype_bytes=dtype_bytes,
-                               ep=self.ep, mp=self.mp)
+                               ep=self.ep, mp=self.mp, bias=True)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

@@ -10,8 +10,9 @@ import statistics
 from oases_jax.analysis import moe_cost as cost
 from oases_jax.analysis.hardware import ClusterSpec, get_cluster
 
-# WORKLOADS.md: E in {8, 16, 32}, hidden in {768, 1024, 2048} (expert FFN 4x), tokens per
-# device in {1k, 4k, 16k}, top-1 / top-2, capacity factor 1.0 / 2.0: 108 layers per cluster.
+# WORKLOADS.md: E in {8, 16, 32}, hidden in {768, 1024, 2048} (GPT-2 experts: FFN 4x, with
+# biases), tokens per device in {1k, 4k, 16k}, top-1 / top-2, capacity factor 1.0 / 2.0: 108
+# layers per cluster.
 GRID = {"experts": (8, 16, 32), "hidden": (768, 1024, 2048), "tokens": (1024, 4096, 16384),
         "top_k": (1, 2), "capacity_factor": (1.0, 2.0)}
 # (cluster, ep, mp): one node of 8 H100s as expert=2,tensor=4; 8 nodes of 4 V100s with MP=ESP
@@ -34,7 +35,8 @@ def sweep(clusters=CLUSTERS, grid=GRID, dtype_bytes: int = 2) -> list[dict]:
         hw = hardware(cluster, ep, mp)
         for e, d, t, k, f in itertools.product(*grid.values()):
             shape = cost.LayerShape(tokens=t, d_model=d, d_ff=4 * d, experts=e, top_k=k,
-                                    capacity_factor=f, dtype_bytes=dtype_bytes, ep=ep, mp=mp)
+                                    capacity_factor=f, dtype_bytes=dtype_bytes, ep=ep, mp=mp,
+                                    bias=True)
             rows.append({"cluster": name, "ep": ep, "mp": mp, "experts": e, "hidden": d,
                          "tokens": t, "top_k": k, "capacity_factor": f,
                          **cost.speedup(shape, hw)})

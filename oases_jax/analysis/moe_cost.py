@@ -33,7 +33,8 @@ CHUNKS = (1, 2, 4, 8)  # parm_s2's chunk counts `auto` tries (1 is parm_s1)
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LayerShape:
     """One MoE layer on a mesh. `tokens`: tokens per (data, expert) shard, i.e. per MP group;
-    d_ff: one expert's FFN width; gated: SwiGLU (three matrices) rather than two."""
+    d_ff: one expert's FFN width; gated: SwiGLU (three matrices) rather than two; bias: the
+    experts have biases (GPT-2's)."""
 
     tokens: int
     d_model: int
@@ -46,6 +47,7 @@ class LayerShape:
     ep: int = 1
     mp: int = 1
     dp: int = 1
+    bias: bool = False
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -210,8 +212,9 @@ def estimate(shape: LayerShape, hw: MoEHardware, schedule: str, chunks: int = 1,
     with `chunks` forward and `backward_chunks` (default: the same) backward chunks, as a list
     of tasks in the compiled program's order on a compute stream and the collective stream
     (`_Tasks`). Forward: the weights' cast to the compute dtype; gate and dispatch; per chunk
-    all-to-all -> ESP all-gather -> FFN -> ESP reduce-scatter -> all-to-all back; combine; the
-    restore of the MP ranks' tokens. Backward: the combine's transpose; per backward chunk the
+    all-to-all -> ESP all-gather -> FFN -> ESP reduce-scatter -> all-to-all back (with expert
+    biases every reduce-scatter waits for every chunk's FFN: XLA fuses the chunks' output-bias
+    additions into one fusion); combine; the restore of the MP ranks' tokens. Backward: the combine's transpose; per backward chunk the
     mirrored all-to-all and all-gather; per forward chunk the FFN's input gradient (autodiff
     transposes each forward chunk's FFN; where the counts differ the buffers are re-cut between
     them, a read and a write of each, twice); per backward chunk reduce-scatter and all-to-all
@@ -254,7 +257,7 @@ def estimate(shape: LayerShape, hw: MoEHardware, schedule: str, chunks: int = 1,
     sent = f.chunks(ep_res, a2a, rf, lambda i, n: [route])
     got = f.chunks(mp_res, ag, rf, _over(sent))
     ran = f.chunks("compute", ffn.forward, rf, _over(got))
-    summed = f.chunks(mp_res, rs, rf, _over(ran))
+    summed = f.chunks(mp_res, rs, rf, (lambda i, n: ran) if shape.bias else _over(ran))
     back = f.chunks(ep_res, a2a, rf, _over(summed))
     combined = f.add("compute", (k + 1) * row, back)  # reads k rows, writes one
     f.add(mp_res, restore, [combined])

@@ -113,7 +113,8 @@ class Choice:
 
 
 def resolve(setup: MoESetup, axes: Axes, *, tokens: int, d_model: int, d_ff: int, experts: int,
-            args: MoEArgs, dtype_bytes: int, mesh: Mesh, gated: bool) -> Choice:
+            args: MoEArgs, dtype_bytes: int, mesh: Mesh, gated: bool, bias: bool = False
+            ) -> Choice:
     """The schedule one layer runs: an explicit one (checked against the mesh), or `auto`:
     `local` without an expert axis, else the cheaper of parm_s1 and parm_s2 over forward and
     backward chunk counts under the alpha-beta model (`cost.choose`)."""
@@ -127,7 +128,7 @@ def resolve(setup: MoESetup, axes: Axes, *, tokens: int, d_model: int, d_ff: int
             mesh=mesh, ep_axis=axes.ep, mp_axis=axes.mp,
             pairs=((1, 1), fixed) if fixed else None, tokens=tokens,
             d_model=d_model, d_ff=d_ff, experts=experts, top_k=args.top_k,
-            capacity_factor=args.capacity_factor, dtype_bytes=dtype_bytes, gated=gated,
+            capacity_factor=args.capacity_factor, dtype_bytes=dtype_bytes, gated=gated, bias=bias,
             ep=axes.size(axes.ep), mp=axes.size(axes.mp),
             dp=math.prod(axes.size(a) for a in axes.batch) // axes.size(axes.ep))
         return Choice(name, chunks, bwd)
@@ -177,7 +178,8 @@ def moe_layer(x_BLD: jax.Array, router_DE: jax.Array, experts: Any, *, expert_fn
                         f"{'x'.join(axes.batch)}={n_batch}; use a multiple of {n_batch}")
     choice = resolve(setup, axes, tokens=b * length // n_batch, d_model=d,
                      d_ff=_ff_width(experts, names), experts=n_experts, args=args,
-                     dtype_bytes=jnp.dtype(x_BLD.dtype).itemsize, mesh=mesh, gated=gated)
+                     dtype_bytes=jnp.dtype(x_BLD.dtype).itemsize, mesh=mesh, gated=gated,
+                     bias=bias_ED is not None)
     spec = get_schedule(choice.schedule)
     if spec.dedup and length % mp:
         raise UserError(f"sequence length {length} does not split over mesh axis {axes.mp}={mp} "
