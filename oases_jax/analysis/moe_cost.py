@@ -214,12 +214,13 @@ def estimate(shape: LayerShape, hw: MoEHardware, schedule: str, chunks: int = 1,
     (`_Tasks`). Forward: the weights' cast to the compute dtype; gate and dispatch; per chunk
     all-to-all -> ESP all-gather -> FFN -> ESP reduce-scatter -> all-to-all back (with expert
     biases every reduce-scatter waits for every chunk's FFN: XLA fuses the chunks' output-bias
-    additions into one fusion); combine; the restore of the MP ranks' tokens. Backward: the combine's transpose; per backward chunk the
-    mirrored all-to-all and all-gather; per forward chunk the FFN's input gradient (autodiff
-    transposes each forward chunk's FFN; where the counts differ the buffers are re-cut between
-    them, a read and a write of each, twice); per backward chunk reduce-scatter and all-to-all
-    back, while the weight gradients run; the dispatch's and router's transposes; the all-reduces
-    of the router's statistics and gradient (`_router_all_reduces`) and the restore's mirror."""
+    additions into one fusion); combine; the restore of the MP ranks' tokens. Backward: the
+    combine's transpose; per backward chunk the mirrored all-to-all and all-gather; per forward
+    chunk the FFN's input gradient (autodiff transposes each forward chunk's FFN; where the
+    counts differ the buffers are re-cut between them, a read and a write of each, twice); per
+    backward chunk reduce-scatter and all-to-all back, while the weight gradients run; the
+    dispatch's and router's transposes; the all-reduces of the router's statistics and gradient
+    (`_router_all_reduces`) and the restore's mirror."""
     rf, rb = chunks, backward_chunks or chunks
     s = slots(shape, schedule, rf, rb)
     e, d, b, mp, ep = shape.experts, shape.d_model, shape.dtype_bytes, shape.mp, shape.ep
