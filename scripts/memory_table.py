@@ -109,18 +109,19 @@ def pipeline_main(args) -> int:
     from models.presets import get_preset
     from oases_jax.analysis.targets import get_target
     from oases_jax.errors import UserError
+    from oases_jax.mesh import make_mesh
     from tools.inspection import inspect_isolated, inspect_program
-    from tools.pipeline_report import memory_rows, memory_text
+    from tools.pipeline_report import memory_rows, memory_text, step_plan
     from training.config import ParallelConfig
     from training.program import CompileSpec
 
-    rows = []
     variants = (("no remat", "none", None), ("uniform full remat", "full", None),
                 (f"Merak's ratios r0={args.r0}", "none", args.r0))
+    runs = []  # every run built and its pipeline checked before the first compile
     for name in (args.models or "small").split(","):
-        model = get_preset(name).with_overrides(args.model_set)
-        model = model.replace(dtype=args.dtype)
+        model = get_preset(name).with_overrides(args.model_set).replace(dtype=args.dtype)
         for target in (args.targets or "local").split(","):
+            devices = get_target(target).devices
             for schedule in args.pipeline.split(","):
                 for label, remat, ratios in variants:
                     spec = CompileSpec(model=model.replace(remat=remat),
@@ -128,15 +129,19 @@ def pipeline_main(args) -> int:
                                        microbatches=args.microbatches,
                                        parallel=ParallelConfig(mesh=args.mesh, pipeline=schedule,
                                                                remat_ratios=ratios))
-                    if target == "local":
-                        rep = inspect_program(spec, get_target(target)).report()
-                    else:
-                        rep = inspect_isolated(spec, target, timeout_s=3000)
-                    if "error" in rep:
-                        raise UserError(f"{label}, {schedule} on {target}: {rep['error']}")
-                    new = memory_rows(rep, variant=f"{label}, {schedule}", model=name)
-                    print(memory_text(new), flush=True)
-                    rows += new
+                    step_plan(spec, make_mesh(args.mesh, devices))
+                    runs.append((name, target, f"{label}, {schedule}", spec))
+    rows = []
+    for name, target, label, spec in runs:
+        if target == "local":
+            rep = inspect_program(spec, get_target(target)).report()
+        else:
+            rep = inspect_isolated(spec, target, timeout_s=3000)
+        if "error" in rep:
+            raise UserError(f"{label} on {target}: {rep['error']}")
+        new = memory_rows(rep, variant=label, model=name)
+        print(memory_text(new), flush=True)
+        rows += new
     text = memory_text(rows)
     print("\n" + text)
     if args.json:
