@@ -111,7 +111,8 @@ def price(cfg: ModelConfig, hw: Hardware, stages: int, layout: Layout, strategy:
 
 
 def _screen(cfg, hw, stages, layout, strategy, x, p2p, schedule) -> float:
-    """A quick estimate from the uniform split: (M + (S-1)/v) x the heaviest stage's load."""
+    """A quick estimate from the uniform split: (M + (S-1)/v) x the heaviest stage's load, plus
+    its data-parallel reduction and optimizer step."""
     L, S, M = cfg.n_layers, stages, layout.microbatches
     base, extra = divmod(L, S)
     counts = [base + (i < extra) for i in range(S)]
@@ -121,7 +122,13 @@ def _screen(cfg, hw, stages, layout, strategy, x, p2p, schedule) -> float:
         loads.append(load)
         i += n
     v = CHUNKS if schedule == "interleaved" else 1
-    return (M + (S - 1) / v) * (max(loads) + 2 * p2p)
+    # Plus what `price` adds after the pipeline: the heaviest stage's gradient all-reduce over
+    # its data group and the optimizer passes (these decide between S, data and tensor degrees).
+    per_param = 16 + (4 if M > 1 else 0)
+    local = (counts[0] * x.block_bytes + x.shared_bytes) / per_param
+    reduce = hw.comm_s("all-reduce", 4 * local, [i * layout.tensor for i in range(layout.data)])
+    return (M + (S - 1) / v) * (max(loads) + 2 * p2p) + reduce + hw.mem_s(
+        OPTIMIZER_PASSES * 4 * local)
 
 
 def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int,
@@ -149,13 +156,15 @@ def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int
             est = _screen(cfg, hw, S, layout, strategy, x, p2p, sch)
             screened.append((est, S, layout, strategy, x, p2p, sch))
     screened.sort(key=lambda c: c[0])
-    out = []
+    out, tried = [], 0
     for _, S, layout, strategy, x, p2p, sch in screened:
-        if len(out) >= refine:
+        # `refine` partitions that fit (the screen ignores memory), at most 3 x refine tries.
+        if len(out) >= refine or tried >= 3 * refine:
             break
+        tried += 1
         sp = partition(x, schedule=sch, stages=S, microbatches=layout.microbatches,
                        chunks=CHUNKS if sch == "interleaved" else 1, p2p=p2p, budget=budget,
-                       max_leaves=300, max_sims=10)
+                       max_leaves=60, max_sims=10)
         if sp is not None:
             out.append(price(cfg, hw, S, layout, strategy, sp, x, p2p))
     if baseline:  # Megatron's plans are in the space: never return one slower than its best
@@ -165,20 +174,28 @@ def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int
 
 
 def megatron_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int,
-                memory_fraction: float = 0.9, n_devices: int | None = None
-                ) -> list[PipelineCandidate]:
+                memory_fraction: float = 0.9, n_devices: int | None = None,
+                refine: int = 2 * REFINE) -> list[PipelineCandidate]:
     """Megatron-LM's 3D plan, searched over the same degrees as `search_3d`: uniform stages
     (the remainder on the first stages), 1F1B, full recompute on every stage, Megatron's
-    tensor parallelism inside a node. Ranked best first; [] when none fits."""
+    tensor parallelism inside a node; screened by (M + S - 1) x the heaviest stage, the best
+    `refine` simulated. Ranked best first; [] when none fits."""
     n = n_devices or hw.cluster.n_devices
     budget = memory_fraction * hw.cluster.device_spec.memory_bytes
-    out = []
+    screened = []
     for S, layout, _ in _layouts(cfg, hw, n, global_batch, seq_len):
         strategy = LayerSpec(schedule="megatron")
         x = stage_inputs(cfg, layout, hw, strategy)
         p2p = transfer_s(cfg, layout, hw, strategy, S)
         base, extra = divmod(cfg.n_layers, S)
         counts = [base + (i < extra) for i in range(S)]
+        # 1F1B with uniform stages: about (M + S - 1) x the heaviest stage, recompute included.
+        heavy = max(x.f[0] + x.b[0] + x.r[0], 0.0) * counts[0] + x.last_f + x.last_b
+        est = (layout.microbatches + S - 1) * (heavy + 2 * p2p)
+        screened.append((est, S, layout, strategy, x, p2p, counts))
+    screened.sort(key=lambda c: c[0])
+    out = []
+    for _, S, layout, strategy, x, p2p, counts in screened[:refine]:
         sp = fixed(x, schedule="1f1b", counts=counts, remat=counts,
                    microbatches=layout.microbatches, p2p=p2p, budget=budget)
         if sp is not None:

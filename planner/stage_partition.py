@@ -102,10 +102,10 @@ class StagePlan:
 
     @property
     def backward_ticks(self) -> int:
-        """Ticks the runtime should spread a stage's backward over (`--backward-ticks`): its
-        backward in forwards, round(mean_s (b_s + r_s) / f_s), the recompute of the stage-aware
-        ratios running inside the backward (Merak's schedule recomputes in its own R actions,
-        so there r stays out). The executor's ticks then hold about one forward each."""
+        """The planner's own B/F in ticks, round(mean_s (b_s + r_s) / f_s), the recompute of
+        the stage-aware ratios inside the backward (Merak's schedule recomputes in its own R
+        actions, so there r stays out): what `--backward-ticks` would balance under these
+        costs. Plans do not set it: the compiled programs' B/F is nearer 1 (docs/planner.md)."""
         r = (0.0,) * len(self.f) if self.schedule == "merak" else self.r
         ratios = [(b + rr) / f for f, b, rr in zip(self.f, self.b, r, strict=True) if f > 0]
         return max(1, min(8, round(sum(ratios) / len(ratios)))) if ratios else 1

@@ -52,7 +52,7 @@ __all__ = ["STAGE", "PipelineSpec", "backward_parts", "build_pipeline_step_fns",
 
 def pipeline_spec(cfg: ModelConfig, *, schedule: str, stages: int, microbatches: int,
                   stage_layers: str | Sequence[int] | None = None, chunks: int = 1,
-                  remat_ratios: str | None = None, backward_ticks: int = 0) -> PipelineSpec:
+                  remat_ratios: str | None = None, backward_ticks: int = 1) -> PipelineSpec:
     """Checked pipeline settings (one-line UserErrors naming the value and the fix)."""
     if cfg.moe:
         raise UserError("--pipeline does not run MoE models yet; drop --pipeline or use a dense "
@@ -118,7 +118,7 @@ def backward_parts(cfg: ModelConfig, pipe: PipelineSpec
         fwd = [1.0] * n_j[j] + ([head] if j == V - 1 else [])
         bwd = [2.0 + (1.0 if i < k_j[j] else share) for i in range(n_j[j])]
         bwd += [2.0 * head] if j == V - 1 else []
-        k = pipe.backward_ticks or round(sum(bwd) / max(sum(fwd), 1e-9))
+        k = pipe.backward_ticks or round(sum(bwd) / max(sum(fwd), 1e-9))  # 0: the rule
         k = max(1, min(len(fwd), k))
         out.append(_balanced(bwd, k))
     return tuple(out)

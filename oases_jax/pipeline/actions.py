@@ -71,6 +71,8 @@ class Action:
 
     def bare(self) -> Action:
         """The action without its transfers (what a builder writes before wiring)."""
+        if not (self.recvs or self.sends):
+            return self
         return Action(self.kind, self.mb, self.chunk)
 
 

@@ -100,13 +100,10 @@ def test_search_and_plan_section_round_trip():
     assert par.pipeline == best.stage_plan.schedule and par.layers is None
     assert par.stage_layers == ",".join(map(str, best.stage_plan.layers))
     assert p.microbatches == best.layout.microbatches
-    # The backward spans round(B/F) ticks at run time, B/F from the planner's layer costs.
-    sp = best.stage_plan
-    assert par.backward_ticks == sp.backward_ticks == round(
-        sum(b / f for f, b in zip(sp.f, sp.b, strict=True)) / sp.stages) >= 1
-    assert plans.from_json(dict(d, pipeline={k: v for k, v in d["pipeline"].items()
-                                             if k != "backward_ticks"})).parallel(
-    ).backward_ticks == 0  # older plans: the runtime's own rule
+    # A plan runs the runtime's one-tick backward unless its stage section says otherwise.
+    assert par.backward_ticks == 1 and "backward_ticks" not in d["pipeline"]
+    split = dict(d, pipeline=dict(d["pipeline"], backward_ticks=2))
+    assert plans.from_json(split).parallel().backward_ticks == 2
     bad = dict(d, pipeline=dict(d["pipeline"], stage_layers=[1] * best.stages))
     with pytest.raises(UserError, match="sum to the plan's 48 layers"):
         plans.from_json(bad)

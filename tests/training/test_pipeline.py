@@ -47,7 +47,7 @@ def _reference(cfg, graphdef, params, tokens):
 
 
 def _pipelined(cfg, params, tokens, mesh_text, schedule, *, tp="megatron", layers=None,
-               ratios=None, poison=False, backward_ticks=0):
+               ratios=None, poison=False, backward_ticks=0):  # 0: the matmul-work rule
     mesh = make_mesh(mesh_text, jax.devices())
     rules = get_rules("tp")
     pipe = ps.pipeline_spec(cfg, schedule=schedule, stages=mesh.shape["stage"],

@@ -1,0 +1,35 @@
+"""Compile the 3D search's top 6 plans for GPT-2 1.5B (bf16, attention=xla) on h100:16 and set the
+prediction beside the compiled step (planner/verify_pipeline.py).
+`JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/verify_3d.py OUT.json`
+(benchmarks/results/verify_3d_gpt2-1.5b_h100x16.{txt,json}; about 13 minutes here)."""
+
+import json
+import pathlib
+import sys
+import time
+
+from models import get_preset
+from oases_jax.analysis.hardware import get_cluster
+from planner.pipeline_search import timed_search
+from planner.prices import Hardware
+from planner.verify_pipeline import agreement, table, verify_3d
+
+
+def main(out: str) -> None:
+    cfg = get_preset("gpt2-1.5b").replace(dtype="bfloat16", attention="xla")
+    hw = Hardware.of(get_cluster("h100:16"))
+    cands, secs = timed_search(cfg, hw, global_batch=32, seq_len=1024)
+    print(f"search {secs:.2f} s, {len(cands)} candidates", flush=True)
+    for c in cands[:6]:
+        print(" ", c.summary(), f"{c.step_s * 1e3:.1f} ms", flush=True)
+    t0 = time.time()
+    rows = verify_3d(cfg, cands, "h100:16", model="gpt2-1.5b", cluster="h100:16", n=6)
+    print(table(rows))
+    print(agreement(rows))
+    print(f"verify {time.time() - t0:.0f} s")
+    pathlib.Path(out).write_text(json.dumps({"rows": [r.to_json() for r in rows],
+                                             "agreement": agreement(rows)}, indent=1))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
