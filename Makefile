@@ -7,6 +7,10 @@ PY := $(VENV)/bin/python
 EXTRAS ?= test
 # Tests marked slow run in CI (`.ci/run` passes MARK="slow or not slow"), not by default.
 MARK ?= not slow
+# Test processes (pytest-xdist): each test module stays in one process, so its module-scoped
+# compiles happen once. JOBS=1 runs in this process.
+JOBS ?= 2
+XDIST := $(if $(filter 1,$(JOBS)),,-n $(JOBS) --dist loadfile)
 
 .PHONY: train test lint setup clean
 
@@ -24,7 +28,7 @@ train: setup
 
 test: setup
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -m "$(MARK)" $(ARGS)
+	$(PY) -m pytest -m "$(MARK)" $(XDIST) $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
