@@ -29,6 +29,9 @@ def parse_args(argv=None):
     g.add_argument("--moe-schedules", metavar="A,B,...",
                    help="MoE models: the MoE schedules to search on an expert axis, of ds_moe, "
                         "parm_s1, parm_s2 (default: all three; parm_s2 with each chunk count)")
+    g.add_argument("--pipeline", action="store_true",
+                   help="also search data x stage x tensor with pipeline schedules (dense "
+                   "models): the 3D plan is chosen when it is faster than the best 2D one")
     g.add_argument("--verify", type=int, default=0, metavar="N",
                    help="compile the top N plans (by predicted step) for the cluster (without a "
                         "GPU for GPU clusters), report each one's compiled peak memory, our "
@@ -220,6 +223,9 @@ def check_args(args) -> None:
     if not (math.isfinite(args.memory_fraction) and 0 < args.memory_fraction <= 1):
         raise UserError(f"--memory-fraction {args.memory_fraction} must be in (0, 1]: the share "
                         "of each device's memory a plan may use")
+    if args.pipeline and args.verify:
+        raise UserError("--verify compiles 2D plans only; drop --verify with --pipeline (3D "
+                        "plans: benchmarks/verify_3d.py, planner/verify_pipeline.py)")
     if args.verify < 0:
         raise UserError(f"--verify {args.verify} must be >= 0 (0: no verification)")
     if args.top < 1:
@@ -277,6 +283,29 @@ def search_plan(args, cfg, cluster, profile, seq_len, schedules):
                         moe_schedules=args.moe_schedules or EP_SCHEDULES)
     return plan_json(result, model=args.model, cfg=cfg, cluster=cluster.name,
                      cost_source=args.cost_source), result
+
+
+def pipeline_choice(args, cfg, cluster, profile, seq_len, plan: dict, best_2d_s: float) -> dict:
+    """`--pipeline`: the 3D search beside the 2D plan; returns the plan to write (the 3D one
+    when it is faster)."""
+    from oases_jax.errors import UserError
+    from planner.pipeline_search import megatron_3d, report_3d, timed_search
+    from planner.plan import pipeline_plan_json
+    from planner.prices import Hardware
+
+    if cfg.moe:
+        raise UserError("--pipeline plans dense models; MoE models are not pipelined yet: drop "
+                        "--pipeline")
+    hw = Hardware.of(cluster, profile)
+    kw = dict(global_batch=args.global_batch, seq_len=seq_len,
+              memory_fraction=args.memory_fraction)
+    cands, secs = timed_search(cfg, hw, **kw)
+    print(report_3d(cands, megatron_3d(cfg, hw, **kw), best_2d_s, secs, args.top))
+    if cands and cands[0].step_s < best_2d_s:
+        return pipeline_plan_json(cands[0], model=args.model, cfg=cfg, cluster=cluster.name,
+                                  cost_source=args.cost_source, search_s=secs,
+                                  alternatives=cands[1:args.top])
+    return plan
 
 
 def setup_verify(cluster) -> None:
@@ -362,6 +391,8 @@ def main() -> int:
         print(why(result, cfg, Hardware.of(cluster, profile)))
     if compared:
         print(compare_table(args, cluster, compared, schedules))
+    if args.pipeline:
+        plan = pipeline_choice(args, cfg, cluster, profile, seq_len, plan, best.cost.step_s)
     if args.verify:
         from planner.verify import verify_plan
 
