@@ -153,7 +153,7 @@ class Plan:
                 stage_layers=",".join(map(str, pipe["stage_layers"])),
                 virtual_stages=pipe.get("virtual_stages", 1) if pipe["schedule"] ==
                 "interleaved" else 0, remat_ratios=",".join(pipe["remat_ratios"]),
-                backward_ticks=pipe.get("backward_ticks") or 1)
+                backward_ticks=pipe.get("backward_ticks") or 0)
         return ParallelConfig(mesh=self.mesh, rules=self.rules, schedule=self.schedule,
                               layers=tuple(self.layers))
 

@@ -79,12 +79,12 @@ class ParallelConfig:
     # Pipeline parallelism over the mesh's `stage` axis (`training.pipeline_step`): the schedule
     # (None: no pipeline), per-stage layer counts (None: uniform), chunks per stage
     # (interleaved; 0: 2), stage-aware recompute ratios (r0, or one per stage), and the ticks a
-    # backward spans (0: from its matmul work against the forward's).
+    # backward spans (0: one, interleaved from its matmul work against the forward's).
     pipeline: str | None = None
     stage_layers: str | None = None
     virtual_stages: int = 0
     remat_ratios: str | None = None
-    backward_ticks: int = 1
+    backward_ticks: int = 0
 
     def __post_init__(self):
         spec = registry.get(self.schedule)
@@ -173,8 +173,7 @@ def _check_pipeline(par: ParallelConfig) -> None:
         for flag, value in (("--stage-layers", par.stage_layers),
                             ("--remat-ratios", par.remat_ratios),
                             ("--virtual-stages", par.virtual_stages or None),
-                            ("--backward-ticks", None if par.backward_ticks == 1
-                             else par.backward_ticks)):
+                            ("--backward-ticks", par.backward_ticks or None)):
             if value is not None:
                 raise UserError(f"{flag} {value} needs --pipeline and a stage mesh axis")
         return
@@ -196,8 +195,8 @@ def _check_pipeline(par: ParallelConfig) -> None:
         raise UserError(f"--virtual-stages {par.virtual_stages} needs --pipeline interleaved "
                         f"and a count >= 2")
     if not 0 <= par.backward_ticks <= 8:
-        raise UserError(f"--backward-ticks {par.backward_ticks} must be 1 to 8 (or 0: from the "
-                        f"backward's matmul work against the forward's)")
+        raise UserError(f"--backward-ticks {par.backward_ticks} must be 1 to 8 (or 0: the "
+                        f"schedule's default)")
 
 
 def _check_square_mesh(schedule: str, mesh: str, rules: str) -> None:

@@ -42,10 +42,10 @@ def add_layout_flags(group) -> None:
                        help="interleaved: model chunks per stage (default 2)")
     group.add_argument("--remat-ratios", help="stage-aware recompute: the first stage's ratio r0 "
                        "(Merak's rule for the others) or one ratio per stage, e.g. 0.8,0.7,0.4,0")
-    group.add_argument("--backward-ticks", type=int, default=1,
+    group.add_argument("--backward-ticks", type=int, default=0,
                        help="pipelines: ticks one stage's backward spans, its layers split into "
-                       "that many parts (default 1; 0: its matmul work in forwards, 2 plus what "
-                       "remat recomputes)")
+                       "that many parts (default 0: one tick; interleaved: its matmul work in "
+                       "forwards, 2 plus what remat recomputes)")
 
 
 def layout_kwargs(args: argparse.Namespace) -> dict:

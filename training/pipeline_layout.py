@@ -35,7 +35,7 @@ class PipelineSpec:
     layers: tuple[int, ...]  # per device, summing to the model's layers
     chunks: int = 1
     ratios: tuple[Fraction, ...] | None = None  # stage-aware remat; None: none
-    backward_ticks: int = 1  # ticks a backward spans; 0: from its matmul work (`backward_parts`)
+    backward_ticks: int = 0  # ticks a backward spans; 0: the schedule's default (`backward_parts`)
 
     @property
     def virtual(self) -> int:

@@ -52,7 +52,7 @@ __all__ = ["STAGE", "PipelineSpec", "backward_parts", "build_pipeline_step_fns",
 
 def pipeline_spec(cfg: ModelConfig, *, schedule: str, stages: int, microbatches: int,
                   stage_layers: str | Sequence[int] | None = None, chunks: int = 1,
-                  remat_ratios: str | None = None, backward_ticks: int = 1) -> PipelineSpec:
+                  remat_ratios: str | None = None, backward_ticks: int = 0) -> PipelineSpec:
     """Checked pipeline settings (one-line UserErrors naming the value and the fix)."""
     if cfg.moe:
         raise UserError("--pipeline does not run MoE models yet; drop --pipeline or use a dense "
@@ -107,8 +107,9 @@ def backward_parts(cfg: ModelConfig, pipe: PipelineSpec
     that costs k forwards (k = 2, plus what remat recomputes in it) spans k ticks, so every
     tick of the lockstep program holds about one forward's work; the parts balance the
     backward's cost (a recomputed layer's backward costs 3, another's 2, the head's twice its
-    weight). `pipe.backward_ticks` sets k instead (1: the whole backward in one tick); a stage
-    never has more parts than items."""
+    weight). That rule is the default for interleaved schedules only; the others run the whole
+    backward in one tick (docs/parallelism.md "Time": the compiled programs' B is near F),
+    and `pipe.backward_ticks` sets k for every stage. A stage never has more parts than items."""
     V = pipe.virtual
     n_j, k_j = pipe.virtual_layers(), pipe.recomputed()
     head = _head_weight(cfg)
@@ -118,7 +119,8 @@ def backward_parts(cfg: ModelConfig, pipe: PipelineSpec
         fwd = [1.0] * n_j[j] + ([head] if j == V - 1 else [])
         bwd = [2.0 + (1.0 if i < k_j[j] else share) for i in range(n_j[j])]
         bwd += [2.0 * head] if j == V - 1 else []
-        k = pipe.backward_ticks or round(sum(bwd) / max(sum(fwd), 1e-9))  # 0: the rule
+        k = pipe.backward_ticks or (round(sum(bwd) / max(sum(fwd), 1e-9))
+                                    if pipe.schedule == "interleaved" else 1)
         k = max(1, min(len(fwd), k))
         out.append(_balanced(bwd, k))
     return tuple(out)

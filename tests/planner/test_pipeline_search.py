@@ -101,7 +101,7 @@ def test_search_and_plan_section_round_trip():
     assert par.stage_layers == ",".join(map(str, best.stage_plan.layers))
     assert p.microbatches == best.layout.microbatches
     # A plan runs the runtime's one-tick backward unless its stage section says otherwise.
-    assert par.backward_ticks == 1 and "backward_ticks" not in d["pipeline"]
+    assert par.backward_ticks == 0 and "backward_ticks" not in d["pipeline"]
     split = dict(d, pipeline=dict(d["pipeline"], backward_ticks=2))
     assert plans.from_json(split).parallel().backward_ticks == 2
     bad = dict(d, pipeline=dict(d["pipeline"], stage_layers=[1] * best.stages))
