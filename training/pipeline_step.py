@@ -170,39 +170,48 @@ def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruc
             keys += ["norm_f"] + (["embed"] if cfg.tied else ["head"])
         return tuple(dict.fromkeys(keys))
 
+    def ranges(j, q):
+        """The part's layer ranges: (key, first, end) of its recomputed layers (below the
+        stage's k) and of the rest, empty ones left out."""
+        lo, hi, _ = layers(j, q)
+        k = k_j[j]
+        return tuple((key, a, b) for key, a, b in (("remat", lo, min(hi, k)),
+                                                    ("keep", max(lo, k), hi)) if a < b)
+
     def params(j, q):
         c = j // S
-        lo, hi, _ = layers(j, q)
 
         def pick(local):
-            # Block weights enter the VJP already in the compute dtype: the backward keeps them
-            # as its own primal (never a per-micro-batch copy); the cast's transpose is the same
-            # cast of the gradient, so the gradients are those of the float32 weights.
-            def block(a):
-                a = a[c, lo:hi]
+            # Block weights enter the VJP already sliced to each range and in the compute dtype:
+            # the backward keeps them as its own primal (never a per-micro-batch copy, as a
+            # slice taken inside the VJP would be); the cast's transpose is the same cast of the
+            # gradient, so the gradients are those of the float32 weights.
+            def block(a, first, end):
+                a = a[c, first:end]
                 return a.astype(dt) if a.ndim >= 3 and jnp.issubdtype(a.dtype, jnp.floating) \
                     else a
-            return {"blocks": jax.tree.map(block, local["blocks"]),
+            return {"blocks": {key: jax.tree.map(lambda a, f=first, e=end: block(a, f, e),
+                                                 local["blocks"])
+                               for key, first, end in ranges(j, q)},
                     "shared": {k: local[k] for k in shared(j, q)}}
         return pick
 
     def add_grads(j, q):
         c = j // S
-        lo, hi, _ = layers(j, q)
 
         def add(acc, g):
             acc = dict(acc)
-            if hi > lo:
-                acc["blocks"] = jax.tree.map(lambda a, b: a.at[c, lo:hi].add(b.astype(a.dtype)),
-                                             acc["blocks"], g["blocks"])
+            for key, first, end in ranges(j, q):
+                acc["blocks"] = jax.tree.map(
+                    lambda a, b, f=first, e=end: a.at[c, f:e].add(b.astype(a.dtype)),
+                    acc["blocks"], g["blocks"][key])
             for k, v in g["shared"].items():
                 acc[k] = jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc[k], v)
             return acc
         return add
 
     def forward(j, q):
-        lo, hi, with_head = layers(j, q)
-        k = k_j[j]
+        with_head = layers(j, q)[2]
 
         def f(pj, x, tokens_BL):
             sh = pj["shared"]
@@ -212,14 +221,10 @@ def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruc
             if j == 0 and q == 0:
                 x = Transformer.embed_tokens(stand_in, tokens_BL[:, :-1])
             fns = block_fns(gd_blocks)
-            stacked = pj["blocks"]
             # Layers below k are recomputed in the backward (stage-aware remat).
-            if lo < min(hi, k):
-                x = run_stack(fns, jax.tree.map(lambda a: a[:min(hi, k) - lo], stacked), x,
-                              scan=cfg.scan_layers, remat_default="full")
-            if max(lo, k) < hi:
-                x = run_stack(fns, jax.tree.map(lambda a: a[max(lo, k) - lo:], stacked), x,
-                              scan=cfg.scan_layers, remat_default=cfg.remat)
+            for key, _, _ in ranges(j, q):
+                x = run_stack(fns, pj["blocks"][key], x, scan=cfg.scan_layers,
+                              remat_default="full" if key == "remat" else cfg.remat)
             if with_head:
                 h = nnx.merge(gd_norm, sh["norm_f"])(x)
                 logits = Transformer.logits(stand_in, h)
