@@ -13,8 +13,6 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
-import numpy as np
-
 from models.config import ModelConfig
 from oases_jax.errors import UserError
 from oases_jax.layer_plan import LayerSpec
@@ -29,7 +27,7 @@ from planner.moe_step import (
     moe_step_cost,
 )
 from planner.prices import Hardware
-from planner.search import REMATS, SCHEDULES, SearchResult, divisors
+from planner.search import REMATS, SCHEDULES, SearchResult, divisors, no_fit
 
 # The dense schedules MoE layer groups run under: the planned ones that run in a plain scan.
 DENSE_SCHEDULES = tuple(s for s in SCHEDULES if s in scan_schedules())
@@ -190,12 +188,7 @@ def search_moe(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: in
                          < smallest.cost.peak_memory_bytes):
             smallest = priced[0]
     if not ranked:
-        need = smallest.cost.peak_memory_bytes if smallest else float("nan")
-        raise UserError(
-            f"no MoE plan fits {budget / 2**30:.1f} GiB per device (memory fraction "
-            f"{memory_fraction}); the leanest ({smallest.summary() if smallest else '-'}) needs "
-            f"{need / 2**30:.1f} GiB: use more devices (about "
-            f"{int(np.ceil(n * need / budget))}), a smaller --global-batch, or more micro-batches")
+        raise no_fit("MoE plan", budget, memory_fraction, smallest, n)
     ranked.sort(key=lambda c: c.cost.step_s)
     return SearchResult(best=ranked[0], ranked=ranked, baselines=baselines,
                         search_s=time.perf_counter() - t0, layouts_considered=len(cands),

@@ -210,6 +210,17 @@ def plan_layout(cfg: ModelConfig, layout: Layout, hw: Hardware, budget: float,
     return best, uniform
 
 
+def no_fit(what: str, budget: float, memory_fraction: float, smallest, n: int) -> UserError:
+    """The one-line error when no `what` fits: the leanest candidate priced (`smallest`, with a
+    `cost` and a `summary()`, or None) and about how many devices it would need."""
+    need = smallest.cost.peak_memory_bytes if smallest else float("nan")
+    return UserError(
+        f"no {what} fits {budget / 2**30:.1f} GiB per device (memory fraction "
+        f"{memory_fraction}); the leanest ({smallest.summary() if smallest else '-'}) needs "
+        f"{need / 2**30:.1f} GiB: use more devices (about "
+        f"{int(np.ceil(n * need / budget))}), a smaller --global-batch, or more micro-batches")
+
+
 def search(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int,
            memory_fraction: float = 0.9, schedules: Sequence[str] = SCHEDULES,
            remats: Sequence[str] = REMATS, max_microbatches: int = 8,
@@ -263,13 +274,7 @@ def search(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int,
             if smallest is None or c.peak_memory_bytes < smallest.cost.peak_memory_bytes:
                 smallest = Candidate(layout, (probe,) * cfg.n_layers, c)
     if not ranked:
-        need = smallest.cost.peak_memory_bytes if smallest else float("nan")
-        raise UserError(
-            f"no plan fits {budget / 2**30:.1f} GiB per device (memory fraction "
-            f"{memory_fraction}); the leanest ({smallest.summary() if smallest else '-'}) needs "
-            f"{need / 2**30:.1f} GiB: use more devices (about "
-            f"{int(np.ceil(n * need / budget))}), a smaller --global-batch, or more micro-batches"
-        )
+        raise no_fit("plan", budget, memory_fraction, smallest, n)
     ranked.sort(key=lambda c: c.cost.step_s)
     return SearchResult(best=ranked[0], ranked=ranked, baselines=baselines,
                         search_s=time.perf_counter() - t0, layouts_considered=len(cands),

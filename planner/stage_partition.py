@@ -132,18 +132,20 @@ class _Stages:
         self.temp = [float(t) for t in x.temp]
         self.temp_remat = [float(t) for t in x.temp_remat]
 
-    def stage(self, s: int, i: int, j: int, lmax: int) -> tuple[float, float, float, int,
-                                                                  float] | None:
+    def stage(self, s: int, i: int, j: int, lmax: int, remat: int | None = None
+              ) -> tuple[float, float, float, int, float] | None:
         """(f, b, r, recomputed layers, memory) of stage s on layers [i, j) when the longest
-        stage holds `lmax` layers: the fewest recomputed layers (its first ones) that fit the
-        budget, None when even all do not."""
+        stage holds `lmax` layers: with `remat` recomputed layers (its first ones), else the
+        fewest that fit the budget; None when that does not fit."""
         x, last = self.x, s == self.S - 1
         f = self.F[j] - self.F[i] + (x.first_f if s == 0 else 0) + (x.last_f if last else 0)
         b = self.B[j] - self.B[i] + (x.first_b if s == 0 else 0) + (x.last_b if last else 0)
         static = x.shared_bytes + lmax * x.block_bytes
         per_mb = self.held[s] / self.v
         head = x.last_temp if last else 0.0
-        for k in self._remat_counts(i, j, per_mb, self.budget - static):
+        counts = (remat,) if remat is not None else self._remat_counts(i, j, per_mb,
+                                                                       self.budget - static)
+        for k in counts:
             temp = max(head, max(self.temp_remat[i:i + k], default=0.0),
                        max(self.temp[i + k:j], default=0.0))
             mem = static + per_mb * (self.A[j] - self.A[i] - (self.SAVE[i + k] - self.SAVE[i])) \
@@ -263,22 +265,13 @@ def fixed(x: StageInputs, *, schedule: str, counts: Sequence[int], remat: Sequen
     """A given partition with given recomputed layers per stage (e.g. Megatron's uniform split
     with full recompute), simulated and its memory counted like `partition`'s; None when a
     stage does not fit `budget`."""
-    S = len(counts)
-    st = _Stages(x, schedule, S, microbatches, chunks, budget)
+    st = _Stages(x, schedule, len(counts), microbatches, chunks, budget)
     lmax, i, got = max(counts), 0, []
     for s, (n, k) in enumerate(zip(counts, remat, strict=True)):
-        f = st.F[i + n] - st.F[i] + (x.first_f if s == 0 else 0) + (x.last_f if s == S - 1
-                                                                      else 0)
-        b = st.B[i + n] - st.B[i] + (x.first_b if s == 0 else 0) + (x.last_b if s == S - 1
-                                                                      else 0)
-        static = x.shared_bytes + lmax * x.block_bytes
-        per_mb = st.held[s] / chunks
-        temp = max(x.last_temp if s == S - 1 else 0.0, max(st.temp_remat[i:i + k], default=0.0),
-                   max(st.temp[i + k:i + n], default=0.0))
-        mem = static + per_mb * (st.A[i + n] - st.A[i] - (st.SAVE[i + k] - st.SAVE[i])) + temp
-        if mem > budget * (1 + 1e-12):
+        one = st.stage(s, i, i + n, lmax, remat=k)
+        if one is None:
             return None
-        got.append((f, b, float(st.R[i + k] - st.R[i]), k, mem))
+        got.append(one)
         i += n
     f, b, r, k, mem = (tuple(g[j] for g in got) for j in range(5))
     makespan, finish = simulate(schedule, microbatches, chunks, f, b, r, p2p)

@@ -32,6 +32,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_processes(cmds: list[list[str]], where: pathlib.Path, *, env: dict, cwd,
+                  timeout: float = 300) -> list[tuple[int, str, str]]:
+    """Start one process per command at once and wait for all: (return code, stdout, stderr)
+    of each. Output goes to files under `where`, not pipes (a full pipe could deadlock); a
+    process still running at the timeout is killed."""
+    logs = [(where / f"out{i}.txt", where / f"err{i}.txt") for i in range(len(cmds))]
+    procs = []
+    for cmd, (stdout, stderr) in zip(cmds, logs, strict=True):
+        with stdout.open("w") as o, stderr.open("w") as e:
+            procs.append(subprocess.Popen(cmd, stdout=o, stderr=e, env=env, cwd=cwd))
+    try:
+        for p in procs:
+            p.wait(timeout=timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [(p.returncode, o.read_text(), e.read_text())
+            for p, (o, e) in zip(procs, logs, strict=True)]
+
+
 def cli_env() -> dict:
     """CPU only, and nothing inherited that sets a device count or joins a cluster."""
     env = {k: v for k, v in os.environ.items() if k not in INHERIT_NOT and k[:5] != "SLURM"}
@@ -50,30 +72,12 @@ def test_two_processes_train_like_one(tmp_path, jax_cache):
         *("--log-every", "1", "--eval-batches", "0", "--no-progress", "--out-dir", str(out)),
         *("--cpu-devices", "4", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"),
     )
-    logs = [(tmp_path / f"out{i}.txt", tmp_path / f"err{i}.txt") for i in range(2)]
-    procs = []
-    for i, (stdout, stderr) in enumerate(logs):  # files, not pipes: a full pipe could deadlock
-        with stdout.open("w") as o, stderr.open("w") as e:
-            cmd = [
-                sys.executable,
-                str(ROOT / "scripts" / "train.py"),
-                *args,
-                "--process-id",
-                str(i),
-            ]
-            procs.append(subprocess.Popen(cmd, stdout=o, stderr=e, env=cli_env(), cwd=tmp_path))
-    try:
-        for p in procs:
-            p.wait(timeout=300)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    outputs = [(o.read_text(), e.read_text()) for o, e in logs]
-    for p, (_, stderr) in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, stderr[-3000:]
-    assert f"steps 1..{STOP} (stop_after)" in outputs[0][0]
+    done = run_processes([[sys.executable, str(ROOT / "scripts" / "train.py"), *args,
+                           "--process-id", str(i)] for i in range(2)], tmp_path, env=cli_env(),
+                         cwd=tmp_path)
+    for code, _, stderr in done:
+        assert code == 0, stderr[-3000:]
+    assert f"steps 1..{STOP} (stop_after)" in done[0][1]
 
     reference = train(
         TrainConfig(

@@ -166,17 +166,9 @@ FAST = [("list", "data=2,stage=2,tensor=2"), ("stack", "stage=4,tensor=2")]
 SLOW = [("list", "stage=4,tensor=2"), ("stack", "data=2,stage=2,tensor=2")]
 
 
-@pytest.mark.parametrize(("name", "mesh"), FAST)
+@pytest.mark.parametrize(("name", "mesh"), [
+    *FAST, *(pytest.param(*case, marks=pytest.mark.slow) for case in SLOW)])
 def test_equals_unparallelized(name, mesh):
-    model, rows = MODELS[name]()
-    tokens = _tokens(rows)
-    run = parallelize(model, next_token_loss, tokens, make_mesh(mesh))
-    _assert_equal(model, run, run.init(model)["params"], tokens)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("name", "mesh"), SLOW)
-def test_equals_unparallelized_other_meshes(name, mesh):
     model, rows = MODELS[name]()
     tokens = _tokens(rows)
     run = parallelize(model, next_token_loss, tokens, make_mesh(mesh))

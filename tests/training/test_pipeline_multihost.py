@@ -4,14 +4,13 @@ train 1F1B for a few steps like one process of 8 devices does (the stage-to-stag
 then go between processes, over gloo)."""
 
 import json
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
 from models import get_preset
-from tests.training.test_multihost import ROOT, cli_env, free_port
+from tests.training.test_multihost import ROOT, cli_env, free_port, run_processes
 from training import ParallelConfig, TrainConfig, train
 
 MESH, STEPS = "stage=2,data=2,tensor=2", 3
@@ -47,23 +46,11 @@ def config() -> TrainConfig:
 @pytest.mark.slow
 def test_stage_axis_across_processes_trains_like_one_process(tmp_path, jax_cache):
     port, out = free_port(), tmp_path / "losses.json"
-    logs = [(tmp_path / f"out{i}.txt", tmp_path / f"err{i}.txt") for i in range(2)]
-    procs = []
-    for i, (stdout, stderr) in enumerate(logs):  # files, not pipes: a full pipe could deadlock
-        with stdout.open("w") as o, stderr.open("w") as e:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-c", CHILD, str(port), str(i), str(out)], stdout=o, stderr=e,
-                env={**cli_env(), "PYTHONPATH": str(ROOT)}, cwd=ROOT))
-    try:
-        for p in procs:
-            p.wait(timeout=300)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, (_, stderr) in zip(procs, logs, strict=True):
-        assert p.returncode == 0, stderr.read_text()[-3000:]
+    done = run_processes([[sys.executable, "-c", CHILD, str(port), str(i), str(out)]
+                          for i in range(2)], tmp_path,
+                         env={**cli_env(), "PYTHONPATH": str(ROOT)}, cwd=ROOT)
+    for code, _, stderr in done:
+        assert code == 0, stderr[-3000:]
     got = json.loads(out.read_text())
     assert got["owners"] == [[0], [1]]  # each stage on one process: every permute crosses
     losses = {int(k): v for k, v in got["losses"].items()}
