@@ -2,14 +2,13 @@
 program").
 
 The executor (`oases_jax.pipeline.executor`) runs a schedule's tick table as one `lax.scan` over
-the T ticks; in each tick every stage runs its row's branch (in one of two switches, forward
-and backward, `lowering.switch_index`; the other runs its idle branch), and one activation and
-one gradient permute follow outside the switches. The whole-program simulator replays a
-conditional by its first branch, so it cannot tell what a device runs each tick. Here the tick
-loop is found (the while loop of T trips whose body holds the two conditionals, branches in
-lax.switch's order: XLA's `branch_computations[i]` runs for index i), each branch computation
-and the rest of the tick body are priced alone by the simulator (`Simulator.replay`), and the
-plan's rows say which branch each stage runs:
+the T ticks; in each tick every stage runs `lax.switch(row[BRANCH], branches)` on its own row,
+and one activation and one gradient permute follow outside the switch. The whole-program
+simulator replays a conditional by its first branch, so it cannot tell what a device runs each
+tick. Here the tick loop is found (the while loop of T trips whose body holds a conditional with
+one branch computation per `Plan.branches`, in lax.switch's order: XLA's `branch_computations[i]`
+runs for index i), each branch computation and the rest of the tick body are priced alone by the
+simulator (`Simulator.replay`), and the plan's rows say which branch each stage runs:
 
     tick_t = rest + max_s cost[rows[t, s, BRANCH]]        (SPMD: the slowest stage sets the tick)
     loop   = sum_t tick_t;  step = outside the loop + loop
@@ -30,39 +29,30 @@ from oases_jax.analysis.hlo import Instr
 from oases_jax.analysis.program import Program
 from oases_jax.analysis.simulate import SimResult, Simulator
 from oases_jax.pipeline import events
-from oases_jax.pipeline.executor import BRANCH, Plan, base_kind, switch_index
+from oases_jax.pipeline.executor import BRANCH, Plan, base_kind
 
 
 @dataclasses.dataclass(frozen=True)
 class TickLoop:
     loop: Instr  # the while
     body: str  # its body computation
-    switches: tuple[Instr, Instr]  # the forward and the backward conditional
-    branches: tuple[str, ...]  # branch computations, in Plan.branches' order (IDLE: forward's)
+    switch: Instr  # the conditional
+    branches: tuple[str, ...]  # branch computations, in Plan.branches' order
 
 
 def find_tick_loop(program: Program, plan: Plan) -> TickLoop | None:
-    """The while loop of `len(plan.rows)` trips whose body (or a call inside it) holds the
-    executor's two conditionals (`lowering.switch_index`): the forward one first (the backward
-    one reads the pools it writes, so the schedule orders them), with as many branch
-    computations as the plan has forward and backward branches (each plus idle); None when
-    there is none."""
-    T = len(plan.rows)
-    fwd_of, bwd_of = switch_index(plan.branches)
-    sizes = (max(fwd_of) + 1, max(bwd_of) + 1)
+    """The while loop of `len(plan.rows)` trips whose body (or a call inside it) holds a
+    conditional with `len(plan.branches)` branch computations; None when there is none."""
+    T, n = len(plan.rows), len(plan.branches)
     module = program.module
     for comp, _ in program.walk():
         for instr in comp.instrs:
             if instr.opcode != "while" or module.trip_count(instr) != T:
                 continue
             body = (instr.attr("body") or "").lstrip("%")
-            found = [c for c in _conditionals(program, body) if len(c.called) in sizes]
-            if len(found) == 2 and tuple(len(c.called) for c in found) == sizes:
-                fwd, bwd = found
-                names = tuple(bwd.called[bi] if kind.startswith("B") else fwd.called[fi]
-                              for (kind, _), fi, bi in zip(plan.branches, fwd_of, bwd_of,
-                                                           strict=True))
-                return TickLoop(instr, body, (fwd, bwd), names)
+            for switch in _conditionals(program, body):
+                if len(switch.called) == n:
+                    return TickLoop(instr, body, switch, tuple(switch.called))
     return None
 
 
@@ -162,7 +152,7 @@ class PipelineTime:
         return {
             "schedule": p.schedule.name, "stages": p.stages,
             "microbatches": p.schedule.microbatches, "ticks": len(p.rows),
-            "loop": self.loop.loop.name, "conditionals": [c.name for c in self.loop.switches],
+            "loop": self.loop.loop.name, "conditional": self.loop.switch.name,
             "branches": [{"kind": k, "virtual_stage": j, "computation": c, "step_s": r.step_s,
                           "compute_s": r.compute_s, "comm_s": r.comm_s}
                          for (k, j), c, r in zip(p.branches, self.loop.branches, self.branch,
@@ -194,6 +184,6 @@ def pipeline_time(program: Program, cluster: ClusterSpec, plan: Plan, *,
     sim = Simulator(program, cluster, max_events=0, compute_cost=compute_cost,
                     comm_cost=comm_cost)
     branch = [sim.replay(c) for c in loop.branches]
-    rest = sim.replay(loop.body, skip=frozenset(c.name for c in loop.switches))
+    rest = sim.replay(loop.body, skip=frozenset({loop.switch.name}))
     outside = sim.replay(program.module.entry, skip=frozenset({loop.loop.name}))
     return PipelineTime(plan, loop, branch, rest, outside)

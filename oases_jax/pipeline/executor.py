@@ -4,9 +4,7 @@
 Each tick every stage switches (`lax.switch` on its own op code: a real conditional per device)
 to one of: idle, a forward that keeps its VJP residuals (F), a forward that keeps only its input
 for a later recompute (F or PF of a recomputed micro-batch), a recompute (R, RrG) that rebuilds
-the residuals from that input, or a backward (B) that applies the stored VJP. The forward kinds
-and the backward live in two switches (see `tick`), so no conditional both writes and reads the
-residual pools. Outside the switches
+the residuals from that input, or a backward (B) that applies the stored VJP. Outside the switch
 one activation and one gradient `ppermute` per tick move what the stages sent to their
 neighbours; non-circular schedules use shifts of S-1 pairs, never a wrap-around edge (interleaved
 adds the S-1 -> 0 edge as its own one-pair permute, so no permute holds a ring).
@@ -40,12 +38,10 @@ from oases_jax.pipeline.lowering import (
     Plan,
     base_kind,
     plan,
-    switch_index,
 )
 
 __all__ = ["ACT_READ", "ACT_STORE", "BRANCH", "GRAD_READ", "GRAD_STORE", "KINDS", "MB",
-           "SLOT_IN", "SLOT_OUT", "Plan", "StageProgram", "base_kind", "plan", "run",
-           "switch_index"]
+           "SLOT_IN", "SLOT_OUT", "Plan", "StageProgram", "base_kind", "plan", "run"]
 
 @dataclasses.dataclass(frozen=True)
 class StageProgram:
@@ -178,7 +174,7 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
 
     def load(pools_, what, j, q, slot, layout):
         return [jax.lax.dynamic_index_in_dim(pools_[i], at, 0, keepdims=False)
-                for leaf, (i, at) in zip(layout, index(what, j, q, slot, layout), strict=True)]
+                for i, at in index(what, j, q, slot, layout)]
 
     no_send = jnp.full(act_aval.shape, fill, act_aval.dtype)
 
@@ -196,15 +192,9 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
             pools_ = store(pools_, "res", j, q, slot, _stored(vjp_fn, params_jq))
         return pools_, x
 
-    # A tick runs two switches, each a real conditional per device: the forward one (F, FS, R)
-    # writes the pools in place and reads none of them, the backward one (B) reads them and
-    # writes none. A conditional whose branches both read a pool and write it (from a loop's
-    # output, as a layer scan's stacked residuals are) makes XLA copy the whole pool in every
-    # branch, every tick; split, neither switch copies. A recompute's stashed input, the one
-    # pool read on the forward side, is sliced before the switch (one activation).
     def forward_branch(j, stash_only):
-        def go(carry, act_buf, stash_in, r):
-            pools_, loss = carry
+        def go(carry, r):
+            pools_, act_buf, grad_buf, mid, acc, loss = carry
             data_mb = data_M[r[MB]]
             x = None if j == 0 else act_buf[r[ACT_READ]]
             if stash_only:
@@ -215,24 +205,24 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
             else:
                 pools_, out = keep_residuals(pools_, j, r[SLOT_OUT], x, data_mb)
             loss, send = finish(j, out, loss)
-            return (pools_, loss), send
+            return (pools_, act_buf, grad_buf, mid, acc, loss), send, no_send
         return go
 
     def recompute_branch(j):
-        def go(carry, act_buf, stash_in, r):
-            pools_, loss = carry
+        def go(carry, r):
+            pools_, act_buf, grad_buf, mid, acc, loss = carry
             data_mb = data_M[r[MB]]
-            pools_, _ = keep_residuals(pools_, j, r[SLOT_OUT], None if j == 0 else stash_in,
-                                       data_mb)
-            return (pools_, loss), no_send
+            x = None if j == 0 else load(pools_, "stash", j, 0, r[SLOT_IN], stash_layout[j])[0]
+            pools_, _ = keep_residuals(pools_, j, r[SLOT_OUT], x, data_mb)
+            return (pools_, act_buf, grad_buf, mid, acc, loss), no_send, no_send
         return go
 
     def backward_branch(j, part):
         k = prog.parts[j]
         q = k - 1 - part  # the backward runs the stage's parts top down
 
-        def go(carry, pools_, grad_buf, r):
-            mid, acc = carry
+        def go(carry, r):
+            pools_, act_buf, grad_buf, mid, acc, loss = carry
             data_mb = data_M[r[MB]]
             params_jq = prog.params(j, q)(local_params)
             # A fresh trace gives the VJP's structure and its parameter leaves; its forward is
@@ -256,28 +246,19 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
                 mid = grads[1].astype(act_aval.dtype)
             elif j > 0:
                 send = grads[1].astype(act_aval.dtype)
-            return (mid, acc), send
+            return (pools_, act_buf, grad_buf, mid, acc, loss), no_send, send
         return go
 
-    def idle(carry, *_):
-        return carry, no_send
+    def idle(carry, r):
+        return carry, no_send, no_send
 
-    # Branch b of the plan -> its index in the forward and in the backward switch (0: idle).
-    fwd_branches, bwd_branches = [idle], [idle]
-    fwd_of, bwd_of = switch_index(p.branches)
-    stash_row = [(0, 0)]  # (first row of slot 0, rows per slot) of an R branch's stash
-    stash_pool = keys.index(_bucket(act_aval)) if _bucket(act_aval) in keys else None
+    branches = [idle]
     for kind, j in p.branches[1:]:
         if kind.startswith("B"):
-            bwd_branches.append(backward_branch(j, int(kind[1:] or 0)))
+            branches.append(backward_branch(j, int(kind[1:] or 0)))
         else:
-            fwd_branches.append(forward_branch(j, kind == "FS") if kind in ("F", "FS")
-                                else recompute_branch(j))
-        k = _bucket(act_aval)
-        stash_row.append((offsets[("stash", j)][k], counts[("stash", j)][k])
-                         if kind == "R" and j > 0 else (0, 0))
-    fwd_of, bwd_of = jnp.asarray(fwd_of, jnp.int32), jnp.asarray(bwd_of, jnp.int32)
-    stash_first, stash_rows = (jnp.asarray(c, jnp.int32) for c in zip(*stash_row, strict=True))
+            branches.append(forward_branch(j, kind == "FS") if kind in ("F", "FS")
+                            else recompute_branch(j))
 
     shift_act = [(d, d + 1) for d in range(S - 1)]
     shift_grad = [(d + 1, d) for d in range(S - 1)]
@@ -291,17 +272,8 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
 
     def tick(carry, rows_t):
         r = rows_t[s]
+        carry, send_act, send_grad = jax.lax.switch(r[BRANCH], branches, carry, r)
         pools_, act_buf, grad_buf, mid, acc, loss = carry
-        b = r[BRANCH]
-        stash_in = no_send
-        if stash_pool is not None:
-            stash_in = jax.lax.dynamic_index_in_dim(
-                pools_[stash_pool], stash_first[b] + r[SLOT_IN] * stash_rows[b], 0,
-                keepdims=False)
-        (pools_, loss), send_act = jax.lax.switch(fwd_of[b], fwd_branches, (pools_, loss),
-                                                  act_buf, stash_in, r)
-        (mid, acc), send_grad = jax.lax.switch(bwd_of[b], bwd_branches, (mid, acc), pools_,
-                                               grad_buf, r)
         got_act = move(send_act, shift_act, (S - 1, 0), 0)
         got_grad = move(send_grad, shift_grad, (0, S - 1), S - 1)
         act_buf = jax.lax.dynamic_update_index_in_dim(act_buf, got_act, r[ACT_STORE], 0)

@@ -25,24 +25,6 @@ def base_kind(kind: str) -> str:
     return "B" if kind.startswith("B") else kind
 
 
-def switch_index(branches) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Where each plan branch runs in the executor's two switches per tick: (index in the
-    forward switch, index in the backward switch), 0 for the switch's idle branch. The forward
-    switch holds F, FS and R in plan order, the backward switch every B part."""
-    fwd, bwd = [0], [0]
-    nf = nb = 0
-    for kind, _ in branches[1:]:
-        if kind.startswith("B"):
-            nb += 1
-            fwd.append(0)
-            bwd.append(nb)
-        else:
-            nf += 1
-            fwd.append(nf)
-            bwd.append(0)
-    return tuple(fwd), tuple(bwd)
-
-
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """A schedule compiled to what the executor reads: `branches[i]` = (kind, virtual stage) of
