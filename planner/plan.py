@@ -104,6 +104,7 @@ def pipeline_plan_json(c: PipelineCandidate, *, model: str, cfg: ModelConfig, cl
         "pipeline": {"schedule": sp.schedule, "stages": sp.stages,
                      "stage_layers": list(sp.layers),
                      "remat_ratios": [str(r) for r in sp.ratios], "virtual_stages": sp.chunks,
+                     "backward_ticks": sp.backward_ticks,
                      "predicted_pipeline_s": sp.makespan,
                      "predicted_stage_memory_bytes": list(sp.memory), "exact": sp.exact},
         "predicted_step_s": c.step_s, "predicted_peak_memory_bytes": c.peak_memory_bytes,

@@ -18,7 +18,7 @@ from fractions import Fraction
 import numpy as np
 
 from oases_jax.errors import UserError
-from planner.stage_sim import build, peak_inflight, simulate
+from planner.stage_sim import backward_ticks, build, peak_inflight, simulate
 
 __all__ = ["StageInputs", "StagePlan", "bottleneck", "build", "fixed", "partition",
            "peak_inflight", "simulate"]
@@ -85,6 +85,7 @@ class StagePlan:
     makespan: float
     finish: tuple[float, ...]  # per stage: when its last action ends
     exact: bool
+    p2p: float = 0.0  # the stage-to-stage transfer time the step was simulated with
 
     @property
     def stages(self) -> int:
@@ -102,13 +103,10 @@ class StagePlan:
 
     @property
     def backward_ticks(self) -> int:
-        """The planner's own B/F in ticks, round(mean_s (b_s + r_s) / f_s), the recompute of
-        the stage-aware ratios inside the backward (Merak's schedule recomputes in its own R
-        actions, so there r stays out): what `--backward-ticks` would balance under these
-        costs. Plans do not set it: the compiled programs' B/F is nearer 1 (docs/planner.md)."""
-        r = (0.0,) * len(self.f) if self.schedule == "merak" else self.r
-        ratios = [(b + rr) / f for f, b, rr in zip(self.f, self.b, r, strict=True) if f > 0]
-        return max(1, min(8, round(sum(ratios) / len(ratios)))) if ratios else 1
+        """The ticks each backward spans in the program this plan runs: the choice its step
+        was simulated with (`stage_sim.backward_ticks`); the plan records it."""
+        return backward_ticks(self.schedule, self.microbatches, self.chunks, self.f, self.b,
+                              self.r, self.p2p)
 
     @property
     def ratios(self) -> tuple[Fraction, ...]:
@@ -252,11 +250,14 @@ def partition(x: StageInputs, *, schedule: str, stages: int, microbatches: int,
     exact = step == 1 and _branch_and_bound(st, run, sims, L, S, max_leaves, max_sims)
     if not exact:
         _local_search(run, sims, step, max_sims)
-    counts = min(sims, key=lambda c: (sims[c][0], c))
+    # Lockstep ticks tie often (a tick lasts its slowest stage's action whatever the others
+    # hold): among equal steps the most balanced stages win, then the smallest counts.
+    counts = min(sims, key=lambda c: (float(f"{sims[c][0]:.9g}"),
+                                      max(g[0] + g[1] + g[2] for g in sims[c][2]), c))
     makespan, finish, got = sims[counts]
     f, b, r, k, mem = (tuple(g[i] for g in got) for i in range(5))
     return StagePlan(schedule, microbatches, chunks, counts, k, f, b, r, mem, makespan, finish,
-                     exact)
+                     exact, p2p)
 
 
 def fixed(x: StageInputs, *, schedule: str, counts: Sequence[int], remat: Sequence[int],
@@ -276,7 +277,7 @@ def fixed(x: StageInputs, *, schedule: str, counts: Sequence[int], remat: Sequen
     f, b, r, k, mem = (tuple(g[j] for g in got) for j in range(5))
     makespan, finish = simulate(schedule, microbatches, chunks, f, b, r, p2p)
     return StagePlan(schedule, microbatches, chunks, tuple(counts), k, f, b, r, mem, makespan,
-                     finish, False)
+                     finish, False, p2p)
 
 
 def _bottleneck_seeds(st: _Stages, L: int, S: int) -> list[tuple[int, ...]]:

@@ -1,6 +1,13 @@
 """A pipeline schedule simulated under per-stage costs, in floats, for the stage partitioner and
 the 3D search: the schedule built once per (name, S, M, chunks, recompute flags), the inputs
-each stage holds at once, and the makespan with each stage's finish."""
+each stage holds at once, and the makespan with each stage's finish.
+
+`simulate` prices the program the executor runs: its tick table (the schedule on whole ticks,
+a backward spread over the runtime's k ticks) in lockstep, every tick as long as its slowest
+stage's action plus one stage-to-stage transfer when anything moves after it
+(`pipeline.events.lockstep_makespan`, in floats). The compiled program is SPMD: a stage cannot
+run ahead of the tick, so the event simulator's run-ahead makespan (`simulate_events`) is only
+a lower bound of it."""
 
 from __future__ import annotations
 
@@ -30,12 +37,78 @@ def peak_inflight(name: str, stages: int, microbatches: int, chunks: int = 1) ->
     return inflight(build(name, stages, microbatches, chunks))[0]
 
 
+def tick_choices(name: str, f: Sequence[float], b: Sequence[float],
+                 r: Sequence[float]) -> tuple[int, ...]:
+    """The ticks a backward may span in the program (`--backward-ticks`, recorded in the plan):
+    one, and round(B/F) with B as the executor runs it (`_program_costs`), so that every tick of
+    the lockstep program holds about one forward's work; interleaved schedules take the
+    runtime's own rule (2 + the recomputed share), which their warm-up order assumes."""
+    if name == "interleaved":
+        shares = [rr / ff for ff, rr in zip(f, r, strict=True) if ff > 0]
+        return (max(1, min(8, round(2 + (sum(shares) / len(shares) if shares else 0.0)))),)
+    _, b_run, _ = _program_costs(name, f, b, r)
+    ratios = [bb / ff for ff, bb in zip(f, b_run, strict=True) if ff > 0]
+    k = max(1, min(8, round(sum(ratios) / len(ratios)))) if ratios else 1
+    return (1,) if k == 1 else (1, k)
+
+
+def backward_ticks(name: str, microbatches: int, chunks: int, f: Sequence[float],
+                   b: Sequence[float], r: Sequence[float], p2p: float = 0.0) -> int:
+    """The choice of `tick_choices` with the shortest lockstep step (the fewest ticks on a
+    tie): what `simulate` priced and the plan records."""
+    return min(tick_choices(name, f, b, r),
+               key=lambda k: (simulate(name, microbatches, chunks, f, b, r, p2p, k=k)[0], k))
+
+
+def _program_costs(name: str, f, b, r) -> tuple[tuple, tuple, tuple[bool, ...]]:
+    """(F, B, recompute flags) as the executor runs the schedule: only Merak's schedule has
+    recompute actions of its own (`R`, `RrG`); the others recompute a stage's rematted layers
+    inside its backward (`training.pipeline_step`), so their B is b + r and they have no R."""
+    if name == "merak":
+        return tuple(f), tuple(b), tuple(x > 0 for x in r)
+    return tuple(f), tuple(bb + rr for bb, rr in zip(b, r, strict=True)), (False,) * len(f)
+
+
+@functools.lru_cache(maxsize=512)
+def _ticks(name: str, stages: int, microbatches: int, chunks: int,
+           recompute: tuple[bool, ...], k: int
+           ) -> tuple[tuple[tuple[tuple[int, str], ...], bool], ...]:
+    """Per tick: the (stage, kind) of every non-idle cell, and whether anything moves after
+    it."""
+    table = build(name, stages, microbatches, chunks, recompute).ticks(k)
+    return tuple((tuple((s, a.kind) for s, a in enumerate(row) if a.kind != "IDLE"), bool(moves))
+                 for row, moves in zip(table.ticks, table.transfers, strict=True))
+
+
 def simulate(name: str, microbatches: int, chunks: int, f: Sequence[float],
-             b: Sequence[float], r: Sequence[float], p2p: float = 0.0
-             ) -> tuple[float, tuple[float, ...]]:
-    """(makespan, per-stage finish) of the schedule with these per-stage costs: the event
-    simulator's list scheduler (`oases_jax.pipeline.table.place`) in floats, for speed;
-    `oases_jax.pipeline.events.simulate` gives the same in exact fractions."""
+             b: Sequence[float], r: Sequence[float], p2p: float = 0.0,
+             k: int | None = None) -> tuple[float, tuple[float, ...]]:
+    """(step, per-stage finish) of the schedule's tick table in lockstep with these per-stage
+    costs (module docstring), each backward over `k` ticks (default: the best of
+    `tick_choices`): what the compiled program's tick loop takes."""
+    if k is None:
+        return min((simulate(name, microbatches, chunks, f, b, r, p2p, k=kk)
+                    for kk in tick_choices(name, f, b, r)), key=lambda got: got[0])
+    S = len(f)
+    f, b_run, recompute = _program_costs(name, f, b, r)
+    v = build(name, S, microbatches, chunks, recompute).chunks
+    cost = {"F": f, "PF": f, "R": r, "RrG": r, "B": tuple(x / k for x in b_run), "W": (0.0,) * S}
+    total, finish = 0.0, [0.0] * S
+    for cells, moves in _ticks(name, S, microbatches, chunks, recompute, k):
+        total += max((cost[kind][s] for s, kind in cells), default=0.0) / v
+        for s, _ in cells:
+            finish[s] = total
+        total += p2p if moves else 0.0
+    return total, tuple(finish)
+
+
+def simulate_events(name: str, microbatches: int, chunks: int, f: Sequence[float],
+                    b: Sequence[float], r: Sequence[float], p2p: float = 0.0
+                    ) -> tuple[float, tuple[float, ...]]:
+    """(makespan, per-stage finish) of the schedule with these per-stage costs when every stage
+    runs ahead on its own (a lower bound of `simulate`): the event simulator's list scheduler
+    (`oases_jax.pipeline.table.place`) in floats, for speed; `oases_jax.pipeline.events.
+    simulate` gives the same in exact fractions."""
     S = len(f)
     sch = build(name, S, microbatches, chunks, tuple(x > 0 for x in r))
     v = sch.chunks

@@ -100,10 +100,16 @@ def test_search_and_plan_section_round_trip():
     assert par.pipeline == best.stage_plan.schedule and par.layers is None
     assert par.stage_layers == ",".join(map(str, best.stage_plan.layers))
     assert p.microbatches == best.layout.microbatches
-    # A plan runs the runtime's one-tick backward unless its stage section says otherwise.
-    assert par.backward_ticks == 0 and "backward_ticks" not in d["pipeline"]
-    split = dict(d, pipeline=dict(d["pipeline"], backward_ticks=2))
-    assert plans.from_json(split).parallel().backward_ticks == 2
+    # The plan spans each backward over the ticks it was priced with, and the run reads it;
+    # a plan without the field runs the runtime's rule.
+    sp = best.stage_plan
+    assert par.backward_ticks == sp.backward_ticks == d["pipeline"]["backward_ticks"] >= 1
+    assert sp.makespan == pytest.approx(simulate(sp.schedule, sp.microbatches, sp.chunks, sp.f,
+                                                 sp.b, sp.r, sp.p2p, k=sp.backward_ticks)[0])
+    split = dict(d, pipeline=dict(d["pipeline"], backward_ticks=3))
+    assert plans.from_json(split).parallel().backward_ticks == 3
+    legacy = dict(d, pipeline={k: v for k, v in d["pipeline"].items() if k != "backward_ticks"})
+    assert plans.from_json(legacy).parallel().backward_ticks == 0
     bad = dict(d, pipeline=dict(d["pipeline"], stage_layers=[1] * best.stages))
     with pytest.raises(UserError, match="sum to the plan's 48 layers"):
         plans.from_json(bad)

@@ -17,6 +17,7 @@ from planner.stage_partition import (
     partition,
     simulate,
 )
+from planner.stage_sim import backward_ticks, simulate_events, tick_choices
 
 
 def compositions(L: int, S: int):
@@ -57,7 +58,8 @@ def test_matches_brute_force(schedule):
         M = rng.choice((S, 2 * S)) if schedule == "merak" else rng.randint(1, 2 * S)
         x = random_inputs(rng, L)
         p2p = rng.choice((0.0, 0.5))
-        plan = partition(x, schedule=schedule, stages=S, microbatches=M, p2p=p2p)
+        plan = partition(x, schedule=schedule, stages=S, microbatches=M, p2p=p2p,
+                         max_leaves=2000, max_sims=5000)
         step, load = brute(x, schedule, S, M, p2p)
         assert plan.exact
         assert plan.makespan == pytest.approx(step), (L, S, M, plan.layers)
@@ -87,12 +89,30 @@ def test_matches_brute_force_under_memory():
     assert checked >= 8
 
 
-def test_float_simulator_equals_exact():
+def test_float_simulators_equal_exact():
+    """The planner's step is the executor's tick table in lockstep (`events.lockstep_makespan`
+    in exact fractions), and its run-ahead bound the event simulator's makespan; interleaved
+    spreads each backward over the runtime's two ticks, the others over one or round(B/F) = 2,
+    whichever steps sooner. Outside Merak's schedule a stage recomputes inside its backward (no
+    R actions): B is b + r there."""
     f, b, r = (3, 2, 2, 4), (6, 4, 4, 9), (0, 2, 0, 0)
-    fast = simulate("1f1b", 6, 1, f, b, r, 1.0)[0]
-    sch = build("1f1b", 4, 6, 1, tuple(x > 0 for x in r))
-    exact = events.simulate(sch, events.Costs(f=f, b=b, r=r, p2p=1)).makespan
-    assert fast == float(exact)
+    for name, chunks in (("1f1b", 1), ("gpipe", 1), ("merak", 1), ("interleaved", 2)):
+        k = backward_ticks(name, 8, chunks, f, b, r, 1.0)
+        assert k in tick_choices(name, f, b, r)
+        assert tick_choices(name, f, b, r) == ((2,) if name == "interleaved" else (1, 2))
+        merak = name == "merak"
+        sch = build(name, 4, 8, chunks, tuple(x > 0 for x in r) if merak else (False,) * 4)
+        costs = events.Costs(f=f, b=b if merak else tuple(map(sum, zip(b, r, strict=True))),
+                             r=r, p2p=1)
+        fast = simulate(name, 8, chunks, f, b, r, 1.0)[0]
+        assert fast == pytest.approx(float(events.lockstep_makespan(sch.ticks(k), costs)))
+        assert simulate(name, 8, chunks, f, b, r, 1.0, k=1)[0] == pytest.approx(
+            float(events.lockstep_makespan(sch.ticks(1), costs)))
+        if not merak:
+            costs = events.Costs(f=f, b=b, r=r, p2p=1)
+            sch = build(name, 4, 8, chunks, tuple(x > 0 for x in r))
+        ahead = simulate_events(name, 8, chunks, f, b, r, 1.0)[0]
+        assert ahead == float(events.simulate(sch, costs).makespan)
 
 
 def test_uniform_costs_give_the_uniform_split():
@@ -100,22 +120,31 @@ def test_uniform_costs_give_the_uniform_split():
     for S in (2, 4, 8):
         plan = partition(x, schedule="1f1b", stages=S, microbatches=2 * S)
         assert plan.layers == (48 // S,) * S
-        # 1F1B: (M + S - 1) x (f + b) per layer-stack of 48 / S layers
-        assert plan.makespan == pytest.approx((2 * S + S - 1) * 3 * 48 / S)
+        # 1F1B run ahead: (M + S - 1) x (f + b) per layer-stack of 48 / S layers; in lockstep
+        # with one tick per backward every tick that holds a B lasts a B
+        f = (48 / S,) * S
+        ahead = simulate_events("1f1b", 2 * S, 1, f, [2 * x for x in f], (0,) * S)[0]
+        assert ahead == pytest.approx((2 * S + S - 1) * 3 * 48 / S)
+        assert ahead <= plan.makespan
 
 
 def test_heavy_head_moves_layers_to_earlier_stages():
     """16 layers of 1 + 2 and a head of 3 layers' cost on the last stage, 4 stages: the least
     bottleneck is 15 (57 / 4 = 14.25 rounded up to whole layers: 5 layers on each early stage),
-    against 4 x 3 + 9 = 21 uniform; of the splits attaining it (5,5,5,1), (5,5,4,2), ... the
-    simulator prefers the lightest last stage, whose short F-B turnaround ends the step."""
+    against 4 x 3 + 9 = 21 uniform. Of the splits attaining it, the lockstep tick table (each
+    backward over round(B/F) = 2 ticks, which beats one here) takes 162 with (4,5,5,2) against
+    163 with (5,5,5,1): stage 0's lighter ticks shorten the warm-up and cool-down, where it
+    runs alone."""
     x = StageInputs.uniform(16, f=1.0, b=2.0, last_f=3.0, last_b=6.0)
     plan = partition(x, schedule="1f1b", stages=4, microbatches=8)
     assert plan.layers[-1] < 4 and sum(plan.layers) == 16
     assert max(plan.loads) == pytest.approx(15.0)
     uniform = simulate("1f1b", 8, 1, (4, 4, 4, 7), (8, 8, 8, 14), (0,) * 4)[0]
     assert plan.makespan < uniform
-    assert plan.layers == (5, 5, 5, 1)
+    assert plan.layers == (4, 5, 5, 2) and plan.makespan == pytest.approx(162.0)
+    assert plan.backward_ticks == 2
+    assert simulate("1f1b", 8, 1, (5, 5, 5, 4), (10, 10, 10, 8), (0,) * 4)[0] == 163.0
+    assert simulate("1f1b", 8, 1, (4, 5, 5, 5), (8, 10, 10, 10), (0,) * 4, k=1)[0] == 197.0
 
 
 def test_memory_forces_recompute_on_early_stages():
