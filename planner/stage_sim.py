@@ -39,17 +39,14 @@ def peak_inflight(name: str, stages: int, microbatches: int, chunks: int = 1) ->
 
 def tick_choices(name: str, f: Sequence[float], b: Sequence[float],
                  r: Sequence[float]) -> tuple[int, ...]:
-    """The ticks a backward may span in the program (`--backward-ticks`, recorded in the plan):
-    one, and round(B/F) with B as the executor runs it (`_program_costs`), so that every tick of
-    the lockstep program holds about one forward's work; interleaved schedules take the
-    runtime's own rule (2 + the recomputed share), which their warm-up order assumes."""
-    if name == "interleaved":
-        shares = [rr / ff for ff, rr in zip(f, r, strict=True) if ff > 0]
-        return (max(1, min(8, round(2 + (sum(shares) / len(shares) if shares else 0.0)))),)
-    _, b_run, _ = _program_costs(name, f, b, r)
-    ratios = [bb / ff for ff, bb in zip(f, b_run, strict=True) if ff > 0]
-    k = max(1, min(8, round(sum(ratios) / len(ratios)))) if ratios else 1
-    return (1,) if k == 1 else (1, k)
+    """The ticks a backward may span in the plan (`--backward-ticks`, recorded in the plan):
+    one, whatever the schedule. Spreading a backward over round(B/F) ticks balances the
+    lockstep ticks under this model's costs (B near 2F), but every compiled program measured so
+    far runs slower split (docs/planner.md, "Against compiled programs"): GPT-2 1.5B on
+    h100:16, stage=2,data=8, interleaved M=2 takes 551.7 ms with two ticks against 237.6 ms
+    with one, and 1F1B at data=2,stage=2,tensor=4 287.9 against 244.8 ms. `simulate(k=...)`
+    prices other spans for study."""
+    return (1,)
 
 
 def backward_ticks(name: str, microbatches: int, chunks: int, f: Sequence[float],

@@ -86,7 +86,7 @@ def agreement(rows: list[VerifiedStage]) -> dict:
     ok = [r for r in rows if r.simulated_step_s]
     rho = spearman([r.candidate.step_s for r in ok], [r.simulated_step_s for r in ok]) \
         if len(ok) >= 2 else None
-    within = sum(abs(r.ratio - 1) <= 0.15 for r in ok)
+    within = int(sum(abs(r.ratio - 1) <= 0.15 for r in ok))
     return {"compiled": len(ok), "spearman": rho, "within_15pct": within}
 
 
