@@ -46,6 +46,10 @@ def parse_args(argv=None):
     g.add_argument("--virtual-stages", type=int, default=0,
                    help="pipelined variants: interleaved's chunks per stage (default 2)")
     g.add_argument("--remat-ratios", help="pipelined variants: stage-aware recompute ratios")
+    g.add_argument("--plan", action="append", default=[], metavar="FILE",
+                   help="a variant that runs a plan JSON from scripts/plan.py (repeatable): its "
+                        "mesh, layer strategies, pipeline section and micro-batches; its "
+                        "global batch and sequence length must be --batch-size and --seq-len")
     g = p.add_argument_group("measurement")
     g.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
     g.add_argument("--seq-len", type=int, default=128)
@@ -79,6 +83,7 @@ def build_config(args):
         output_file(args.json, "--json")
     model = model_from_flags(args)
     variants = [parse_variant(v, rules=args.rules) for v in args.variant]
+    variants += [plan_variant(path, model, args) for path in args.plan]
     pipelines = [p.strip() for p in args.pipeline.split(",")] if args.pipeline else []
     if pipelines:
         schedules = args.schedules.split(",") if args.schedules else ["megatron"]
@@ -87,7 +92,7 @@ def build_config(args):
                             f"but --schedules {args.schedules} names {len(schedules)}; name one")
         variants += [VariantSpec(mesh=args.mesh, rules=args.rules, schedule=schedules[0].strip(),
                                  pipeline=p) for p in pipelines]
-    elif args.schedules is not None or not variants:
+    elif args.schedules is not None or not (variants or args.plan):
         # primepar needs a tp_row x tp_col square: give it as a --variant with such a mesh.
         default = list(registry.names(square=False))
         schedules = args.schedules.split(",") if args.schedules is not None else default
@@ -113,6 +118,30 @@ def build_config(args):
     )
 
 
+def plan_variant(path: str, model, args):
+    """A variant from a plan file: its whole parallel config, micro-batches and predicted step,
+    labelled by the file's name; the plan must be for this model, batch and sequence length."""
+    import pathlib
+
+    from oases_jax.errors import UserError
+    from planner import plan as plans
+    from tools.bench import VariantSpec
+
+    plan = plans.load(path)
+    plan.check_model(model)
+    for name, got, want in (("global batch", plan.global_batch, args.batch_size),
+                            ("sequence length", plan.seq_len, args.seq_len)):
+        if got != want:
+            flag = "--batch-size" if name == "global batch" else "--seq-len"
+            raise UserError(f"plan {path!r} is for a {name} of {got}, not {want}: pass "
+                            f"{flag} {got} or plan again")
+    par = plan.parallel()
+    return VariantSpec(mesh=par.mesh, rules=par.rules, schedule=par.schedule,
+                       label=pathlib.Path(path).stem, pipeline=par.pipeline, parallel=par,
+                       microbatches=plan.microbatches,
+                       predicted_s=plan.raw.get("predicted_step_s"))
+
+
 def add_predictions(report: dict, cfg, hw, source: str) -> None:
     """Put the planner's predicted step time beside every measured variant, and the rank
     correlation of the two over the variants it prices."""
@@ -120,6 +149,9 @@ def add_predictions(report: dict, cfg, hw, source: str) -> None:
 
     rows = report["variants"]
     for r in rows:
+        if r.get("plan_predicted_s") is not None:  # a plan variant: the plan's own prediction
+            r["predicted_s"] = r["plan_predicted_s"]
+            continue
         if r.get("pipeline"):  # the planner's step model here is the non-pipelined one
             r["predicted_s"] = None
             continue

@@ -35,6 +35,11 @@ class VariantSpec:
     schedule: str = "megatron"
     label: str | None = None  # None: derived from what differs between the variants
     pipeline: str | None = None  # pipeline schedule (training.pipeline_step); None: none
+    # A plan's variant (bench.py --plan): its whole parallel config, micro-batch count and
+    # predicted step; None: built from the fields above and BenchConfig's settings.
+    parallel: ParallelConfig | None = None
+    microbatches: int | None = None
+    predicted_s: float | None = None
 
 
 def parse_variant(text: str, *, rules: str = "tp", schedule: str = "megatron") -> VariantSpec:
@@ -92,6 +97,11 @@ class BenchConfig:
         if self.batch_size % self.microbatches:
             raise UserError(f"--batch-size {self.batch_size} does not split into --microbatches "
                             f"{self.microbatches}; use a multiple of {self.microbatches}")
+        for v in self.variants:
+            if v.microbatches and self.batch_size % v.microbatches:
+                raise UserError(f"--batch-size {self.batch_size} does not split into "
+                                f"{v.microbatches} micro-batches (variant {v.label}); use a "
+                                f"multiple of {v.microbatches}")
         if self.seq_len > self.model.max_seq_len:
             raise UserError(
                 f"--seq-len {self.seq_len} exceeds the model's max_seq_len "
@@ -116,6 +126,10 @@ class Resolved:
     rules: str  # the rule set actually used (a sequence-parallel schedule upgrades tp to tp_sp)
     schedule: str
     pipeline: str | None = None
+    source: VariantSpec | None = None  # what it was resolved from (a plan's config rides here)
+
+    def microbatches(self, cfg: BenchConfig) -> int:
+        return (self.source.microbatches if self.source else None) or cfg.microbatches
 
 
 def _short_mesh(mesh: str) -> str:
@@ -139,7 +153,10 @@ def _labels(specs: list[VariantSpec], meshes: list[str]) -> list[str]:
 
 
 def parallel_config(spec: VariantSpec, cfg: BenchConfig | None = None) -> ParallelConfig:
-    """The variant's parallel config (with `cfg`'s pipeline settings when it is pipelined)."""
+    """The variant's parallel config (with `cfg`'s pipeline settings when it is pipelined, or
+    a plan's own)."""
+    if spec.parallel is not None:
+        return spec.parallel
     extra = {}
     if spec.pipeline and cfg is not None:
         extra = {"stage_layers": cfg.stage_layers, "virtual_stages": cfg.virtual_stages,
@@ -161,21 +178,24 @@ def resolve_variants(specs: tuple[VariantSpec, ...], n_devices: int,
             get_rules(parallel.rules_name)
             mesh = parse_mesh(spec.mesh).resolve(n_devices)
             meshes.append(str(mesh))
-            if spec.pipeline and cfg is not None:
+            if parallel.pipeline and cfg is not None:
                 from training.pipeline_step import pipeline_spec
 
-                pipeline_spec(cfg.model, schedule=spec.pipeline,
+                pipeline_spec(cfg.model, schedule=parallel.pipeline,
                               stages=dict(mesh.axes).get("stage", 1),
-                              microbatches=cfg.microbatches, stage_layers=cfg.stage_layers,
-                              chunks=cfg.virtual_stages or (2 if spec.pipeline == "interleaved"
-                                                            else 1),
-                              remat_ratios=cfg.remat_ratios)
+                              microbatches=spec.microbatches or cfg.microbatches,
+                              stage_layers=parallel.stage_layers,
+                              chunks=parallel.virtual_stages or (
+                                  2 if parallel.pipeline == "interleaved" else 1),
+                              remat_ratios=parallel.remat_ratios,
+                              backward_ticks=parallel.backward_ticks)
         except UserError as e:
             raise UserError(f"variant {where}: {e}") from None
         rules.append(parallel.rules_name)
     labels = _labels(list(specs), meshes)
     return [
-        Resolved(label=lab, mesh=m, rules=r, schedule=s.schedule, pipeline=s.pipeline)
+        Resolved(label=lab, mesh=m, rules=r, schedule=s.schedule,
+                 pipeline=s.pipeline or (s.parallel.pipeline if s.parallel else None), source=s)
         for lab, m, r, s in zip(labels, meshes, rules, specs, strict=True)
     ]
 
@@ -202,13 +222,17 @@ def build_variant(cfg: BenchConfig, spec: Resolved, sampler: BatchSampler) -> Va
     """Initialise the model (same seed in every variant), compile the step, place the batches."""
     mesh = make_mesh(spec.mesh)
     rules = get_rules(spec.rules)
+    m = spec.microbatches(cfg)
     t0 = time.perf_counter()
     try:  # the compile path training uses: same lowering, same XLA options
-        variant = VariantSpec(mesh=spec.mesh, rules=spec.rules, schedule=spec.schedule,
-                              pipeline=spec.pipeline)
+        variant = dataclasses.replace(spec.source, mesh=spec.mesh) if spec.source else \
+            VariantSpec(mesh=spec.mesh, rules=spec.rules, schedule=spec.schedule,
+                        pipeline=spec.pipeline)
+        parallel = parallel_config(variant, cfg)
+        if variant.parallel is not None:
+            parallel = dataclasses.replace(parallel, mesh=spec.mesh)
         prog = lower(CompileSpec(model=cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
-                                 microbatches=cfg.microbatches,
-                                 parallel=parallel_config(variant, cfg)),
+                                 microbatches=m, parallel=parallel),
                      mesh, tx=make_optimizer(OptimConfig(), cfg.total_steps))
         lower_s = time.perf_counter() - t0
         fns = prog.fns
@@ -216,7 +240,7 @@ def build_variant(cfg: BenchConfig, spec: Resolved, sampler: BatchSampler) -> Va
         if spec.pipeline:  # the same initial weights, in the stage layout the step reads
             from training import pipeline_step
 
-            pipe = pipeline_step.spec_for(cfg.model, prog.spec.parallel, cfg.microbatches, mesh)
+            pipe = pipeline_step.spec_for(cfg.model, prog.spec.parallel, m, mesh)
             params = pipeline_step.layout(pipe, fns, rules, mesh)[0](params)
         state = new_state(params, fns, cfg.seed)
     except UserError as e:
@@ -224,7 +248,7 @@ def build_variant(cfg: BenchConfig, spec: Resolved, sampler: BatchSampler) -> Va
     t0 = time.perf_counter()
     step = prog.compile()
     compile_s = lower_s + time.perf_counter() - t0
-    batches = [sampler.device_batch(k, fns.batch_sharding, cfg.microbatches)
+    batches = [sampler.device_batch(k, fns.batch_sharding, m)
                for k in range(cfg.total_steps)]
     return Variant(spec=spec, step=step, state=state, batches=batches, compile_s=compile_s)
 
@@ -288,6 +312,9 @@ def summarize(cfg: BenchConfig, variants: list[Variant], samples: list[list[floa
                 "rules": v.spec.rules,
                 "schedule": v.spec.schedule,
                 "pipeline": v.spec.pipeline,
+                "microbatches": v.spec.microbatches(cfg),
+                **({"plan_predicted_s": v.spec.source.predicted_s}
+                   if v.spec.source and v.spec.source.predicted_s is not None else {}),
                 "median_s": median,
                 "min_s": min(s),
                 "max_s": max(s),

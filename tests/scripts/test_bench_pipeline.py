@@ -2,6 +2,7 @@
 checked against the model and the micro-batches before anything compiles, the table gains a
 pipeline column, and a real run times each schedule on the same batches against the first."""
 
+import dataclasses
 import json
 
 import pytest
@@ -72,3 +73,66 @@ def test_cli_times_pipeline_schedules_side_by_side(tmp_path):
     assert report["microbatches"] == 4 and rows[0]["ratio"] == 1.0
     assert rows[1]["ratio"] == pytest.approx(rows[1]["median_s"] / rows[0]["median_s"])
     assert "pipeline" in proc.stdout and "1f1b" in proc.stdout
+
+
+def _plan_files(tmp_path, n=2):
+    """The 3D search's best `n` plans of `tiny` for cpu-8 (batch 16 x 32), as plan files."""
+    from oases_jax.analysis.hardware import get_cluster
+    from planner import plan as plans
+    from planner.pipeline_search import search_3d
+    from planner.prices import Hardware
+
+    cfg = get_preset("tiny")
+    cands = search_3d(cfg, Hardware.of(get_cluster("cpu-8")), global_batch=16, seq_len=32)
+    paths = []
+    for i, c in enumerate(cands[:n]):
+        paths.append(tmp_path / f"plan{i}.json")
+        plans.save(plans.pipeline_plan_json(c, model="tiny", cfg=cfg, cluster="cpu-8",
+                                            cost_source="datasheet", search_s=0.0), paths[-1])
+    return cands[:n], paths
+
+
+def test_plan_variants_carry_their_own_pipeline_and_microbatches(tmp_path):
+    """A plan's variant runs the plan's parallel config and micro-batch count, whatever the
+    bench-wide --microbatches, and the pipeline checks use them before anything compiles."""
+    from planner import plan as plans
+
+    cands, paths = _plan_files(tmp_path)
+    specs = []
+    for p in paths:
+        plan = plans.load(p)
+        par = plan.parallel()
+        specs.append(VariantSpec(mesh=par.mesh, rules=par.rules, schedule=par.schedule,
+                                 label=p.stem, pipeline=par.pipeline, parallel=par,
+                                 microbatches=plan.microbatches))
+    cfg = BenchConfig(model=get_preset("tiny"), model_name="tiny", variants=tuple(specs),
+                      batch_size=16, seq_len=32, microbatches=1, data=DATA)
+    rows = resolve_variants(cfg.variants, 8, cfg)
+    for row, c in zip(rows, cands, strict=True):
+        assert row.pipeline == c.stage_plan.schedule
+        assert row.microbatches(cfg) == c.layout.microbatches
+    bad = dataclasses.replace(specs[0], microbatches=5)
+    with pytest.raises(UserError, match="does not split into 5 micro-batches"):
+        BenchConfig(model=get_preset("tiny"), variants=(bad,), batch_size=16, seq_len=32)
+
+
+@pytest.mark.slow
+def test_cli_measures_plans_beside_their_predictions(tmp_path):
+    cands, paths = _plan_files(tmp_path)
+    out = tmp_path / "bench.json"
+    base = ("--model", "tiny", "--batch-size", "16", "--seq-len", "32", "--data", DATA)
+    proc = run_bench_cli(*base, "--warmup", "1", "--rounds", "2", "--steps-per-round", "1",
+                         *(a for p in paths for a in ("--plan", str(p))),
+                         "--predict", "datasheet", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["variants"]
+    assert [r["label"] for r in rows] == [p.stem for p in paths]
+    for r, c in zip(rows, cands, strict=True):
+        assert r["pipeline"] == c.stage_plan.schedule
+        assert r["microbatches"] == c.layout.microbatches
+        assert r["predicted_s"] == pytest.approx(c.step_s) and r["median_s"] > 0
+    assert "Spearman rank correlation over 2 variants" in proc.stdout
+    proc = run_bench_cli("--model", "tiny", "--batch-size", "8", "--seq-len", "32",
+                         "--plan", str(paths[0]))
+    assert proc.returncode == 2
+    assert "global batch of 16, not 8: pass --batch-size 16" in proc.stderr.strip()
