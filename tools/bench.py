@@ -47,22 +47,15 @@ def parse_variant(text: str, *, rules: str = "tp", schedule: str = "megatron") -
     given default. Only the syntax is checked here; `resolve_variants` checks the values."""
     label, sep, body = text.rpartition(":")
     if sep and not label.strip():
-        raise UserError(
-            f"variant {text!r} has an empty label before ':'; e.g. base:data=2,tensor=4"
-        )
+        raise UserError(f"variant {text!r} has an empty label before ':'; e.g. "
+                        "base:data=2,tensor=4")
     parts = [p.strip() for p in body.split("/")]
     if len(parts) > 3 or not parts[0]:
-        raise UserError(
-            f"variant {text!r} is not [LABEL:]MESH[/RULES[/SCHEDULE]]; "
-            "e.g. data=2,tensor=4/tp/megatron"
-        )
+        raise UserError(f"variant {text!r} is not [LABEL:]MESH[/RULES[/SCHEDULE]]; "
+                        "e.g. data=2,tensor=4/tp/megatron")
     parts += [""] * (3 - len(parts))
-    return VariantSpec(
-        mesh=parts[0],
-        rules=parts[1] or rules,
-        schedule=parts[2] or schedule,
-        label=label.strip() if sep else None,
-    )
+    return VariantSpec(mesh=parts[0], rules=parts[1] or rules, schedule=parts[2] or schedule,
+                       label=label.strip() if sep else None)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
