@@ -10,6 +10,7 @@ import time
 
 from models.config import ModelConfig
 from oases_jax.layer_plan import LayerSpec
+from oases_jax.pipeline import STAGE_SCHEDULES
 from planner.layer_cost import LayerModel
 from planner.layer_work import elem_bytes, sequence_split
 from planner.layout import Layout
@@ -241,7 +242,7 @@ def _layouts(cfg: ModelConfig, hw: Hardware, n: int, global_batch: int, seq_len:
 def _strategy(cfg, layout, hw, megatron_only: bool) -> LayerSpec | None:
     """The fastest layer strategy without remat (the partitioner adds recompute per stage)."""
     opts = [s for s in strategies(layout, remats=("none",))
-            if not megatron_only or s.schedule == "megatron"]
+            if s.schedule in STAGE_SCHEDULES and (not megatron_only or s.schedule == "megatron")]
     if not opts:
         return None
     lm = LayerModel(cfg, layout, hw)

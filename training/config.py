@@ -12,6 +12,7 @@ from oases_jax.layer_plan import LayerSpec
 from oases_jax.mesh import parse_mesh
 from oases_jax.moe import MoESetup
 from oases_jax.moe import schedules as moe_schedules
+from oases_jax.pipeline import STAGE_SCHEDULES
 from oases_jax.primepar import square_size
 from oases_jax.rules import RULE_SETS
 from oases_jax.schema import MAX_GLOBAL_BATCH, MAX_SEQ_LEN, MAX_TOKENS_PER_STEP
@@ -184,9 +185,14 @@ def _check_pipeline(par: ParallelConfig) -> None:
     if stages == 1:
         raise UserError(f"--pipeline {par.pipeline} needs a stage axis in --mesh (e.g. "
                         f"--mesh data=2,stage=2,tensor=2), got --mesh {par.mesh}")
-    if par.rules in ("fsdp", "fsdp_tp", "primepar"):
+    if par.rules in ("fsdp", "fsdp_tp", "primepar", "tp_sp"):
         raise UserError(f"--pipeline does not combine with --rules {par.rules} yet: use --rules "
-                        f"dp, tp or tp_sp (data and tensor parallelism inside the stages)")
+                        f"dp or tp (data and tensor parallelism inside the stages)")
+    if par.schedule not in STAGE_SCHEDULES:
+        raise UserError(f"--pipeline runs --schedule {par.schedule} inside its stages only once "
+                        f"that is tested (its collective-permutes inside the tick's switch "
+                        f"deadlock the CPU runtime): use --schedule "
+                        f"{' or '.join(STAGE_SCHEDULES)}")
     if par.layers is not None:
         raise UserError("--pipeline runs every layer under one --schedule; a plan's per-layer "
                         "strategies are not pipelined yet: drop --plan or --pipeline")
