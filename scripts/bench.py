@@ -92,7 +92,7 @@ def build_config(args):
                             f"but --schedules {args.schedules} names {len(schedules)}; name one")
         variants += [VariantSpec(mesh=args.mesh, rules=args.rules, schedule=schedules[0].strip(),
                                  pipeline=p) for p in pipelines]
-    elif args.schedules is not None or not (variants or args.plan):
+    elif args.schedules is not None or not variants:
         # primepar needs a tp_row x tp_col square: give it as a --variant with such a mesh.
         default = list(registry.names(square=False))
         schedules = args.schedules.split(",") if args.schedules is not None else default

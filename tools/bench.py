@@ -119,10 +119,10 @@ class Resolved:
     rules: str  # the rule set actually used (a sequence-parallel schedule upgrades tp to tp_sp)
     schedule: str
     pipeline: str | None = None
-    source: VariantSpec | None = None  # what it was resolved from (a plan's config rides here)
+    source: VariantSpec  # what it was resolved from (a plan's config rides here)
 
     def microbatches(self, cfg: BenchConfig) -> int:
-        return (self.source.microbatches if self.source else None) or cfg.microbatches
+        return self.source.microbatches or cfg.microbatches
 
 
 def _short_mesh(mesh: str) -> str:
@@ -147,9 +147,9 @@ def _labels(specs: list[VariantSpec], meshes: list[str]) -> list[str]:
 
 def parallel_config(spec: VariantSpec, cfg: BenchConfig | None = None) -> ParallelConfig:
     """The variant's parallel config (with `cfg`'s pipeline settings when it is pipelined, or
-    a plan's own)."""
+    a plan's own on the variant's mesh)."""
     if spec.parallel is not None:
-        return spec.parallel
+        return dataclasses.replace(spec.parallel, mesh=spec.mesh)
     extra = {}
     if spec.pipeline and cfg is not None:
         extra = {"stage_layers": cfg.stage_layers, "virtual_stages": cfg.virtual_stages,
@@ -187,8 +187,7 @@ def resolve_variants(specs: tuple[VariantSpec, ...], n_devices: int,
         rules.append(parallel.rules_name)
     labels = _labels(list(specs), meshes)
     return [
-        Resolved(label=lab, mesh=m, rules=r, schedule=s.schedule,
-                 pipeline=s.pipeline or (s.parallel.pipeline if s.parallel else None), source=s)
+        Resolved(label=lab, mesh=m, rules=r, schedule=s.schedule, pipeline=s.pipeline, source=s)
         for lab, m, r, s in zip(labels, meshes, rules, specs, strict=True)
     ]
 
@@ -218,12 +217,8 @@ def build_variant(cfg: BenchConfig, spec: Resolved, sampler: BatchSampler) -> Va
     m = spec.microbatches(cfg)
     t0 = time.perf_counter()
     try:  # the compile path training uses: same lowering, same XLA options
-        variant = dataclasses.replace(spec.source, mesh=spec.mesh) if spec.source else \
-            VariantSpec(mesh=spec.mesh, rules=spec.rules, schedule=spec.schedule,
-                        pipeline=spec.pipeline)
-        parallel = parallel_config(variant, cfg)
-        if variant.parallel is not None:
-            parallel = dataclasses.replace(parallel, mesh=spec.mesh)
+        parallel = parallel_config(dataclasses.replace(spec.source, mesh=spec.mesh,
+                                                       rules=spec.rules), cfg)
         prog = lower(CompileSpec(model=cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                                  microbatches=m, parallel=parallel),
                      mesh, tx=make_optimizer(OptimConfig(), cfg.total_steps))
@@ -307,7 +302,7 @@ def summarize(cfg: BenchConfig, variants: list[Variant], samples: list[list[floa
                 "pipeline": v.spec.pipeline,
                 "microbatches": v.spec.microbatches(cfg),
                 **({"plan_predicted_s": v.spec.source.predicted_s}
-                   if v.spec.source and v.spec.source.predicted_s is not None else {}),
+                   if v.spec.source.predicted_s is not None else {}),
                 "median_s": median,
                 "min_s": min(s),
                 "max_s": max(s),
