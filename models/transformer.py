@@ -13,6 +13,7 @@ from flax import nnx
 from models import gpt2, llama
 from models.config import ModelConfig
 from models.layers import Block, block_fns, compute_weights, param
+from models.loss import cross_entropy
 from models.moe import MoEGroup, group_fns
 from oases_jax.moe.stack import run_groups
 from oases_jax.rules import constrain
@@ -73,23 +74,25 @@ class Transformer(nnx.Module):
         return self.norm_f(x_BLD), losses
 
     @jax.named_scope("loss")
-    def logits(self, h_BLD: jax.Array) -> jax.Array:
-        """Logits over the padded vocabulary, float32."""
+    def logits(self, h_BLD: jax.Array, dtype=jnp.float32) -> jax.Array:
+        """Logits over the padded vocabulary, in `dtype` (None: the compute dtype, which is what
+        `cross_entropy` takes without a float32 copy)."""
         dt = h_BLD.dtype
         if self.cfg.tied:
             logits_BLV = jnp.einsum("bld,vd->blv", h_BLD, self.embed[...].astype(dt))
         else:
             logits_BLV = jnp.einsum("bld,dv->blv", h_BLD, self.head[...].astype(dt))
         logits_BLV = constrain(logits_BLV, ("batch", None, "vocab"))
-        return logits_BLV.astype(jnp.float32)
+        return logits_BLV if dtype is None else logits_BLV.astype(dtype)
 
     def __call__(self, tokens_BL: jax.Array) -> jax.Array:
         return self.forward(tokens_BL)[0]
 
-    def forward(self, tokens_BL: jax.Array) -> tuple[jax.Array, dict]:
-        """(logits, the MoE router losses summed over layers; {} for a dense model)."""
+    def forward(self, tokens_BL: jax.Array, dtype=jnp.float32) -> tuple[jax.Array, dict]:
+        """(logits in `dtype` as `logits`, the MoE router losses summed over layers; {} for a
+        dense model)."""
         h_BLD, losses = self.backbone_with_losses(self.embed_tokens(tokens_BL))
-        return self.logits(h_BLD), losses
+        return self.logits(h_BLD, dtype), losses
 
 
 def objective(model: Transformer, tokens_BL: jax.Array) -> tuple[jax.Array, dict]:
@@ -98,20 +101,10 @@ def objective(model: Transformer, tokens_BL: jax.Array) -> tuple[jax.Array, dict
     z-loss (both summed over the MoE layers). The parts reported are the cross entropy and the
     per-MoE-layer means of the router losses and of the dropped fraction."""
     cfg = model.cfg
-    logits_BLV, losses = model.forward(tokens_BL[:, :-1])
+    logits_BLV, losses = model.forward(tokens_BL[:, :-1], dtype=None)
     ce = cross_entropy(logits_BLV, tokens_BL[:, 1:], cfg.vocab_size)
     if not losses:
         return ce, {}
     loss = ce + cfg.router_aux_weight * losses["aux_loss"] + cfg.router_z_weight * losses["z_loss"]
     n = cfg.n_moe_layers
     return loss, {"ce_loss": ce, **{k: v / n for k, v in losses.items()}}
-
-
-@jax.named_scope("loss")
-def cross_entropy(logits_BLV: jax.Array, targets_BL: jax.Array, vocab_size: int) -> jax.Array:
-    """Mean next-token cross-entropy; padded vocabulary rows are masked out of the softmax."""
-    valid_V = jnp.arange(logits_BLV.shape[-1]) < vocab_size
-    logits_BLV = jnp.where(valid_V, logits_BLV, jnp.finfo(jnp.float32).min)
-    logz_BL = jax.nn.logsumexp(logits_BLV, axis=-1)
-    target_logit_BL = jnp.take_along_axis(logits_BLV, targets_BL[..., None], axis=-1)[..., 0]
-    return jnp.mean(logz_BL - target_logit_BL)

@@ -227,7 +227,7 @@ def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruc
                               remat_default="full" if key == "remat" else cfg.remat)
             if with_head:
                 h = nnx.merge(gd_norm, sh["norm_f"])(x)
-                logits = Transformer.logits(stand_in, h)
+                logits = Transformer.logits(stand_in, h, None)
                 return cross_entropy(logits, tokens_BL[:, 1:], cfg.vocab_size)
             return x
         return f
