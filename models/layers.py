@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
 from collections.abc import Callable
@@ -13,6 +12,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from models.config import ModelConfig
+from models.pointwise import gelu, layer_norm, rms_norm, swiglu
 from oases_jax import projections as proj
 from oases_jax import step_order
 from oases_jax.analysis.targets import cudnn_missing
@@ -72,49 +72,6 @@ def compute_weights(layers, dtype, lead: int = 1):
         return a
 
     return jax.tree_util.tree_map_with_path(cast, layers)
-
-
-# Norms and activations keep only their compute-dtype inputs for the backward and recompute
-# their float32 internals there (`jax.checkpoint` around each): left to autodiff, an RMSNorm
-# saves three float32 copies of its [B, L, D] input and a SwiGLU three [B, L, F] products, per
-# layer, which made a Llama-2 7B step on h100:8 hold 24 GiB of float32 norm residuals. The
-# recomputation is a few elementwise passes the backward fuses with its own. prevent_cse=False:
-# the layers run under scan (or remat), where XLA cannot merge the recomputation back into the
-# forward, and the barriers prevent_cse adds cost the oases step overlap (small on h100:8:
-# 0.70 -> 0.65 of its tensor-axis bytes beside a GEMM).
-
-
-@functools.partial(jax.checkpoint, static_argnums=(3,), prevent_cse=False)
-def layer_norm(x_BLD: jax.Array, scale_D: jax.Array, bias_D: jax.Array, eps: float) -> jax.Array:
-    """LayerNorm with float32 statistics, returned in the input's dtype."""
-    with jax.named_scope("norm"):
-        x = x_BLD.astype(jnp.float32)
-        mean = x.mean(-1, keepdims=True)
-        var = jnp.square(x - mean).mean(-1, keepdims=True)
-        y = (x - mean) * jax.lax.rsqrt(var + eps) * scale_D + bias_D
-        return y.astype(x_BLD.dtype)
-
-
-@functools.partial(jax.checkpoint, static_argnums=(2,), prevent_cse=False)
-def rms_norm(x_BLD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm with float32 statistics, returned in the input's dtype."""
-    with jax.named_scope("norm"):
-        x = x_BLD.astype(jnp.float32)
-        y = x * jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + eps) * scale_D
-        return y.astype(x_BLD.dtype)
-
-
-@functools.partial(jax.checkpoint, prevent_cse=False)
-def swiglu(gate_BLF: jax.Array, up_BLF: jax.Array) -> jax.Array:
-    with jax.named_scope("activation"):
-        return jax.nn.silu(gate_BLF) * up_BLF
-
-
-@functools.partial(jax.checkpoint, prevent_cse=False)
-def gelu(h_BLF: jax.Array) -> jax.Array:
-    """GELU in GPT-2's tanh form."""
-    with jax.named_scope("activation"):
-        return jax.nn.gelu(h_BLF, approximate=True)
 
 
 class LayerNorm(nnx.Module):

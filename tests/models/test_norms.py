@@ -1,6 +1,7 @@
-"""Norms and activations that recompute their float32 internals in the backward: values and
-gradients equal plain autodiff of the same formulas (float64 references), and a bf16 block saves
-no float32 copy of its [B, L, D] stream or [B, L, F] hidden for the backward."""
+"""Norms with hand-written backwards and activations that recompute their float32 internals in
+the backward (`models.pointwise`): values and gradients equal plain autodiff of the same formulas
+(float64 references), and a bf16 block saves no float32 copy of its [B, L, D] stream or
+[B, L, F] hidden for the backward."""
 
 import jax
 import jax.numpy as jnp
