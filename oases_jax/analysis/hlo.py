@@ -74,6 +74,7 @@ class Instr:
     attrs: str
     is_root: bool = False
     operand_text: str = ""  # raw text between the parentheses (a constant's value)
+    elements: tuple[int | None, ...] = ()  # per operand: the tuple element `%t#i` names, or None
 
     @functools.cached_property
     def shapes(self) -> list[Array]:
@@ -82,6 +83,21 @@ class Instr:
     @property
     def result_bytes(self) -> int:
         return sum(a.bytes for a in self.shapes)
+
+    def element_bytes(self, index: int) -> int:
+        """Bytes of element `index` of a tuple-shaped result (nested tuples counted whole)."""
+        text = self.type_text.strip()
+        if not text.startswith("("):
+            return self.result_bytes
+        parts, depth, start = [], 0, 1
+        for i, c in enumerate(text[1:-1], 1):
+            depth += c in "([{"
+            depth -= c in ")]}"
+            if c == "," and depth == 0:
+                parts.append(text[start:i])
+                start = i + 1
+        parts.append(text[start:-1])
+        return sum(a.bytes for a in parse_shapes(parts[index])) if index < len(parts) else 0
 
     def attr(self, key: str) -> str | None:
         """The raw text of attribute `key=...` (balanced brackets kept), or None."""
@@ -161,9 +177,11 @@ def _parse_instr(line: str) -> Instr | None:
     opcode = m2.group(1)
     close = _balanced(rest, m2.end() - 1)
     operand_text = rest[m2.end() : close - 1]
-    operands = re.findall(r"%([\w.\-]+)", operand_text)
+    # `%t#2` names element 2 of tuple-shaped `t` (XLA prints a loop's parameter elements so).
+    refs = re.findall(r"%([\w.\-]+)(?:#(\d+))?", operand_text)
     attrs = rest[close:].lstrip(", ")
-    return Instr(name, opcode, type_text, operands, attrs, bool(root), operand_text)
+    return Instr(name, opcode, type_text, [n for n, _ in refs], attrs, bool(root), operand_text,
+                 tuple(int(i) if i else None for _, i in refs))
 
 
 @dataclasses.dataclass

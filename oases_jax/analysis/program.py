@@ -97,6 +97,14 @@ class Program:
         instr = comp.by_name.get(operand)
         return instr.result_bytes if instr else 0
 
+    def operand_bytes(self, comp: Computation, instr: Instr, k: int) -> int:
+        """Bytes of `instr`'s k-th operand: the named tuple element where it is `%t#i`."""
+        src = comp.by_name.get(instr.operands[k])
+        element = instr.elements[k] if k < len(instr.elements) else None
+        if src is None:
+            return 0
+        return src.result_bytes if element is None else src.element_bytes(element)
+
     def has_gemm(self, comp_name: str) -> bool:
         if comp_name not in self._has_gemm:
             self._has_gemm[comp_name] = any(self.is_gemm(i) for i in self.comp(comp_name).instrs)
@@ -148,9 +156,10 @@ class Program:
         if instr.opcode == "dynamic-slice":
             return 2 * instr.result_bytes
         if instr.opcode == "dynamic-update-slice" and len(instr.operands) > 1:
-            return 2 * self.shape_of(comp, instr.operands[1])
+            return 2 * self.operand_bytes(comp, instr, 1)
         if instr.opcode not in ("fusion", "fusion-start") or not instr.called:
-            return instr.result_bytes + sum(self.shape_of(comp, o) for o in instr.operands)
+            return instr.result_bytes + sum(self.operand_bytes(comp, instr, k)
+                                            for k in range(len(instr.operands)))
         body = self.comp(instr.called[0])
         users: dict[str, list[Instr]] = collections.defaultdict(list)
         for i in body.instrs:
@@ -165,8 +174,7 @@ class Program:
         total = 0
         for param in (i for i in body.instrs if i.opcode == "parameter"):
             index = int(param.operand_text or 0)
-            operand = instr.operands[index] if index < len(instr.operands) else None
-            full = self.shape_of(comp, operand) if operand else 0
+            full = self.operand_bytes(comp, instr, index) if index < len(instr.operands) else 0
             uses = uses_of(param.name)
             if uses and all(u.opcode == "dynamic-slice" and u.operands[0] == via
                             for u, via in uses):
@@ -243,7 +251,7 @@ class Program:
         return out
 
     def _collective(self, comp, idx, instr, kind, count, done_idx) -> Collective:
-        in_bytes = sum(self.shape_of(comp, o) for o in instr.operands)
+        in_bytes = sum(self.operand_bytes(comp, instr, k) for k in range(len(instr.operands)))
         out_instr = comp.instrs[done_idx] if done_idx is not None else instr
         out_bytes = out_instr.result_bytes
         if kind == "collective-permute":

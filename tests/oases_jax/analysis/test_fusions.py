@@ -75,3 +75,26 @@ def test_summary_splits_gemm_from_the_rest(rows):
     assert top == sorted(top, reverse=True)
     text = fusions.format_summary(s)
     assert "activation" in text and "GEMMs" in text
+
+
+def test_tuple_element_operands_count_their_element():
+    """`%t#i` (how XLA prints a loop parameter's elements) reads element i of tuple t: a fusion
+    converting element 1 (f32 [1024, 256], 1 MiB) reads 1 MiB, not the whole 49 MiB tuple."""
+    text = """HloModule m, entry_computation_layout={()->bf16[1024,256]{1,0}}
+
+%fused_convert (p0: f32[1024,256]) -> bf16[1024,256] {
+  %p0 = f32[1024,256]{1,0} parameter(0)
+  ROOT %c = bf16[1024,256]{1,0} convert(%p0)
+}
+
+ENTRY %main (t: (f32[48,1024,256], f32[1024,256])) -> bf16[1024,256] {
+  %t = (f32[48,1024,256]{2,1,0}, f32[1024,256]{1,0}) parameter(0)
+  ROOT %f = bf16[1024,256]{1,0} fusion(%t#1), kind=kLoop, calls=%fused_convert
+}
+"""
+    program = Program(text)
+    comp = program.comp(program.module.entry)
+    f = comp.by_name["f"]
+    assert f.operands == ["t"] and f.elements == (1,)
+    assert program.traffic_bytes(comp, f) == MIB + MIB // 2
+    assert comp.by_name["t"].element_bytes(0) == 48 * MIB
