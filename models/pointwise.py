@@ -25,6 +25,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from oases_jax.compat import reduce_to_match
+
 F32 = jnp.float32
 
 
@@ -58,7 +60,9 @@ def _ln_bwd(eps, res, dy_BLD):
                      - x_hat * (g * x_hat).mean(-1, keepdims=True))
         dscale = (dy * x_hat).sum(_rows(dy)).astype(scale_D.dtype)
         dbias = dy.sum(_rows(dy)).astype(bias_D.dtype)
-    return dx.astype(x_BLD.dtype), dscale, dbias
+    # Inside shard_map a replicated scale's gradient sums the devices' parts.
+    return (reduce_to_match(dx.astype(x_BLD.dtype), x_BLD), reduce_to_match(dscale, scale_D),
+            reduce_to_match(dbias, bias_D))
 
 
 layer_norm.defvjp(_ln_fwd, _ln_bwd)
@@ -87,7 +91,7 @@ def _rms_bwd(eps, res, dy_BLD):
         g = dy * scale_D
         dx = rstd * (g - x_hat * (g * x_hat).mean(-1, keepdims=True))
         dscale = (dy * x_hat).sum(_rows(dy)).astype(scale_D.dtype)
-    return dx.astype(x_BLD.dtype), dscale
+    return reduce_to_match(dx.astype(x_BLD.dtype), x_BLD), reduce_to_match(dscale, scale_D)
 
 
 rms_norm.defvjp(_rms_fwd, _rms_bwd)
@@ -104,3 +108,25 @@ def gelu(h_BLF: jax.Array) -> jax.Array:
     """GELU in GPT-2's tanh form."""
     with jax.named_scope("activation"):
         return jax.nn.gelu(h_BLF, approximate=True)
+
+
+@jax.custom_vjp
+def add_bias(y: jax.Array, b: jax.Array) -> jax.Array:
+    """y + b for y [..., N] and a bias b [N] of y's dtype. The bias gradient is a GEMV of dy against
+    ones rather than autodiff's reduction: fused into the fusion that produces dy (GELU's
+    backward), a column reduction kept XLA from fusing the tanh it needs, which it then wrote to
+    memory and read back (three passes over the [B, L, F] hidden per layer)."""
+    return y + b
+
+
+def _add_bias_fwd(y, b):
+    return y + b, b  # the bias only, for its varying axes inside shard_map
+
+
+def _add_bias_bwd(b, dy):
+    flat = dy.reshape(-1, dy.shape[-1])
+    db = jnp.einsum("nf,n->f", flat, jnp.ones(flat.shape[0], dy.dtype))
+    return dy, reduce_to_match(db, b)
+
+
+add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)

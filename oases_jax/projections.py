@@ -69,10 +69,10 @@ class Projection:
         """y + b over the output's flattened trailing dims (q/k/v: heads x head_dim), which is
         the GEMM's own [B*L, N] output: XLA folds a vector bias into the GEMM's epilogue there,
         but not a [H, K] one broadcast over a [B, L, H, K] view (two more passes over y)."""
-        if b.ndim < 2:
-            return y + b
+        from models.pointwise import add_bias
+
         lead = y.shape[:y.ndim - b.ndim]
-        return (y.reshape(*lead, -1) + b.reshape(-1)).reshape(y.shape)
+        return add_bias(y.reshape(*lead, -1), b.reshape(-1).astype(y.dtype)).reshape(y.shape)
 
     def row_partial(self, h, w) -> jax.Array:
         return einsum_row(h, w)
