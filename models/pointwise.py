@@ -46,12 +46,14 @@ def _ln_fwd(x_BLD, scale_D, bias_D, eps):
         mean = x.mean(-1, keepdims=True)
         rstd = jax.lax.rsqrt(jnp.square(x - mean).mean(-1, keepdims=True) + eps)
         y = ((x - mean) * rstd * scale_D + bias_D).astype(x_BLD.dtype)
-    return y, (x_BLD, scale_D, bias_D, mean, rstd)
+    # The statistics are saved [B, L]: a pipeline's residual pools then hold them in the shape
+    # XLA carries (it drops the trailing 1).
+    return y, (x_BLD, scale_D, bias_D, mean[..., 0], rstd[..., 0])
 
 
 def _ln_bwd(eps, res, dy_BLD):
     x_BLD, scale_D, bias_D, mean, rstd = res
-    mean, rstd = jax.lax.optimization_barrier((mean, rstd))
+    mean, rstd = (a[..., None] for a in jax.lax.optimization_barrier((mean, rstd)))
     with jax.named_scope("norm"):
         x_hat = (x_BLD.astype(F32) - mean) * rstd
         dy = dy_BLD.astype(F32)
@@ -79,12 +81,12 @@ def _rms_fwd(x_BLD, scale_D, eps):
         x = x_BLD.astype(F32)
         rstd = jax.lax.rsqrt(jnp.square(x).mean(-1, keepdims=True) + eps)
         y = (x * rstd * scale_D).astype(x_BLD.dtype)
-    return y, (x_BLD, scale_D, rstd)
+    return y, (x_BLD, scale_D, rstd[..., 0])
 
 
 def _rms_bwd(eps, res, dy_BLD):
     x_BLD, scale_D, rstd = res
-    rstd = jax.lax.optimization_barrier(rstd)
+    rstd = jax.lax.optimization_barrier(rstd)[..., None]
     with jax.named_scope("norm"):
         x_hat = x_BLD.astype(F32) * rstd
         dy = dy_BLD.astype(F32)
@@ -108,25 +110,3 @@ def gelu(h_BLF: jax.Array) -> jax.Array:
     """GELU in GPT-2's tanh form."""
     with jax.named_scope("activation"):
         return jax.nn.gelu(h_BLF, approximate=True)
-
-
-@jax.custom_vjp
-def add_bias(y: jax.Array, b: jax.Array) -> jax.Array:
-    """y + b for y [..., N] and a bias b [N] of y's dtype. The bias gradient is a GEMV of dy against
-    ones rather than autodiff's reduction: fused into the fusion that produces dy (GELU's
-    backward), a column reduction kept XLA from fusing the tanh it needs, which it then wrote to
-    memory and read back (three passes over the [B, L, F] hidden per layer)."""
-    return y + b
-
-
-def _add_bias_fwd(y, b):
-    return y + b, b  # the bias only, for its varying axes inside shard_map
-
-
-def _add_bias_bwd(b, dy):
-    flat = dy.reshape(-1, dy.shape[-1])
-    db = jnp.einsum("nf,n->f", flat, jnp.ones(flat.shape[0], dy.dtype))
-    return dy, reduce_to_match(db, b)
-
-
-add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)

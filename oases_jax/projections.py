@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 from collections.abc import Sequence
 
@@ -53,6 +54,34 @@ def einsum_row(h: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum(f"bl{letters},{letters}d->bld", h, w)
 
 
+def bias_add(y: jax.Array, b: jax.Array) -> jax.Array:
+    """y + b for y [..., N] and a bias b [N] of y's dtype. The bias gradient is summed in a
+    fusion of its own, over dy as the backward writes it anyway: fused into dy's producer
+    (GELU's backward), the column reduction kept XLA from fusing the tanh there, which it wrote
+    to memory and read back instead (three passes over the [B, L, F] hidden per layer)."""
+    # Inside shard_map the gradient sums over the axes y varies over and b does not; known
+    # now, so the backward saves nothing (a saved bias would be a pipeline residual).
+    extra = tuple(sorted(compat.varying_axes(y) - compat.varying_axes(b)))
+    return _bias_add(y, b, extra)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _bias_add(y, b, extra):
+    return y + b
+
+
+def _bias_add_fwd(y, b, extra):
+    return y + b, None
+
+
+def _bias_add_bwd(extra, _, dy):
+    db = jax.lax.optimization_barrier(dy).sum(tuple(range(dy.ndim - 1)))
+    return dy, jax.lax.psum(db, extra) if extra else db
+
+
+_bias_add.defvjp(_bias_add_fwd, _bias_add_bwd)
+
+
 class Projection:
     """The interface every strategy implements. Its own methods are plain einsums on whatever
     arrays they are given, which GSPMD partitions outside shard_map."""
@@ -69,10 +98,8 @@ class Projection:
         """y + b over the output's flattened trailing dims (q/k/v: heads x head_dim), which is
         the GEMM's own [B*L, N] output: XLA folds a vector bias into the GEMM's epilogue there,
         but not a [H, K] one broadcast over a [B, L, H, K] view (two more passes over y)."""
-        from models.pointwise import add_bias
-
         lead = y.shape[:y.ndim - b.ndim]
-        return add_bias(y.reshape(*lead, -1), b.reshape(-1).astype(y.dtype)).reshape(y.shape)
+        return bias_add(y.reshape(*lead, -1), b.reshape(-1).astype(y.dtype)).reshape(y.shape)
 
     def row_partial(self, h, w) -> jax.Array:
         return einsum_row(h, w)

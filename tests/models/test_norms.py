@@ -11,7 +11,7 @@ from flax import nnx
 
 from models import get_preset
 from models.layers import Block, LayerNorm, RMSNorm, gelu, layer_norm, rms_norm, swiglu
-from models.pointwise import add_bias
+from oases_jax.projections import bias_add
 
 EPS = 1e-5
 
@@ -74,11 +74,12 @@ def test_activations_equal_autodiff_of_the_formula(inputs):
 
 
 def test_bias_gradient_is_the_sum_over_tokens(inputs):
-    """add_bias's GEMV-form bias gradient equals autodiff's reduction over every leading dim."""
+    """bias_add's hand-written bias gradient (its own column reduction) equals autodiff's sum
+    over every leading dim."""
     x, _, b = inputs
     y, bias = jnp.asarray(x, jnp.float32), jnp.asarray(b, jnp.float32)
     weight = jnp.asarray(np.random.default_rng(1).normal(size=x.shape), jnp.float32)
-    got = jax.grad(lambda y, b: jnp.sum(add_bias(y, b) ** 2 * weight), argnums=(0, 1))(y, bias)
+    got = jax.grad(lambda y, b: jnp.sum(bias_add(y, b) ** 2 * weight), argnums=(0, 1))(y, bias)
     want = jax.grad(lambda y, b: jnp.sum((y + b) ** 2 * weight), argnums=(0, 1))(y, bias)
     for a, w in zip(got, want, strict=True):
         np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-5 * np.abs(w).max())
