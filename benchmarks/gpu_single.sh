@@ -3,13 +3,21 @@
 # the unsharded and tensor=8 per-device projection shapes) and single-GPU train-step throughput
 # and MFU, with the planner's datasheet prediction beside each measured step.
 #   bash benchmarks/gpu_single.sh OUT_DIR [PART...]
-# PARTs (default all): profile profile_t8 gpt2_full gpt2_save_proj llama_l8.
+# PARTs (default all but ab): profile profile_t8 gpt2_full gpt2_save_proj gpt2_none llama_l8
+# llama_l8_none ab.
+# `ab` times this tree against BASE_TREE side by side (benchmarks/gpu_ab.sh: GPT-2 1.5B with full
+# remat and without, the 8-layer Llama-2 7B shape): the single-GPU efficiency table. Make the base
+# tree here and carry it, e.g. for the program before the non-GEMM work (commit 4a68fba):
+#   mkdir .base && git archive 4a68fba | tar -x -C .base && echo /.base/ >> .git/info/exclude
+#   BASE_TREE=.base bash benchmarks/gpu_single.sh OUT ab        (device run: carry .base)
+# The full 32-layer Llama-2 7B does not fit one GPU with fp32 AdamW state (16 B per parameter,
+# 108 GB before activations), so its rows use 8 layers.
 # Runs from the repository root with the machine's own jax (no install: PYTHONPATH=.).
 # Each step is independent: one that fails is logged and the rest still run.
 set -u
 out=${1:?usage: bash benchmarks/gpu_single.sh OUT_DIR [PART...]}
 shift
-parts=" ${*:-profile profile_t8 gpt2_full gpt2_save_proj llama_l8} "
+parts=" ${*:-profile profile_t8 gpt2_full gpt2_save_proj gpt2_none llama_l8 llama_l8_none} "
 want() { [[ $parts == *" $1 "* ]]; }
 mkdir -p "$out"
 export PYTHONPATH=. PYTHONUNBUFFERED=1 JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}
@@ -32,13 +40,21 @@ want profile && step "profile_${tag}-1_gpt2-1.5b" python3 scripts/calibrate.py -
 want profile_t8 && step "profile_${tag}-1_gpt2-1.5b_t8" python3 scripts/calibrate.py --model gpt2-1.5b --tokens 8192 \
   --tensor 8 --square-sizes 1024 --dtypes bfloat16,float32 --memory-sizes 16M,256M \
   --out "$out/profile_${tag}-1_gpt2-1.5b_t8.json"
-for remat in full save_proj; do
+for remat in full save_proj none; do
   want "gpt2_$remat" && step "bench_gpt2-1.5b_${tag}x1_${remat}" python3 scripts/bench.py --model gpt2-1.5b \
     --dtype bfloat16 --remat "$remat" --batch-size 8 --seq-len 1024 --rounds 5 --warmup 2 \
     --variant megatron:data=1/tp/megatron --variant oases-k2:data=1/tp/oases \
     --predict datasheet --json "$out/bench_gpt2-1.5b_${tag}x1_${remat}.json"
 done
-want llama_l8 && step "bench_llama2-7b-l8_${tag}x1_full" python3 scripts/bench.py --model llama2-7b \
-  --model-set n_layers=8 --dtype bfloat16 --remat full --batch-size 8 --seq-len 1024 --rounds 5 \
-  --warmup 2 --variant megatron:data=1/tp/megatron --variant oases-k2:data=1/tp/oases \
-  --predict datasheet --json "$out/bench_llama2-7b-l8_${tag}x1_full.json"
+for remat in full none; do
+  part=llama_l8$([[ $remat == none ]] && echo _none)
+  want "$part" && step "bench_llama2-7b-l8_${tag}x1_${remat}" python3 scripts/bench.py \
+    --model llama2-7b --model-set n_layers=8 --dtype bfloat16 --remat "$remat" --batch-size 8 \
+    --seq-len 1024 --rounds 5 --warmup 2 --variant megatron:data=1/tp/megatron \
+    --variant oases-k2:data=1/tp/oases --predict datasheet \
+    --json "$out/bench_llama2-7b-l8_${tag}x1_${remat}.json"
+done
+if want ab; then
+  base=${BASE_TREE:?the ab part needs BASE_TREE, a source tree of the baseline commit}
+  step "ab_${tag}x1" bash benchmarks/gpu_ab.sh "$out/ab" . "$base"
+fi

@@ -18,6 +18,7 @@ from oases_jax.layer_plan import LayerSpec
 from planner.layer_work import (
     SCAN_PASSES,
     SCHEDULE_PASSES,
+    WEIGHT_SLICE_PASSES,
     LayerWork,
     SubLayerWork,
     sequence_split,
@@ -97,8 +98,10 @@ class LayerModel(LayerWork):
         # outside the overlapped region, half before and half after its collectives.
         tok_bytes = rows * self.layout.seq_len * self.cfg.d_model * self.e
         extra = self.hw.mem_s(SCHEDULE_PASSES[sch] * tok_bytes)
-        scan = self.hw.mem_s(SCAN_PASSES * self.saved_bytes(strategy)) \
-            if self.cfg.scan_layers else 0.0
+        scan = slices = 0.0
+        if self.cfg.scan_layers:
+            scan = self.hw.mem_s(SCAN_PASSES * self.saved_bytes(strategy))
+            slices = self.hw.mem_s(WEIGHT_SLICE_PASSES * self.weight_bytes())
         # 2 rings per sub-layer forward and 2 backward, t steps each, 2k sub-layers.
         self._step_extra = extra / (8 * k * t) if ring else 0.0
         outer = 0.0 if ring else extra
@@ -111,8 +114,11 @@ class LayerModel(LayerWork):
             bwd += self._bwd(pattern, work[name], f"b{name}{j}",
                              prev=self._prev(rorder, idx, "b"))
         recompute = self._recompute(strategy, pattern, work, k)
-        fwd = [("c", outer / 6 + scan / 2)] + fwd + [("sync",), ("c", outer / 6)]
-        bwd = [("c", outer / 3 + scan / 2)] + bwd + [("sync",), ("c", outer / 3)]
+        # The forward slices its weights once (2 of the 6 passes), the backward slices them and
+        # writes their gradients.
+        fwd = [("c", outer / 6 + scan / 2 + slices / 3)] + fwd + [("sync",), ("c", outer / 6)]
+        bwd = [("c", outer / 3 + scan / 2 + 2 * slices / 3)] + bwd \
+            + [("sync",), ("c", outer / 3)]
         return {"fwd": fwd, "bwd": bwd, "recompute": recompute}
 
     @staticmethod
@@ -181,21 +187,21 @@ class LayerModel(LayerWork):
         wait = [("done", prev)] if prev else []
         # dX and dW of each projection: one GEMM each of the forward's size.
         if pattern == "none":
-            return [("c", 2 * (w.pre + w.core) + 2 * w.row + 2 * w.col)]
+            return [("c", 2 * w.pre + w.core_bwd + 2 * w.row + 2 * w.col)]
         if pattern == "all_reduce":  # dX all-reduce hides behind the column projection's dW
-            return [("c", 2 * w.row + 2 * w.core + w.col), ("start", key, self._ar(a)),
+            return [("c", 2 * w.row + w.core_bwd + w.col), ("start", key, self._ar(a)),
                     ("c", w.col), ("done", key), ("c", 2 * w.pre)]
         if pattern == "deferred":
-            return wait + [("c", 2 * w.row + 2 * w.core + w.col), ("start", key, self._ar(a)),
+            return wait + [("c", 2 * w.row + w.core_bwd + w.col), ("start", key, self._ar(a)),
                            ("c", w.col + 2 * w.pre)]
         if pattern == "gather_scatter":  # all-gather of dY, then reduce-scatter of dX behind dW
             return [("start", key + "g", self._ag(a)), ("done", key + "g"),
-                    ("c", 2 * w.row + 2 * w.core + w.col), ("start", key, self._rs(a)),
+                    ("c", 2 * w.row + w.core_bwd + w.col), ("start", key, self._rs(a)),
                     ("c", w.col), ("done", key), ("c", 2 * w.pre)]
         # Rings: the row projection's backward gathers dY around a ring (dX and dW per step);
         # the column projection's reduce-scatters dX while re-gathering X for dW (2 permutes).
         ops = wait + self._ring(key + "r", 2 * w.row / t, a / t)
-        ops += [("c", 2 * w.core)]
+        ops += [("c", w.core_bwd)]
         ops += self._ring(key + "g", 2 * w.col / t, a / t, transfers=2)
         ops += [("c", 2 * w.pre)]
         return ops

@@ -27,6 +27,19 @@ SCAN_PASSES = 4
 # is not calibrated yet.
 SCHEDULE_PASSES = {"none": 0.0, "megatron": 4.0, "oases": 22.0, "megatron_sp": 22.0,
                    "collective_matmul": 74.0, "oases_cm": 115.0, "primepar": 0.0}
+# HBM passes of the MLP's activation over its hidden [T, F] (e bytes each), (forward, backward),
+# by gated (SwiGLU) or not (GELU). Counted in the compiled bf16 steps of GPT-2 1.5B and Llama-2
+# 7B on h100:1 (docs/planner.md, "One device: the passes outside the GEMMs"): the forward reads
+# its inputs and writes its output (h -> a; gate, up -> a). The backward of GELU is one fusion
+# that reads h and da and writes dh (a recompute of a for the down projection's weight gradient
+# joins it); SwiGLU's reads gate, up and da, writes both input gradients and recomputes a. With
+# a bias, its gradient is one more read of dh.
+ACTIVATION_PASSES = {False: (2.0, 2.0), True: (3.0, 7.0)}
+# A scanned stack slices each layer's weights out of the stacked arrays (a copy: read + write
+# of the layer's compute-dtype weights) for the forward and again for the backward, and writes
+# the layer's weight gradients into the stacked gradient (read + write): 6 passes over a layer's
+# weights per step.
+WEIGHT_SLICE_PASSES = 6.0
 
 
 def elem_bytes(cfg: ModelConfig) -> int:
@@ -49,6 +62,11 @@ class SubLayerWork:
     core: float  # between the projections: attention scores/softmax/PV, or the activation
     row: float  # row-parallel GEMM, forward
     col_bytes: float  # bytes of the column projection's (full, per-replica) input activation
+    core_bwd: float = -1.0  # the core's backward; < 0: twice its forward
+
+    def __post_init__(self):
+        if self.core_bwd < 0:
+            object.__setattr__(self, "core_bwd", 2 * self.core)
 
 
 class LayerWork:
@@ -67,9 +85,12 @@ class LayerWork:
 
         With T = rows * seq tokens, t = tensor degree and e bytes per element:
           QKV  2 T D (H + 2G) K / t FLOPs     out proj   2 T H K D / t
-          attn 4 T L H K / t FLOPs (scores + PV) and T L H / t (4 + 4 + e) bytes of softmax
-               (no softmax bytes under fused flash attention, `ModelConfig.flash_attention`)
-          MLP  2 T D F (2 or 3) / t FLOPs and an activation pass of T F / t (2 or 3) e bytes
+          attn 4 T L H K / t FLOPs (scores + PV) and T L H / t (4 + 4 + e) bytes of softmax;
+               under fused flash attention (`ModelConfig.flash_attention`) cuDNN's causal
+               kernel: half the FLOPs (the tiles above the diagonal are skipped), only Q, K, V
+               and O through HBM, and a backward of 2.5 times the forward's FLOPs
+               (`oases_jax.analysis.attention.fused_attention_flops`, as the simulator prices it)
+          MLP  2 T D F (2 or 3) / t FLOPs and the activation's ACTIVATION_PASSES over T F e / t
           norm + residual  5 T D e / s bytes (s = t under sequence parallelism)
         """
         c, t, e = self.cfg, self.layout.tensor, self.e
@@ -84,19 +105,35 @@ class LayerWork:
             return hw.gemm_s(2.0 * m * kk * n, e * (m * kk + kk * n + m * n), dt, chunks)
 
         pre = hw.mem_s(5 * tok * d * e / s)
-        attn = SubLayerWork(
-            pre=pre,
-            col=gemm(tok, d, (h + 2 * g) * k / t),
-            core=gemm(rows * h / t * seq, k, seq) + gemm(rows * h / t * seq, seq, k)
-            + (0.0 if self.flash else hw.mem_s(tok * seq * h / t * (8 + e))),
-            row=gemm(tok, h * k / t, d),
-            col_bytes=tok * d * e,
-        )
+        if self.flash:
+            flops = 2.0 * tok * seq * h * k / t  # 4 T L H K, halved by the causal mask
+            qkvo = e * tok * (2 * h + 2 * g) * k / t
+            stats = 4.0 * tok * h / t
+            core = hw.gemm_s(flops, qkvo + stats, dt, chunks)
+            core_bwd = hw.gemm_s(2.5 * flops, 2 * qkvo + stats, dt, chunks)
+        else:
+            core = gemm(rows * h / t * seq, k, seq) + gemm(rows * h / t * seq, seq, k) \
+                + hw.mem_s(tok * seq * h / t * (8 + e))
+            core_bwd = 2 * core
+        attn = SubLayerWork(pre=pre, col=gemm(tok, d, (h + 2 * g) * k / t), core=core,
+                            row=gemm(tok, h * k / t, d), col_bytes=tok * d * e,
+                            core_bwd=core_bwd)
+        act_f, act_b = ACTIVATION_PASSES[c.gated_mlp]
+        hidden = tok * f / t * e
         mlp = SubLayerWork(
             pre=pre,
             col=gemm(tok, d, f * (gated - 1) / t),
-            core=hw.mem_s(tok * f / t * (gated + 1) * e / 1),
+            core=hw.mem_s(act_f * hidden),
             row=gemm(tok, f / t, d),
             col_bytes=tok * d * e,
+            core_bwd=hw.mem_s((act_b + (1 if c.use_bias else 0)) * hidden),
         )
         return {"attn": attn, "mlp": mlp}
+
+    def weight_bytes(self) -> float:
+        """Bytes of one layer's weight matrices on this device, in the compute dtype (biases
+        and norm scales left out)."""
+        c = self.cfg
+        matrices = c.d_model * (c.n_heads + 2 * c.kv_heads) * c.k_dim \
+            + c.n_heads * c.k_dim * c.d_model + c.d_model * c.ff_dim * (3 if c.gated_mlp else 2)
+        return matrices * self.e / self.layout.tensor

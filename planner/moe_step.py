@@ -18,7 +18,7 @@ from planner.layer_cost import LayerCost, LayerModel
 from planner.layer_work import SubLayerWork, elem_bytes, sequence_split
 from planner.layout import Layout, data_group, expert_group, replica_group, tensor_group
 from planner.prices import Hardware
-from planner.step_cost import OPTIMIZER_PASSES, StepCost, head_cost
+from planner.step_cost import StepCost, head_cost, update_s
 
 # What an expert axis may run: the Parm schedules; without one, `local` (S1 with N_EP = 1).
 EP_SCHEDULES = ("ds_moe", "parm_s1", "parm_s2")
@@ -240,7 +240,7 @@ def moe_step_cost(cfg: ModelConfig, layout: Layout, dense: LayerSpec, choice: Mo
     local = static["params"] / 4
     reduce = grad_reduce_s(cfg, layout, hw)
     hidden = min(reduce, 0.5 * head_s) if hw.async_collectives else 0.0
-    opt_s = hw.mem_s(OPTIMIZER_PASSES * 4 * local)
+    opt_s = update_s(cfg, local, hw)
     accum_s = hw.mem_s(3 * 4 * local) * (m if m > 1 else 0)
     step = m * (layers + head_s) + reduce - hidden + opt_s + accum_s
     compute_all = m * (compute + head_s) + opt_s + accum_s

@@ -17,7 +17,7 @@ from planner.layout import Layout
 from planner.prices import Hardware
 from planner.search import divisors, strategies
 from planner.stage_partition import StageInputs, StagePlan, fixed, partition
-from planner.step_cost import OPTIMIZER_PASSES, head_cost
+from planner.step_cost import head_cost, update_s
 
 PIPELINES = ("gpipe", "1f1b", "interleaved", "merak")  # the schedules the runtime runs
 CHUNKS = 2  # interleaved: chunks per stage
@@ -115,7 +115,7 @@ def price(cfg: ModelConfig, hw: Hardware, stages: int, layout: Layout, strategy:
     shared_params = x.shared_bytes / (16 + (4 if layout.microbatches > 1 else 0))
     stage_group = [s * layout.data * layout.tensor for s in range(stages)]
     stage_sum = hw.comm_s("all-reduce", 4 * shared_params, stage_group)
-    opt = hw.mem_s(OPTIMIZER_PASSES * 4 * local)
+    opt = update_s(cfg, local, hw)
     accum = hw.mem_s(3 * 4 * local) * layout.microbatches if layout.microbatches > 1 else 0.0
     end = max(fin + reduce for fin in sp.finish)
     step = end + stage_sum + opt + accum
@@ -140,8 +140,7 @@ def _screen(cfg, hw, stages, layout, strategy, x, p2p, schedule) -> float:
     per_param = 16 + (4 if M > 1 else 0)
     local = (counts[0] * x.block_bytes + x.shared_bytes) / per_param
     reduce = hw.comm_s("all-reduce", 4 * local, [i * layout.tensor for i in range(layout.data)])
-    return (M + (S - 1) / v) * (max(loads) + 2 * p2p) + reduce + hw.mem_s(
-        OPTIMIZER_PASSES * 4 * local)
+    return (M + (S - 1) / v) * (max(loads) + 2 * p2p) + reduce + update_s(cfg, local, hw)
 
 
 def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int,

@@ -14,7 +14,13 @@ from collections.abc import Sequence
 
 from models.config import ModelConfig
 from oases_jax.layer_plan import LayerSpec
-from planner.layer_work import SCAN_PASSES, SCHEDULE_PASSES, LayerWork, elem_bytes
+from planner.layer_work import (
+    SCAN_PASSES,
+    SCHEDULE_PASSES,
+    WEIGHT_SLICE_PASSES,
+    LayerWork,
+    elem_bytes,
+)
 from planner.layout import Layout, col_group, row_group
 from planner.prices import Hardware
 from planner.replay import Op
@@ -169,11 +175,11 @@ class Square:
         MLP width: `LayerModel.sublayers` at tensor q^2)."""
         subs = self.lm.sublayers(self.layout.rows, strategy)
         pre = self.hw.mem_s(5 * self.tok * self.cfg.d_model * self.e / self.q**2)
-        return {name: (pre, sub.core) for name, sub in subs.items()}
+        return {name: (pre, sub.core, sub.core_bwd) for name, sub in subs.items()}
 
     def fwd(self, strategy: LayerSpec, tag: str = "", norms: bool = True) -> list[Op]:
         ops: list[Op] = []
-        for name, (pre, core) in self.work(strategy).items():
+        for name, (pre, core, _) in self.work(strategy).items():
             (kc, nc), (kr, nr) = projections(self.cfg)[name]
             key = f"{tag}{name}"
             if norms:
@@ -187,10 +193,10 @@ class Square:
 
     def bwd(self, strategy: LayerSpec) -> list[Op]:
         ops: list[Op] = []
-        for name, (pre, core) in reversed(self.work(strategy).items()):
+        for name, (pre, _, core_bwd) in reversed(self.work(strategy).items()):
             (kc, nc), (kr, nr) = projections(self.cfg)[name]
             key = f"b{name}"
-            ops += self.row_bwd(f"{key}.row", kr, nr) + [("c", 2 * core)]
+            ops += self.row_bwd(f"{key}.row", kr, nr) + [("c", core_bwd)]
             skews = self._bias_skews(name)
             ops += [("start", f"{key}.b{i}", s) for i, s in enumerate(skews)]
             ops += self.column_bwd(f"{key}.col", kc, nc)
@@ -215,14 +221,16 @@ class Square:
         and the row projection's last rotated block, carry no checkpoint name), and the cores,
         but not the norms."""
         check(self.layout, strategy)
-        scan = 0.0
-        if self.cfg.scan_layers:  # stacking the saved activations, as for the other schedules
+        scan = slices = 0.0
+        if self.cfg.scan_layers:  # stacking the saved activations and slicing the weights, as
+            # for the other schedules (`planner.layer_cost`)
             scan = self.hw.mem_s(SCAN_PASSES * self.saved_bytes(strategy))
+            slices = self.hw.mem_s(WEIGHT_SLICE_PASSES * self.lm.weight_bytes())
         # The schedule's own passes over its residual stream, T D e / q^2 (none calibrated yet).
         tok_bytes = self.tok * self.cfg.d_model * self.e / self.q**2
         extra = self.hw.mem_s(SCHEDULE_PASSES[SCHEDULE] * tok_bytes)
-        fwd = [("c", scan / 2 + extra / 2)] + self.fwd(strategy)
-        bwd = [("c", scan / 2 + extra / 2)] + self.bwd(strategy)
+        fwd = [("c", scan / 2 + slices / 3 + extra / 2)] + self.fwd(strategy)
+        bwd = [("c", scan / 2 + 2 * slices / 3 + extra / 2)] + self.bwd(strategy)
         recompute = {"none": [], "full": self.fwd(strategy, "r"),
                      "save_proj": self.fwd(strategy, "r", norms=False)}[strategy.remat]
         return {"fwd": fwd, "bwd": bwd, "recompute": recompute}

@@ -15,10 +15,11 @@ from planner.layout import Layout, replica_group, tensor_group
 from planner.prices import Hardware
 from planner.primepar_cost import head_extra
 
-# Passes over the f32 logits of a micro-batch, forward and backward, counted in the compiled
-# GPU loss (gpt2-1.5b shape, h100:8): the max, the exponentials and their sum, the label pick,
-# the softmax's recomputation, its gradient and the casts around them.
-LOGIT_PASSES = 9
+# Passes over the logits of a micro-batch (compute dtype), forward and backward, counted in the
+# compiled bf16 steps of GPT-2 1.5B and Llama-2 7B on h100:1: the max and the sum of
+# exponentials, the label pick, and the hand-written backward's one elementwise pass
+# (`models.loss`), with the reductions XLA splits in two.
+LOGIT_PASSES = 6
 OPTIMIZER_PASSES = 7  # AdamW reads p, g, m, v and writes p, m, v (fp32 each)
 
 
@@ -52,8 +53,10 @@ def resharding_s(a: LayerSpec, b: LayerSpec, cfg: ModelConfig, layout: Layout,
 def static_memory(cfg: ModelConfig, layout: Layout) -> dict[str, float]:
     """Parameters, gradients and AdamW moments per device (fp32 each), sharded over tensor
     (the block matrices and the vocabulary) and fsdp; plus a gradient accumulator with more
-    than one micro-batch; under a narrower compute dtype, the blocks' weights cast to it (XLA
-    casts the stacked layers once per step, outside the layer loop).
+    than one micro-batch; under a narrower compute dtype (e bytes), the blocks' weights cast to
+    it (XLA casts the stacked layers once per step, outside the layer loop), and the weight
+    matrices' gradients in it (`matrix_share`: their gradients reach the fp32 parameters
+    through the one cast, so the stacked gradient is written in e bytes).
 
       params_local = (L * P_block + V D) / (t * f)   (norms and biases counted as sharded)
     """
@@ -63,6 +66,7 @@ def static_memory(cfg: ModelConfig, layout: Layout) -> dict[str, float]:
     mem = {"params": 4 * local, "grads": 4 * local, "optimizer": 8 * local}
     e = elem_bytes(cfg)
     if e < 4:
+        mem["grads"] -= (4 - e) * matrix_share(cfg) * local
         # XLA hoists the layers' casts to the compute dtype out of the layer loop: one copy of
         # every block's weights, gathered over fsdp, lives from the forward to the backward.
         mem["compute_weights"] = e * blocks / layout.tensor
@@ -71,9 +75,32 @@ def static_memory(cfg: ModelConfig, layout: Layout) -> dict[str, float]:
     return mem
 
 
+def matrix_share(cfg: ModelConfig) -> float:
+    """The share of the parameters that are the layers' weight matrices: cast to the compute
+    dtype once per step (`models.layers.compute_weights`), their gradients in that dtype."""
+    d, h, g, k, f = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.k_dim, cfg.ff_dim
+    block = d * (h + 2 * g) * k + h * k * d + d * f * (3 if cfg.gated_mlp else 2)
+    return cfg.n_layers * block / cfg.param_count()
+
+
+def update_s(cfg: ModelConfig, local_params: float, hw: Hardware) -> float:
+    """The once-per-step memory passes over the parameters, at HBM bandwidth: AdamW's
+    OPTIMIZER_PASSES fp32 passes (4 B each per parameter); under a narrower compute dtype (e
+    bytes), for the weight matrices (`matrix_share`): the cast to e bytes (read 4, write e), the
+    gradient read by AdamW in e bytes instead of 4, and the global-norm clip's read of it:
+
+        bytes = 28 P + (4 + e - (4 - e) + e) P_mat       (P_mat = 0 when e = 4)
+    """
+    nbytes = OPTIMIZER_PASSES * 4 * local_params
+    e = elem_bytes(cfg)
+    if e < 4:
+        nbytes += (4 + e - (4 - e) + e) * matrix_share(cfg) * local_params
+    return hw.mem_s(nbytes)
+
+
 def head_cost(cfg: ModelConfig, layout: Layout, hw: Hardware) -> tuple[float, float]:
     """(seconds, temp bytes) of the embedding, logits and loss for one micro-batch, forward and
-    backward: 6 T D V / t FLOPs and `LOGIT_PASSES` passes over T V / t f32 logits; with a
+    backward: 6 T D V / t FLOPs and `LOGIT_PASSES` passes over T V / t logits; with a
     vocabulary split over t devices plus `head_tensor_comm_s`; under primepar instead the
     gathers and all-reduces of `planner.primepar_cost.head_extra`."""
     e = elem_bytes(cfg)
@@ -81,13 +108,14 @@ def head_cost(cfg: ModelConfig, layout: Layout, hw: Hardware) -> tuple[float, fl
     v = cfg.padded_vocab / layout.tensor
     flops = 6.0 * tok * cfg.d_model * v
     nbytes = 3 * e * (tok * cfg.d_model + cfg.d_model * v + tok * v)
-    logits = tok * v * 4
     t = hw.gemm_s(flops, nbytes, cfg.dtype) \
-        + hw.mem_s(LOGIT_PASSES * logits + 3 * tok * cfg.d_model * e)
+        + hw.mem_s(LOGIT_PASSES * tok * v * e + 3 * tok * cfg.d_model * e)
+    # The logits kept for the backward and their gradient (`models.loss`), e bytes each.
+    logits = 2 * tok * v * e
     if layout.primepar:
         extra_s, extra_temp = head_extra(cfg, layout, hw)
-        return t + extra_s, 3 * logits + extra_temp
-    return t + head_tensor_comm_s(cfg, layout, hw), 3 * logits
+        return t + extra_s, logits + extra_temp
+    return t + head_tensor_comm_s(cfg, layout, hw), logits
 
 
 def head_tensor_comm_s(cfg: ModelConfig, layout: Layout, hw: Hardware) -> float:
@@ -115,7 +143,7 @@ def step_cost(cfg: ModelConfig, layout: Layout, strategies: Sequence[LayerSpec],
     per step after the micro-batch loop (per micro-batch for primepar), so only the
     embedding/head backward hides it:
         exposed = max(0, reduce - head backward)
-    Optimizer: 7 fp32 passes over the local parameters at HBM bandwidth.
+    Optimizer: `update_s`.
     """
     if layer_costs is None:
         lm = LayerModel(cfg, layout, hw)
@@ -149,7 +177,7 @@ def step_cost(cfg: ModelConfig, layout: Layout, strategies: Sequence[LayerSpec],
         fsdp_s = 0.0
     hidden = min(reduce, 0.5 * head_s) if hw.async_collectives else 0.0
     exposed_reduce = reduce - hidden
-    opt_s = hw.mem_s(OPTIMIZER_PASSES * 4 * local_params)
+    opt_s = update_s(cfg, local_params, hw)
     accum_s = hw.mem_s(3 * 4 * local_params) * (m if m > 1 else 0)
     step = m * (layers + reshard + head_s) + fsdp_s + exposed_reduce + opt_s + accum_s
     compute = m * (sum(layer_costs[s].compute_s for s in strategies) + head_s) + opt_s + accum_s

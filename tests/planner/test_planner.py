@@ -102,20 +102,29 @@ def test_oases_hides_more_than_megatron_and_remat_trades_memory():
     assert cpu.step_s == pytest.approx(cpu.compute_s + cpu.comm_s)
 
 
-def test_flash_attention_drops_the_softmax_traffic_by_hand():
-    """On a GPU, bf16 attention under `auto` is cuDNN's fused kernel: the forward loses the
-    softmax's T L H / t (4 + 4 + e) bytes and the saved activations the scores (T L H / t at e
-    bytes plus three f32 copies) for f32 statistics T H / t; CPUs and fp32 keep the scores."""
+def test_flash_attention_is_the_causal_kernel_by_hand():
+    """On a GPU, bf16 attention under `auto` is cuDNN's causal fused kernel: the forward costs
+    the roofline of half of 4 T L H K / t FLOPs (the tiles above the diagonal skipped) with
+    only Q, K, V and O (and f32 statistics T H / t) through HBM, the backward 2.5 times those
+    FLOPs; the saved activations lose the scores (T L H / t at e bytes plus three f32 copies)
+    for the statistics; CPUs and fp32 keep the scores."""
     cfg = get_preset("oases-h4096-l16").replace(dtype="bfloat16")
     hw = Hardware.of(get_cluster("h100-8"))
+    dev = hw.cluster.device_spec
     lay = Layout(tensor=8, global_batch=8, seq_len=1024)
     flash, xla = LayerModel(cfg, lay, hw), LayerModel(cfg.replace(attention="xla"), lay, hw)
     assert flash.flash and not xla.flash
-    t, tok, h, e = 8, 8 * 1024, cfg.n_heads, 2
+    t, tok, h, g, k, e = 8, 8 * 1024, cfg.n_heads, cfg.kv_heads, cfg.k_dim, 2
     scores = tok * 1024 * h / t
     meg = LayerSpec(schedule="megatron")
-    gap = xla.sublayers(8, meg)["attn"].core - flash.sublayers(8, meg)["attn"].core
-    assert gap == pytest.approx(scores * (8 + e) / hw.cluster.device_spec.hbm_bytes_per_s)
+    attn = flash.sublayers(8, meg)["attn"]
+    flops, qkvo = 4 * tok * 1024 * h * k / t / 2, e * tok * (2 * h + 2 * g) * k / t
+    stats = 4 * tok * h / t
+    assert attn.core == pytest.approx(max(flops / dev.peak("bfloat16"),
+                                          (qkvo + stats) / dev.hbm_bytes_per_s))
+    assert attn.core_bwd == pytest.approx(max(2.5 * flops / dev.peak("bfloat16"),
+                                              (2 * qkvo + stats) / dev.hbm_bytes_per_s))
+    assert xla.sublayers(8, meg)["attn"].core_bwd == 2 * xla.sublayers(8, meg)["attn"].core
     saved = xla.saved_bytes(meg) - flash.saved_bytes(meg)
     assert saved == pytest.approx(scores * e + 3 * 4 * scores - 4 * tok * h / t)
     assert not LayerModel(cfg, lay, Hardware.of(get_cluster("cpu-8"))).flash
@@ -147,6 +156,24 @@ def test_cluster_json_round_trip_and_own_device(tmp_path):
     out.write_text(json.dumps(data))
     with pytest.raises(UserError, match="built in with other numbers"):
         get_cluster(str(out))
+
+
+def test_update_passes_by_hand():
+    """The once-per-step passes (`update_s`): AdamW's 28 B per parameter; in bf16 the weight
+    matrices add their cast (4 + 2 B), read their gradient in 2 B instead of 4 and the clip
+    reads it once more (2 B): 28 P + 6 P_mat."""
+    from planner.step_cost import matrix_share, update_s
+
+    hw = Hardware.of(get_cluster("h100:1"))
+    bw = hw.cluster.device_spec.hbm_bytes_per_s
+    cfg = get_preset("gpt2-1.5b")
+    d, f, n = cfg.d_model, cfg.ff_dim, cfg.n_layers
+    p_mat = n * (4 * d * d + 2 * d * f)  # q, k, v, o and the two MLP matrices
+    assert matrix_share(cfg) == pytest.approx(p_mat / cfg.param_count())
+    p = cfg.param_count()
+    assert update_s(cfg, p, hw) == pytest.approx(28 * p / bw)
+    bf16 = cfg.replace(dtype="bfloat16")
+    assert update_s(bf16, p, hw) == pytest.approx((28 * p + 6 * p_mat) / bw)
 
 
 def test_static_memory_by_hand():
