@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Measurements that need one real GPU: the GEMM calibration profile (whole and chunked GEMMs, at
 # the unsharded and tensor=8 per-device projection shapes) and single-GPU train-step throughput
-# and MFU, with the planner's datasheet prediction beside each measured step.
+# and MFU, with the planner's datasheet prediction beside each measured step and the measured
+# time of each op category beside its roofline price (bench.py --op-times).
 #   bash benchmarks/gpu_single.sh OUT_DIR [PART...]
 # PARTs (default all but ab): profile profile_t8 gpt2_full gpt2_save_proj gpt2_none llama_l8
 # llama_l8_none ab.
@@ -44,14 +45,14 @@ for remat in full save_proj none; do
   want "gpt2_$remat" && step "bench_gpt2-1.5b_${tag}x1_${remat}" python3 scripts/bench.py --model gpt2-1.5b \
     --dtype bfloat16 --remat "$remat" --batch-size 8 --seq-len 1024 --rounds 5 --warmup 2 \
     --variant megatron:data=1/tp/megatron --variant oases-k2:data=1/tp/oases \
-    --predict datasheet --json "$out/bench_gpt2-1.5b_${tag}x1_${remat}.json"
+    --predict datasheet --op-times 3 --json "$out/bench_gpt2-1.5b_${tag}x1_${remat}.json"
 done
 for remat in full none; do
   part=llama_l8$([[ $remat == none ]] && echo _none)
   want "$part" && step "bench_llama2-7b-l8_${tag}x1_${remat}" python3 scripts/bench.py \
     --model llama2-7b --model-set n_layers=8 --dtype bfloat16 --remat "$remat" --batch-size 8 \
     --seq-len 1024 --rounds 5 --warmup 2 --variant megatron:data=1/tp/megatron \
-    --variant oases-k2:data=1/tp/oases --predict datasheet \
+    --variant oases-k2:data=1/tp/oases --predict datasheet --op-times 3 \
     --json "$out/bench_llama2-7b-l8_${tag}x1_${remat}.json"
 done
 if want ab; then

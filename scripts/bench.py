@@ -59,6 +59,10 @@ def parse_args(argv=None):
     g.add_argument("--seed", type=int, default=0, help="seed of the parameters and batches")
     g.add_argument("--data", default="stdlib", help="stdlib, a text file or dir, or a .bin")
     g.add_argument("--json", metavar="OUT", help="also write the report as JSON")
+    g.add_argument("--op-times", type=int, default=0, metavar="STEPS",
+                   help="after timing, profile STEPS more steps per variant and print the "
+                        "measured time of each op category beside its roofline price (the "
+                        "per-op account of inspect_hlo.py --fusions); 0: off")
     g = p.add_argument_group("planner")
     g.add_argument("--predict", metavar="SOURCE",
                    help="also price every variant with the planner's cost model (datasheet, "
@@ -115,6 +119,7 @@ def build_config(args):
         stage_layers=args.stage_layers,
         virtual_stages=args.virtual_stages,
         remat_ratios=args.remat_ratios,
+        op_times=args.op_times,
     )
 
 
@@ -218,6 +223,11 @@ def main() -> int:
         print(format_table(report))
         if hw is not None:
             print(format_predictions(report))
+        if cfg.op_times:
+            from tools.op_times import format_table as op_table
+
+            for r in report["variants"]:
+                print(op_table(r["label"], r["op_times"]))
         if args.json:
             report["command"] = shlex.join(["python", *sys.argv])
             write_atomic(args.json, json.dumps(report, indent=1) + "\n")

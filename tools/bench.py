@@ -77,6 +77,7 @@ class BenchConfig:
     stage_layers: str | None = None
     virtual_stages: int = 0
     remat_ratios: str | None = None
+    op_times: int = 0  # steps profiled per variant after timing (`tools.op_times`); 0: none
 
     def __post_init__(self):
         if not self.variants:
@@ -85,8 +86,10 @@ class BenchConfig:
             if getattr(self, name) <= 0:
                 flag = name.replace("_", "-")
                 raise UserError(f"--{flag} {getattr(self, name)} must be positive")
-        if self.warmup < 0:
-            raise UserError(f"--warmup {self.warmup} must be >= 0")
+        if self.warmup < 0 or self.op_times < 0:
+            flag, value = ("--warmup", self.warmup) if self.warmup < 0 else ("--op-times",
+                                                                           self.op_times)
+            raise UserError(f"{flag} {value} must be >= 0")
         if self.batch_size % self.microbatches:
             raise UserError(f"--batch-size {self.batch_size} does not split into --microbatches "
                             f"{self.microbatches}; use a multiple of {self.microbatches}")
@@ -103,7 +106,7 @@ class BenchConfig:
 
     @property
     def total_steps(self) -> int:
-        return self.warmup + self.rounds * self.steps_per_round
+        return self.warmup + self.rounds * self.steps_per_round + self.op_times
 
     @property
     def tokens_per_step(self) -> int:
@@ -334,7 +337,13 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda _: None) -> 
     variants = prepare(cfg, log)
     warm_up(variants, cfg.warmup)
     log(f"timing {cfg.rounds} rounds x {cfg.steps_per_round} steps x {len(variants)} variants")
-    return summarize(cfg, variants, time_rounds(variants, cfg.rounds, cfg.steps_per_round))
+    report = summarize(cfg, variants, time_rounds(variants, cfg.rounds, cfg.steps_per_round))
+    if cfg.op_times:
+        from tools.op_times import for_variant
+
+        for v, row in zip(variants, report["variants"], strict=True):
+            row["op_times"] = for_variant(v, cfg.op_times)
+    return report
 
 
 def format_table(report: dict) -> str:
