@@ -140,12 +140,23 @@ class ClusterSpec:
         return self.levels[0][0] if len(self.levels) > 1 else self.n_devices
 
     def link_for(self, devices) -> LinkSpec:
-        """The slowest link a group of device ids must cross."""
-        devices = list(devices)
+        """The slowest link a group of device ids must cross: a level's link is crossed when
+        two of the devices share one of its blocks (`span` devices) but not a block of the level
+        below (so a ring through them passes over it). Usually the outermost level the group
+        spans; not where an inner link is the slower one (PCIe staged through host memory
+        inside servers joined by InfiniBand: a ring over two such servers is as slow as PCIe)."""
+        devices = sorted(set(devices))
+        crossed, inner = [], 1
         for span, link in self.levels:
-            if len({d // span for d in devices}) == 1:
-                return link
-        return self.levels[-1][1]
+            blocks: dict[int, set[int]] = {}
+            for d in devices:
+                blocks.setdefault(d // span, set()).add(d // inner)
+            if any(len(b) > 1 for b in blocks.values()):
+                crossed.append(link)
+            inner = span
+        if not crossed:
+            return self.levels[0][1]
+        return min(crossed, key=lambda link: link.bytes_per_s)
 
     def to_json(self) -> dict:
         """The cluster and its device's datasheet (`device_spec`), so that a copy can describe
@@ -213,8 +224,18 @@ _NVLINK4 = LinkSpec(name="nvlink4", bytes_per_s=450e9, latency_s=3e-6)
 _IB_400 = LinkSpec(name="ib-400g", bytes_per_s=50e9, latency_s=8e-6)
 _IB_100 = LinkSpec(name="ib-100g", bytes_per_s=12.5e9, latency_s=10e-6)
 _NVLINK_V100 = LinkSpec(name="nvlink2", bytes_per_s=150e9, latency_s=4e-6)
-_NVLINK_BRIDGE = LinkSpec(name="nvlink-bridge", bytes_per_s=56e9, latency_s=4e-6)
-_PCIE4 = LinkSpec(name="pcie4", bytes_per_s=24e9, latency_s=6e-6)
+# GA102's NVLink bridge: four x4 links of 14.0625 GB/s each way, 56.25 GB/s per direction
+# between the two bridged GPUs (NVIDIA Ampere GA102 GPU Architecture, "Third-Generation NVLink").
+_NVLINK_BRIDGE = LinkSpec(name="nvlink-bridge", bytes_per_s=56.25e9, latency_s=4e-6)
+# PCIe between GeForce RTX 3090s: the driver gives GeForce cards no peer-to-peer access over
+# PCIe ("CANNOT Access Peer" for every pair of an 8 x 3090 server, NVIDIA/nccl#1127), so every
+# transfer stages through host memory. p2pBandwidthLatencyTest with P2P disabled measured 6.1
+# GB/s one way and 8.6 GB/s both ways together between 3090s (PCIe 3.0, #1127), and 6.3 and
+# 8.7 GB/s between two PCIe 4.0 GeForce cards (tinygrad/open-gpu-kernel-modules#44): the host
+# copy, not the PCIe generation, is the limit. A ring collective or permute sends and receives
+# on every GPU at once: half the bidirectional figure each way, 4.3 GB/s, after 12-17 us
+# (#1127's latency matrix).
+_PCIE_HOST_STAGED = LinkSpec(name="pcie-host-staged", bytes_per_s=4.3e9, latency_s=15e-6)
 _NVLINK3 = LinkSpec(name="nvlink3", bytes_per_s=300e9, latency_s=3e-6)
 _HOST = LinkSpec(name="host-memory", bytes_per_s=5e9, latency_s=20e-6)
 
@@ -226,9 +247,9 @@ CLUSTERS: dict[str, ClusterSpec] = {
     c.name: c
     for c in (
         ClusterSpec(name="3090-nvlink-32", device="3090", n_devices=32,
-                    levels=((2, _NVLINK_BRIDGE), (4, _PCIE4), (32, _IB_100))),
+                    levels=((2, _NVLINK_BRIDGE), (4, _PCIE_HOST_STAGED), (32, _IB_100))),
         ClusterSpec(name="3090-pcie-32", device="3090", n_devices=32,
-                    levels=((4, _PCIE4), (32, _IB_100))),
+                    levels=((4, _PCIE_HOST_STAGED), (32, _IB_100))),
         ClusterSpec(name="v100-32", device="v100", n_devices=32,
                     levels=((4, _NVLINK_V100), (32, _IB_100))),
         # Merak's setting (64 GPUs; its own hardware is not public): PrimePar's V100 nodes of 4,
@@ -248,9 +269,9 @@ CLUSTERS: dict[str, ClusterSpec] = {
 GPUS_PER_NODE = 8
 _TARGET_LINKS = {"h100": (_NVLINK4, _IB_400), "h200": (_NVLINK4, _IB_400),
                  "a100": (_NVLINK3, LinkSpec(name="ib-200g", bytes_per_s=25e9, latency_s=8e-6)),
-                 # `3090:N`: nodes of 8 on PCIe 4.0 (the built-in 3090-pcie-32 and
-                 # 3090-nvlink-32 are the 4-GPU nodes of the published runs).
-                 "3090": (_PCIE4, _IB_100)}
+                 # `3090:N`: nodes of 8 on PCIe, staged through host memory (the built-in
+                 # 3090-pcie-32 and 3090-nvlink-32 are the 4-GPU nodes of the published runs).
+                 "3090": (_PCIE_HOST_STAGED, _IB_100)}
 
 
 def get_cluster(name: str) -> ClusterSpec:

@@ -100,8 +100,14 @@ def test_links_by_level():
     assert cluster.link_for([0, 7]).name == "nvlink4"
     assert cluster.link_for([0, 8]).name == "ib-400g"
     nv = get_cluster("3090-nvlink-32")
-    assert [nv.link_for(g).name for g in ([0, 1], [0, 2], [3, 4])] == [
-        "nvlink-bridge", "pcie4", "ib-100g"]
+    assert [nv.link_for(g).name for g in ([0, 1], [0, 2], [3, 4], [0, 4, 8], [0, 1, 4, 5])] == [
+        "nvlink-bridge", "pcie-host-staged", "ib-100g", "ib-100g", "ib-100g"]
+    # A group inside two servers crosses the host-staged PCIe (4.3 GB/s) in each of them as
+    # well as the InfiniBand (12.5 GB/s) between them: PCIe is the slowest link it crosses.
+    pcie = get_cluster("3090-pcie-32")
+    assert [pcie.link_for(g).name for g in (range(8), [0, 4], [0, 1], [2])] == [
+        "pcie-host-staged", "ib-100g", "pcie-host-staged", "pcie-host-staged"]
+    assert nv.link_for(range(8)).name == "pcie-host-staged"
 
 
 def test_roofline_compute_cost():
