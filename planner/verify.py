@@ -33,6 +33,7 @@ class Verified:
     gemm_overlap_share: float | None = None  # collective bytes with a GEMM in their window
     compile_s: float | None = None
     error: str | None = None
+    baseline: str | None = None  # "fsdp": compiled beside the top plans as their baseline
 
     @property
     def fits(self) -> bool:
@@ -49,7 +50,7 @@ class Verified:
                 "compiled_peak_memory_bytes": self.compiled_peak_memory_bytes,
                 "simulated_step_s": self.simulated_step_s, "xla_step_s": self.xla_step_s,
                 "gemm_overlap_share": self.gemm_overlap_share, "fits": self.fits,
-                "compile_s": self.compile_s, "error": self.error}
+                "compile_s": self.compile_s, "error": self.error, "baseline": self.baseline}
 
 
 def compile_target(cluster: ClusterSpec) -> str:
@@ -118,18 +119,35 @@ def verify_one(c: Candidate, rank: int, cfg: ModelConfig, target: Target) -> Ver
                     gemm_overlap_share=r["gemm_overlap_share"], compile_s=r["compile_s"])
 
 
+def fsdp_baseline(result: SearchResult) -> tuple[int, Candidate] | None:
+    """(rank, candidate) of the fastest predicted plan that only shards parameters and batch
+    over every device (FSDP, no tensor axis): what a user gets from plain FSDP, as MaxText
+    runs by default. None when the search has no such layout."""
+    for rank, c in enumerate(result.ranked, 1):
+        lay = c.layout
+        if lay.tensor == 1 and lay.fsdp > 1 and lay.data == 1 and not lay.primepar:
+            return rank, c
+    return None
+
+
 def verify(result: SearchResult, cfg: ModelConfig, cluster: ClusterSpec, n: int,
            log: Callable[[str], None] | None = None) -> list[Verified]:
-    """Compile the top `n` plans of `result` (by predicted step) for the cluster's target."""
+    """Compile the top `n` plans of `result` (by predicted step) for the cluster's target, and
+    the best FSDP-only plan beside them when it is not among them (`fsdp_baseline`); it can be
+    chosen like any other."""
     if n < 0:
         raise UserError(f"--verify {n} must be >= 0 (0: no verification)")
     target = target_for(cluster)
+    todo = [(i, c, None) for i, c in enumerate(result.ranked[:n], 1)]
+    base = fsdp_baseline(result)
+    if base is not None and base[0] > n:
+        todo.append((*base, "fsdp"))
     out = []
-    top = result.ranked[:n]
-    for i, c in enumerate(top, 1):
+    for k, (rank, c, baseline) in enumerate(todo, 1):
         if log:
-            log(f"verifying {i}/{len(top)} on {target.name}: {c.summary()}")
-        out.append(verify_one(c, i, cfg, target))
+            what = " (the FSDP-only baseline)" if baseline else ""
+            log(f"verifying {k}/{len(todo)} on {target.name}: {c.summary()}{what}")
+        out.append(dataclasses.replace(verify_one(c, rank, cfg, target), baseline=baseline))
     return out
 
 
@@ -193,7 +211,8 @@ def table(verified: list[Verified], chosen: Verified | None) -> str:
     for v in verified:
         share = f"{v.gemm_overlap_share:7.2f}" if v.gemm_overlap_share is not None else f"{'-':>7}"
         fits = "yes" if v.fits else ("FAILED" if v.error else "NO")
-        mark = "  <- chosen" if v is chosen else ""
+        mark = ("  <- chosen" if v is chosen else "") + ("  (FSDP-only baseline)"
+                                                          if v.baseline else "")
         c = v.candidate
         rows.append(f"{v.rank:3d}  {c.summary()[:52]:<52} {ms(c.cost.step_s)} "
                     f"{gib(c.cost.peak_memory_bytes)} {gib(v.compiled_peak_memory_bytes)} "
@@ -203,5 +222,6 @@ def table(verified: list[Verified], chosen: Verified | None) -> str:
     return "\n".join(rows)
 
 
-__all__ = ["CHOSEN_BY", "Verified", "candidate_spec", "choose", "compile_target", "no_fit_error",
-           "table", "target_for", "verified_json", "verify", "verify_one", "verify_plan"]
+__all__ = ["CHOSEN_BY", "Verified", "candidate_spec", "choose", "compile_target", "fsdp_baseline",
+           "no_fit_error", "table", "target_for", "verified_json", "verify", "verify_one",
+           "verify_plan"]

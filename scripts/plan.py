@@ -328,7 +328,7 @@ def agreement(verified) -> str:
     Spearman rank correlation."""
     from planner.rank import spearman
 
-    done = [v for v in verified if v.simulated_step_s]
+    done = [v for v in verified if v.simulated_step_s and not v.baseline]
     if len(done) < 2:
         return f"ranking agreement: {len(done)} plan(s) compiled, too few to rank"
     pred = [v.candidate.cost.step_s for v in done]

@@ -174,3 +174,30 @@ def test_a_compile_that_fails_is_recorded_and_never_fits(monkeypatch):
     assert v.error == "compile failed: ValueError: Size of label 'd' does not match"
     assert not v.fits and v.compiled_peak_memory_bytes is None
     assert ver.choose([v]) is None
+
+
+def test_the_fsdp_only_baseline_is_verified_beside_the_top_plans(monkeypatch):
+    """`verify` compiles the best plan that only shards over every device (no tensor axis)
+    after the top N when it is not among them, marked as the baseline, and it can be chosen."""
+    cfg = get_preset("llama2-7b").with_overrides(["dtype=bfloat16"])
+    cluster = get_cluster("h100-8")
+    result = search(cfg, Hardware.of(cluster), global_batch=8, seq_len=2048)
+    rank, base = ver.fsdp_baseline(result)
+    lay = base.layout
+    assert (lay.tensor, lay.fsdp, lay.data, lay.primepar) == (1, 8, 1, False)
+    assert all(c.layout.tensor > 1 or c.layout.fsdp == 1 for c in result.ranked[:rank - 1])
+    n = min(2, rank - 1)
+    seen = []
+
+    def fake(c, r, cfg_, target):
+        seen.append((r, c.summary()))
+        return ver.Verified(candidate=c, rank=r, device_memory_bytes=80 * 2**30,
+                            compiled_peak_memory_bytes=2**30, simulated_step_s=1.0 / r)
+
+    monkeypatch.setattr(ver, "verify_one", fake)
+    verified = ver.verify(result, cfg, cluster, n)
+    assert seen == [(i, c.summary()) for i, c in enumerate(result.ranked[:n], 1)] + [
+        (rank, base.summary())]
+    assert [v.baseline for v in verified] == [None] * n + ["fsdp"]
+    assert ver.choose(verified).baseline == "fsdp"  # the fastest simulated: it is chosen
+    assert "(FSDP-only baseline)" in ver.table(verified, ver.choose(verified))
