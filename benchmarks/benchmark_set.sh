@@ -20,7 +20,7 @@ declare -A ARGS=(
   [oases-h2048-l24_3090-pcie-32]="--model oases-h2048-l24 --cluster 3090-pcie-32 --global-batch 32 --seq-len 1024"
   [oases-h2048-l24_3090-nvlink-32]="--model oases-h2048-l24 --cluster 3090-nvlink-32 --global-batch 32 --seq-len 1024"
   [llama2-70b_h100-32]="--model llama2-70b --model-set dtype=bfloat16 --cluster h100-32 --global-batch 32 --seq-len 2048"
-  [gpt-20b_h100-32]="--model gpt-20b --model-set dtype=bfloat16 --cluster h100-32 --global-batch 32 --seq-len 2048"
+  [gpt-20b_h100-32]="--model gpt-20b --model-set dtype=bfloat16 --cluster h100-32 --global-batch 32 --seq-len 1024"
 )
 ORDER="llama2-7b_h100-8 gpt2-1.5b_h100-8 oases-h4096-l16_3090-pcie-32 oases-h4096-l16_3090-nvlink-32
 oases-h2048-l24_3090-pcie-32 oases-h2048-l24_3090-nvlink-32 llama2-70b_h100-32 gpt-20b_h100-32"
