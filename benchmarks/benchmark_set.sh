@@ -14,7 +14,7 @@ export JAX_PLATFORMS=cpu PYTHONUNBUFFERED=1
 PY=${PY:-python}
 declare -A ARGS=(
   [llama2-7b_h100-8]="--model llama2-7b --model-set dtype=bfloat16 --cluster h100-8 --global-batch 8 --seq-len 2048"
-  [gpt2-1.5b_h100-8]="--model gpt2-1.5b --model-set n_heads=32 --model-set head_dim=50 --model-set dtype=bfloat16 --cluster h100-8 --global-batch 16 --seq-len 1024"
+  [gpt2-1.5b_h100-8]="--model gpt2-1.5b --model-set n_heads=20 --model-set head_dim=80 --model-set dtype=bfloat16 --cluster h100-8 --global-batch 16 --seq-len 1024"
   [oases-h4096-l16_3090-pcie-32]="--model oases-h4096-l16 --cluster 3090-pcie-32 --global-batch 32 --seq-len 1024"
   [oases-h4096-l16_3090-nvlink-32]="--model oases-h4096-l16 --cluster 3090-nvlink-32 --global-batch 32 --seq-len 1024"
   [oases-h2048-l24_3090-pcie-32]="--model oases-h2048-l24 --cluster 3090-pcie-32 --global-batch 32 --seq-len 1024"

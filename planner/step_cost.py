@@ -68,8 +68,11 @@ def static_memory(cfg: ModelConfig, layout: Layout) -> dict[str, float]:
     if e < 4:
         mem["grads"] -= (4 - e) * matrix_share(cfg) * local
         # XLA hoists the layers' casts to the compute dtype out of the layer loop: one copy of
-        # every block's weights, gathered over fsdp, lives from the forward to the backward.
+        # every block's weights lives from the forward to the backward; under fsdp the cast
+        # copy of the local shard, each layer gathered just before it runs (two in flight).
         mem["compute_weights"] = e * blocks / layout.tensor
+        if layout.fsdp > 1:
+            mem["compute_weights"] *= (1 + 2 * layout.fsdp / cfg.n_layers) / layout.fsdp
     if layout.microbatches > 1:
         mem["grad_accumulator"] = 4 * local
     return mem
@@ -132,6 +135,54 @@ def head_tensor_comm_s(cfg: ModelConfig, layout: Layout, hw: Hardware) -> float:
         + 3 * hw.comm_s("all-reduce", tok * 4, g)
 
 
+def fsdp_comm_s(cfg: ModelConfig, layout: Layout, hw: Hardware, strategies: Sequence[LayerSpec],
+                layer_costs: dict[LayerSpec, LayerCost]) -> tuple[float, float]:
+    """(exposed, total) seconds of FSDP's collectives for one micro-batch. The layer loop gathers
+    each layer's weights over the fsdp group before its forward and again before its backward
+    (a recompute uses the backward's gather) and reduce-scatters its gradients after it; the
+    weight matrices move in the compute dtype (cast before the gather,
+    `models.layers.compute_weights`), their gradients too, the rest (norms, biases) in fp32; the
+    embedding and head gather once each way and reduce-scatter once. A layer's gathers are
+    issued in its own loop iteration (XLA does not pipeline them into the previous one by
+    default), so the weights of the sub-layer that runs first are waited for (attention's
+    forward, the MLP's backward: g_1) and the others run beside it; beyond that, what the
+    collective stream carries past the loop's compute shows (with the layers' own
+    tensor-parallel collectives c on the same stream), per direction:
+
+        exposed = L g_a + g_emb + max(0, L g_m + c_f - F)
+                + L g_m + max(0, L (g_a + r) + g_emb + r_emb + c_b - B)
+
+    with g_a, g_m the attention's and the MLP's weight gathers, r a layer's gradient
+    reduce-scatter, F, B the layers' forward and backward (recompute included) times."""
+    e = min(elem_bytes(cfg), 4)
+    d, h, g, k, f = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.k_dim, cfg.ff_dim
+    attn = d * (h + 2 * g) * k + h * k * d
+    mlp = d * f * (3 if cfg.gated_mlp else 2)
+    rest = cfg.param_count(embeddings=False) / cfg.n_layers - attn - mlp
+    t = layout.tensor
+    attn_bytes, mlp_bytes = (attn * e + rest * 2) / t, (mlp * e + rest * 2) / t
+    emb_bytes = 4 * (cfg.param_count() - cfg.param_count(embeddings=False)) / t
+    group = [i * t for i in range(layout.fsdp)]
+
+    def ag(nbytes):
+        return hw.comm_s("all-gather", nbytes, group)
+
+    rs_l = hw.comm_s("reduce-scatter", attn_bytes + mlp_bytes, group)
+    rs_e = hw.comm_s("reduce-scatter", emb_bytes, group)
+    ag_a, ag_m, ag_e = ag(attn_bytes), ag(mlp_bytes), ag(emb_bytes)
+    n = len(strategies)
+    total = 2 * n * (ag_a + ag_m) + n * rs_l + 2 * ag_e + rs_e
+    if not hw.async_collectives:  # CPU: every collective is synchronous
+        return total, total
+    costs = [layer_costs[s] for s in strategies]
+    fwd, bwd = sum(c.fwd_s for c in costs), sum(c.bwd_s for c in costs)
+    tp = sum(c.comm_s for c in costs)
+    tp_f = tp * fwd / (fwd + bwd) if fwd + bwd else 0.0
+    exposed = (n * ag_a + ag_e + max(0.0, n * ag_m + tp_f - fwd)
+               + n * ag_m + max(0.0, n * (ag_a + rs_l) + ag_e + rs_e + tp - tp_f - bwd))
+    return exposed, total
+
+
 def step_cost(cfg: ModelConfig, layout: Layout, strategies: Sequence[LayerSpec], hw: Hardware,
               layer_costs: dict[LayerSpec, LayerCost] | None = None) -> StepCost:
     """One optimizer step: `microbatches` x (head + every layer's forward and backward, plus
@@ -158,15 +209,13 @@ def step_cost(cfg: ModelConfig, layout: Layout, strategies: Sequence[LayerSpec],
     rgroup = replica_group(layout)
     grad_bytes = 4 * local_params
     if layout.fsdp > 1:
-        # Parameters gathered for forward and backward, gradients reduce-scattered (per micro
-        # step), then an all-reduce over the data axis of the fsdp-sharded gradients.
-        gathered = grad_bytes * layout.fsdp
-        fgroup = [i * layout.tensor for i in range(layout.fsdp)]
+        # Each layer's weights gathered for its forward and again for its backward, its
+        # gradients reduce-scattered, inside the layer loop beside the layers' compute
+        # (`fsdp_comm_s`); then an all-reduce over the data axis of the sharded gradients.
+        exposed_micro, fsdp_comm = fsdp_comm_s(cfg, layout, hw, strategies, layer_costs)
         dgroup = [i * layout.tensor * layout.fsdp for i in range(layout.data)]
-        per_micro = 2 * hw.comm_s("all-gather", gathered, fgroup) \
-            + hw.comm_s("reduce-scatter", gathered, fgroup)
         reduce = hw.comm_s("all-reduce", grad_bytes, dgroup)
-        fsdp_s = m * per_micro
+        fsdp_s = m * exposed_micro
     else:
         reduce = hw.comm_s("all-reduce", grad_bytes, rgroup)
         if layout.primepar:
@@ -181,7 +230,8 @@ def step_cost(cfg: ModelConfig, layout: Layout, strategies: Sequence[LayerSpec],
     accum_s = hw.mem_s(3 * 4 * local_params) * (m if m > 1 else 0)
     step = m * (layers + reshard + head_s) + fsdp_s + exposed_reduce + opt_s + accum_s
     compute = m * (sum(layer_costs[s].compute_s for s in strategies) + head_s) + opt_s + accum_s
-    comm = m * (sum(layer_costs[s].comm_s for s in strategies) + reshard) + reduce + fsdp_s
+    comm = m * (sum(layer_costs[s].comm_s for s in strategies) + reshard) + reduce \
+        + (m * fsdp_comm if layout.fsdp > 1 else 0.0)
     acts = sum(layer_costs[s].act_bytes for s in strategies)
     temp = max(max(layer_costs[s].temp_bytes for s in strategies), head_temp)
     memory = {**static, "activations": acts, "temporaries": temp}

@@ -131,7 +131,7 @@ def fsdp_baseline(result: SearchResult) -> tuple[int, Candidate] | None:
 
 
 def verify(result: SearchResult, cfg: ModelConfig, cluster: ClusterSpec, n: int,
-           log: Callable[[str], None] | None = None) -> list[Verified]:
+           log: Callable[[str], None] | None = None, baseline: bool = True) -> list[Verified]:
     """Compile the top `n` plans of `result` (by predicted step) for the cluster's target, and
     the best FSDP-only plan beside them when it is not among them (`fsdp_baseline`); it can be
     chosen like any other."""
@@ -139,7 +139,7 @@ def verify(result: SearchResult, cfg: ModelConfig, cluster: ClusterSpec, n: int,
         raise UserError(f"--verify {n} must be >= 0 (0: no verification)")
     target = target_for(cluster)
     todo = [(i, c, None) for i, c in enumerate(result.ranked[:n], 1)]
-    base = fsdp_baseline(result)
+    base = fsdp_baseline(result) if baseline else None
     if base is not None and base[0] > n:
         todo.append((*base, "fsdp"))
     out = []
@@ -180,11 +180,12 @@ def verified_json(verified: list[Verified], chosen: Verified | None, target: str
 
 
 def verify_plan(result: SearchResult, cfg: ModelConfig, cluster: ClusterSpec, n: int, *,
-                model: str, cost_source: str, log: Callable[[str], None] = print
-                ) -> tuple[dict, list[Verified], Verified]:
-    """Verify the top `n` plans, log their table, and return the plan JSON of the chosen one
-    (`choose`) with its `verified` block; raises `no_fit_error` when none fits."""
-    verified = verify(result, cfg, cluster, n, log)
+                model: str, cost_source: str, log: Callable[[str], None] = print,
+                baseline: bool = True) -> tuple[dict, list[Verified], Verified]:
+    """Verify the top `n` plans (and the FSDP-only baseline, unless `baseline` is off), log
+    their table, and return the plan JSON of the chosen one (`choose`) with its `verified`
+    block; raises `no_fit_error` when none fits."""
+    verified = verify(result, cfg, cluster, n, log, baseline)
     chosen = choose(verified)
     target = compile_target(cluster)
     log(f"compiled for {target} (device memory {cluster.device_spec.memory_bytes / 2**30:.1f} "

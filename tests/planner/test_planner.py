@@ -212,11 +212,17 @@ def test_memory_pressure_mixes_strategies():
     cfg = get_preset("oases-h4096-l16")
     hw = Hardware.of(get_cluster("h100-8"))
     r0 = search(cfg, hw, global_batch=16, seq_len=1024, schedules=("megatron",))
+    lay = r0.best.layout
+    remats = {s.remat for s in r0.best.strategies}
+    lean = step_cost(cfg, lay, [LayerSpec(remat="full")] * cfg.n_layers, hw).peak_memory_bytes
+    budget = (r0.best.cost.peak_memory_bytes + lean) / 2
     r = search(cfg, hw, global_batch=16, seq_len=1024, schedules=("megatron",),
-               memory_fraction=0.5 * r0.best.cost.peak_memory_bytes / hw.cluster.device_spec
-               .memory_bytes / 0.9 * 0.9)
+               memory_fraction=budget / hw.cluster.device_spec.memory_bytes)
     assert r.best.cost.peak_memory_bytes <= r.budget_bytes
     assert r.best.cost.step_s >= r0.best.cost.step_s
+    if r.best.layout == lay:  # the same layout under less memory: fewer layers keep more
+        assert len({s.remat for s in r.best.strategies}) > 1 or remats != {
+            s.remat for s in r.best.strategies}
 
 
 def test_plan_file_errors(tmp_path):

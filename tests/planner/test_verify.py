@@ -69,7 +69,8 @@ def test_verified_figures_are_the_compiled_programs():
     directly compiled report; the chosen one fits and has the fastest simulated step."""
     cfg, cluster, result = _tiny_cpu8()
     verified = ver.verify(result, cfg, cluster, 2)
-    assert [v.candidate for v in verified] == result.ranked[:2]
+    assert [v.candidate for v in verified if not v.baseline] == result.ranked[:2]
+    assert all(v.candidate == ver.fsdp_baseline(result)[1] for v in verified if v.baseline)
     for v in verified:
         ref = _reference(v.candidate, cfg, get_target("local"))
         assert v.error is None and v.xla_step_s is None  # XLA's estimate: GPU targets only
@@ -81,7 +82,8 @@ def test_verified_figures_are_the_compiled_programs():
     assert chosen.simulated_step_s == min(v.simulated_step_s for v in verified)
     block = ver.verified_json(verified, chosen, "local")
     assert block["chosen"] == chosen.rank and block["chosen_by"] == "simulated_step_s"
-    assert [d["label"] for d in block["candidates"]] == [c.summary() for c in result.ranked[:2]]
+    assert [d["label"] for d in block["candidates"] if not d["baseline"]] == [
+        c.summary() for c in result.ranked[:2]]
     assert block["candidates"][0]["predicted_step_s"] == result.ranked[0].cost.step_s
 
 
@@ -148,7 +150,8 @@ def test_h100_fit_check_marks_the_plan_whose_compiled_peak_exceeds_memory():
     small = _own_device("h100", "h100-verify-test", (peaks[0] + peaks[1]) / 2, 8)
     lines = []
     plan, verified, chosen = ver.verify_plan(result, cfg, small, 2, model="small",
-                                             cost_source="datasheet", log=lines.append)
+                                             cost_source="datasheet", log=lines.append,
+                                             baseline=False)
     big = max(range(2), key=lambda i: peaks[i])
     assert [v.fits for v in verified] == [i != big for i in range(2)]
     assert chosen.rank == 2 - big and plan["mesh"] == top[1 - big].layout.mesh()

@@ -18,8 +18,9 @@ def test_verify_writes_the_fastest_plan_that_fits_and_inspect_reads_its_model(tm
     block = plan["verified"]
     assert block["target"] == "local" and block["chosen_by"] == "simulated_step_s"
     cands = block["candidates"]
-    assert [c["rank"] for c in cands] == [1, 2] and all(c["fits"] for c in cands)
-    chosen = cands[block["chosen"] - 1]
+    assert [c["rank"] for c in cands if not c["baseline"]] == [1, 2]
+    assert all(c["fits"] for c in cands) and all(c["rank"] > 2 for c in cands if c["baseline"])
+    (chosen,) = [c for c in cands if c["rank"] == block["chosen"]]
     assert chosen["simulated_step_s"] == min(c["simulated_step_s"] for c in cands)
     assert plan["mesh"] == chosen["mesh"] and plan["rules"] == chosen["rules"]
     assert plan["predicted_step_s"] == chosen["predicted_step_s"]
