@@ -76,7 +76,7 @@ def default_xla_profile(cluster: ClusterSpec):
 
 
 def make_plan(cfg: ModelConfig, *, model: str, cluster: ClusterSpec, global_batch: int,
-              seq_len: int, memory_fraction: float = 0.9, profile=None,
+              seq_len: int, memory_fraction: float | None = None, profile=None,
               cost_source: str = "datasheet", schedules=None) -> tuple[dict, object]:
     """Search and return (plan JSON, SearchResult): an MoE model's data x expert x tensor
     search (`planner.moe_search`), a dense model's per-layer one (`planner.search`)."""

@@ -147,7 +147,7 @@ def plan_moe_layout(cfg: ModelConfig, layout: Layout, hw: Hardware, budget: floa
 
 
 def search_moe(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int,
-               memory_fraction: float = 0.9, schedules: Sequence[str] = SCHEDULES,
+               memory_fraction: float | None = None, schedules: Sequence[str] = SCHEDULES,
                remats: Sequence[str] = REMATS, max_microbatches: int = 8,
                n_devices: int | None = None, expert_degrees: Sequence[int] | None = None,
                moe_schedules: Sequence[str] = EP_SCHEDULES) -> SearchResult:
@@ -156,12 +156,12 @@ def search_moe(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: in
     DeepSpeed-MoE's schedule). Raises UserError with what would be needed when nothing fits."""
     t0 = time.perf_counter()
     n = n_devices or hw.cluster.n_devices
-    if not 0 < memory_fraction <= 1:
+    if memory_fraction is not None and not 0 < memory_fraction <= 1:
         raise UserError(f"--memory-fraction {memory_fraction} must be in (0, 1]")
     if seq_len > cfg.max_seq_len:
         raise UserError(f"--seq-len {seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
     check_options(cfg, n, schedules, expert_degrees, moe_schedules)
-    budget = memory_fraction * hw.cluster.device_spec.memory_bytes
+    budget = hw.memory_budget(memory_fraction)
     cands = moe_layouts(cfg, n, global_batch, seq_len, max_microbatches, expert_degrees)
     if not cands:
         raise UserError(

@@ -144,7 +144,7 @@ def _screen(cfg, hw, stages, layout, strategy, x, p2p, schedule) -> float:
 
 
 def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int,
-              memory_fraction: float = 0.9, n_devices: int | None = None,
+              memory_fraction: float | None = None, n_devices: int | None = None,
               pipelines: tuple[str, ...] = PIPELINES, refine: int = REFINE,
               megatron_only: bool = False, baseline: bool = True) -> list[PipelineCandidate]:
     """Every S >= 2 dividing the devices and at most the layers, tensor t inside a node
@@ -154,7 +154,7 @@ def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int
     `refine` partitioned under the simulator; plus (`baseline`) the best Megatron-style plan
     (`megatron_3d`), which the screen may rank out. Ranked best first."""
     n = n_devices or hw.cluster.n_devices
-    budget = memory_fraction * hw.cluster.device_spec.memory_bytes
+    budget = hw.memory_budget(memory_fraction)
     screened = []
     for S, layout, _ in _layouts(cfg, hw, n, global_batch, seq_len):
         strategy = _strategy(cfg, layout, hw, megatron_only)
@@ -186,14 +186,14 @@ def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int
 
 
 def megatron_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int,
-                memory_fraction: float = 0.9, n_devices: int | None = None,
+                memory_fraction: float | None = None, n_devices: int | None = None,
                 refine: int = 2 * REFINE) -> list[PipelineCandidate]:
     """Megatron-LM's 3D plan, searched over the same degrees as `search_3d`: uniform stages
     (the remainder on the first stages), 1F1B, full recompute on every stage, Megatron's
     tensor parallelism inside a node; screened by (M + S - 1) x the heaviest stage, the best
     `refine` simulated. Ranked best first; [] when none fits."""
     n = n_devices or hw.cluster.n_devices
-    budget = memory_fraction * hw.cluster.device_spec.memory_bytes
+    budget = hw.memory_budget(memory_fraction)
     screened = []
     for S, layout, _ in _layouts(cfg, hw, n, global_batch, seq_len):
         strategy = LayerSpec(schedule="megatron")

@@ -10,6 +10,14 @@ from oases_jax.analysis.hardware import ClusterSpec
 from oases_jax.analysis.simulate import collective_time
 from planner.profile import Profile
 
+# XLA's GPU compiler schedules a program against (0.8 M - io) x 0.95 of a device's memory M,
+# io being the program's non-aliased inputs and outputs (`GetSchedulerMemoryLimit`: 80% of the
+# device memory, less io, less `xla_gpu_memory_limit_slop_factor`'s 5%); a program above it is
+# rematerialised where XLA can and its collectives serialised where it cannot (Llama-2 70B on
+# h100:32 at 72.9 GiB: "Can't reduce memory use below 61.33GiB", 718 of its 1623 tensor
+# all-reduces synchronous). Counting io inside the peak: 0.76 M + 0.05 io; plans keep to 0.76 M.
+XLA_SCHEDULER_SHARE = 0.8 * 0.95
+
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
@@ -24,6 +32,18 @@ class Hardware:
     def of(cls, cluster: ClusterSpec, profile: Profile | None = None) -> Hardware:
         # CPU collectives are synchronous: nothing overlaps there.
         return cls(cluster, profile, async_collectives=cluster.device != "cpu")
+
+    def memory_fraction(self, fraction: float | None = None) -> float:
+        """The share of a device's memory a plan may use: `fraction` when given; else on GPUs
+        XLA_SCHEDULER_SHARE (the memory XLA's GPU scheduler plans within: above it the
+        latency-hiding scheduler gives up overlap), on CPUs 0.9."""
+        if fraction is not None:
+            return fraction
+        return 0.9 if self.cluster.device == "cpu" else XLA_SCHEDULER_SHARE
+
+    def memory_budget(self, fraction: float | None = None) -> float:
+        """Bytes per device a plan may use (`memory_fraction`)."""
+        return self.memory_fraction(fraction) * self.cluster.device_spec.memory_bytes
 
     def gemm_s(self, flops: float, nbytes: float, dtype: str, chunks: int = 1) -> float:
         """One GEMM split into `chunks` calls: the profile's fit if it has this dtype, else

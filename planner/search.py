@@ -210,19 +210,21 @@ def plan_layout(cfg: ModelConfig, layout: Layout, hw: Hardware, budget: float,
     return best, uniform
 
 
-def no_fit(what: str, budget: float, memory_fraction: float, smallest, n: int) -> UserError:
+def no_fit(what: str, budget: float, memory_fraction: float | None, smallest, n: int
+           ) -> UserError:
     """The one-line error when no `what` fits: the leanest candidate priced (`smallest`, with a
     `cost` and a `summary()`, or None) and about how many devices it would need."""
     need = smallest.cost.peak_memory_bytes if smallest else float("nan")
     return UserError(
         f"no {what} fits {budget / 2**30:.1f} GiB per device (memory fraction "
-        f"{memory_fraction}); the leanest ({smallest.summary() if smallest else '-'}) needs "
+        f"{'default' if memory_fraction is None else memory_fraction}); the leanest "
+        f"({smallest.summary() if smallest else '-'}) needs "
         f"{need / 2**30:.1f} GiB: use more devices (about "
         f"{int(np.ceil(n * need / budget))}), a smaller --global-batch, or more micro-batches")
 
 
 def search(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int,
-           memory_fraction: float = 0.9, schedules: Sequence[str] = SCHEDULES,
+           memory_fraction: float | None = None, schedules: Sequence[str] = SCHEDULES,
            remats: Sequence[str] = REMATS, max_microbatches: int = 8,
            n_devices: int | None = None) -> SearchResult:
     """Search every layout; rank the best plan of each. Raises UserError with what would be
@@ -232,11 +234,11 @@ def search(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int,
     if cfg.moe:  # its experts, dispatch and expert axis are not in this search's cost model
         raise ValueError("search() plans dense models; plan an MoE model with "
                          "planner.moe_search.search_moe (planner.make_plan chooses)")
-    if not 0 < memory_fraction <= 1:
+    if memory_fraction is not None and not 0 < memory_fraction <= 1:
         raise UserError(f"--memory-fraction {memory_fraction} must be in (0, 1]")
     if seq_len > cfg.max_seq_len:
         raise UserError(f"--seq-len {seq_len} exceeds the model's max_seq_len {cfg.max_seq_len}")
-    budget = memory_fraction * hw.cluster.device_spec.memory_bytes
+    budget = hw.memory_budget(memory_fraction)
     cands = layouts(cfg, n, global_batch, seq_len, max_microbatches, schedules)
     if not cands and set(schedules) == {PRIMEPAR}:
         raise UserError(

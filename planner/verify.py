@@ -34,6 +34,15 @@ class Verified:
     compile_s: float | None = None
     error: str | None = None
     baseline: str | None = None  # "fsdp": compiled beside the top plans as their baseline
+    # XLA's GPU scheduling limit for this program, peak terms (`scheduler_limit_bytes`)
+    scheduler_limit_bytes: float | None = None
+
+    @property
+    def over_scheduler_limit(self) -> bool:
+        """The compiled peak is above the memory XLA's GPU scheduler plans within: it kept the
+        program in memory by serialising collectives it would have overlapped."""
+        return (self.scheduler_limit_bytes is not None and self.compiled_peak_memory_bytes
+                is not None and self.compiled_peak_memory_bytes > self.scheduler_limit_bytes)
 
     @property
     def fits(self) -> bool:
@@ -50,7 +59,17 @@ class Verified:
                 "compiled_peak_memory_bytes": self.compiled_peak_memory_bytes,
                 "simulated_step_s": self.simulated_step_s, "xla_step_s": self.xla_step_s,
                 "gemm_overlap_share": self.gemm_overlap_share, "fits": self.fits,
-                "compile_s": self.compile_s, "error": self.error, "baseline": self.baseline}
+                "compile_s": self.compile_s, "error": self.error, "baseline": self.baseline,
+                "scheduler_limit_bytes": self.scheduler_limit_bytes,
+                "over_scheduler_limit": self.over_scheduler_limit}
+
+
+def scheduler_limit_bytes(memory: dict, device_memory: float) -> float:
+    """XLA's GPU scheduling memory limit in the terms of a compiled peak: its non-aliased inputs
+    and outputs io, plus the temporary memory XLA schedules within, (0.8 M - io) x 0.95
+    (`planner.prices.XLA_SCHEDULER_SHARE`)."""
+    io = memory.get("argument", 0) + memory.get("output", 0) - memory.get("alias", 0)
+    return io + (0.8 * device_memory - io) * 0.95
 
 
 def compile_target(cluster: ClusterSpec) -> str:
@@ -112,7 +131,9 @@ def verify_one(c: Candidate, rank: int, cfg: ModelConfig, target: Target) -> Ver
     if "error" in r:
         return Verified(candidate=c, rank=rank, device_memory_bytes=memory, error=r["error"])
     xla = r.get("xla_estimate")
+    limit = scheduler_limit_bytes(r.get("memory") or {}, memory) if target.is_gpu_aot else None
     return Verified(candidate=c, rank=rank, device_memory_bytes=memory,
+                    scheduler_limit_bytes=limit,
                     compiled_peak_memory_bytes=r["peak_memory_bytes"],
                     simulated_step_s=r["simulated_step_s"],
                     xla_step_s=xla["step_s"] if xla else None,
@@ -211,7 +232,8 @@ def table(verified: list[Verified], chosen: Verified | None) -> str:
             f"{'sim ms':>9} {'XLA ms':>9} {'GEMM sh':>7}  fits"]
     for v in verified:
         share = f"{v.gemm_overlap_share:7.2f}" if v.gemm_overlap_share is not None else f"{'-':>7}"
-        fits = "yes" if v.fits else ("FAILED" if v.error else "NO")
+        fits = ("yes*" if v.over_scheduler_limit else "yes") if v.fits else (
+            "FAILED" if v.error else "NO")
         mark = ("  <- chosen" if v is chosen else "") + ("  (FSDP-only baseline)"
                                                           if v.baseline else "")
         c = v.candidate
@@ -220,6 +242,9 @@ def table(verified: list[Verified], chosen: Verified | None) -> str:
                     f"{ms(v.simulated_step_s)} {ms(v.xla_step_s)} {share}  {fits}{mark}")
         if v.error:
             rows.append(f"     {v.error}")
+    if any(v.over_scheduler_limit for v in verified):
+        rows.append("  * above the memory XLA's GPU scheduler plans within "
+                    "((0.8 x device memory - inputs/outputs) x 0.95): collectives serialised")
     return "\n".join(rows)
 
 

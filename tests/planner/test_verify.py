@@ -204,3 +204,21 @@ def test_the_fsdp_only_baseline_is_verified_beside_the_top_plans(monkeypatch):
     assert [v.baseline for v in verified] == [None] * n + ["fsdp"]
     assert ver.choose(verified).baseline == "fsdp"  # the fastest simulated: it is chosen
     assert "(FSDP-only baseline)" in ver.table(verified, ver.choose(verified))
+
+
+def test_scheduler_limit_by_hand():
+    """XLA's GPU scheduling limit in peak terms: io + (0.8 M - io) x 0.95 with io the
+    non-aliased inputs and outputs; the planner's default budget on GPUs is 0.76 M, on CPUs
+    0.9 M, and a given --memory-fraction wins."""
+    gib = 2**30
+    mem = {"argument": 30 * gib, "output": 30 * gib, "alias": 28 * gib, "temp": 40 * gib}
+    io = 32 * gib
+    assert ver.scheduler_limit_bytes(mem, 80 * gib) == pytest.approx(io + (64 * gib - io) * 0.95)
+    h100, cpu = Hardware.of(get_cluster("h100-8")), Hardware.of(get_cluster("cpu-8"))
+    assert h100.memory_budget() == pytest.approx(0.76 * h100.cluster.device_spec.memory_bytes)
+    assert cpu.memory_budget() == pytest.approx(0.9 * cpu.cluster.device_spec.memory_bytes)
+    assert h100.memory_budget(0.5) == pytest.approx(0.5 * h100.cluster.device_spec.memory_bytes)
+    v = ver.Verified(candidate=None, rank=1, device_memory_bytes=80 * gib,
+                     compiled_peak_memory_bytes=70 * gib,
+                     scheduler_limit_bytes=ver.scheduler_limit_bytes(mem, 80 * gib))
+    assert v.fits and v.over_scheduler_limit
