@@ -242,9 +242,11 @@ class LayerModel(LayerWork):
         With T tokens on this device, s = t under sequence parallelism (else 1):
           none:      residual inputs 2 T D / s, normed inputs 2 T D, QKV T (H + 2G) K / t,
                      attention output T H K / t, probabilities T L H / t, MLP hidden
-                     (2 or 3) T F / t, all at e bytes, plus three f32 copies of the scores
-                     T L H / t (the scores, their masked form and the softmax, as XLA keeps
-                     them); under flash attention neither, but f32 softmax statistics T H / t
+                     (2 or 3) T F / t, all at e bytes, plus one f32 copy of the scores
+                     T L H / t for the softmax's backward (per layer, 0.50 GiB compiled against
+                     0.47 for oases-h2048-l24, fp32, tensor=4, 4 x 1024 on 3090:4; three f32
+                     copies were counted before, 0.72); under flash attention neither, but f32
+                     softmax statistics T H / t
           save_proj: the layer input T D / s and the four saved projections 4 T D / s
                      (+ QKV and MLP hidden where the column projection gathers: rings and
                      Megatron-SP)
@@ -272,7 +274,7 @@ class LayerModel(LayerWork):
         if self.flash:
             return base + 4 * tok * h / t
         scores = tok * self.layout.seq_len * h / t
-        return base + scores * e + 3 * 4 * scores
+        return base + scores * e + 4 * scores
 
     def temp_bytes(self, strategy: LayerSpec) -> float:
         """Working set beyond the saved activations while a layer runs its backward: the

@@ -239,7 +239,7 @@ class Square:
     def saved_bytes(self, strategy: LayerSpec) -> float:
         """Activations one layer keeps for its backward, bytes per device: the other schedules'
         formulas with every tensor split q^2 ways (nothing is replicated over the square):
-          none:      [4 T D + T (H + 2G) K + T H K + T L H + g T F] e / q^2 + 3 * 4 T L H / q^2
+          none:      [4 T D + T (H + 2G) K + T H K + T L H + g T F] e / q^2 + 4 T L H / q^2
                      (the row projections keep their last rotated input block instead of their
                      input: the same size)
           save_proj: [5 T D + T (H + 2G) K + (g - 1) T F] e / q^2
@@ -255,7 +255,7 @@ class Square:
             return (5 * t * d + t * (h + 2 * g) * k + (gated - 1) * t * f) * e / q2
         scores = t * self.layout.seq_len * h / q2
         return (4 * t * d + t * (h + 2 * g) * k + t * h * k + gated * t * f) * e / q2 \
-            + scores * e + 3 * 4 * scores
+            + scores * e + 4 * scores
 
     def temp_bytes(self, strategy: LayerSpec) -> float:
         """Working set of the layer's backward beyond its saved activations: the f32 scores and
