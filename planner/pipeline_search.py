@@ -68,12 +68,14 @@ def stage_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware,
     on the last stage. Static bytes per parameter: 16 (fp32 weight, gradient, AdamW moments),
     + 4 with an accumulator (M > 1), + e for the blocks' compute-dtype copy, over tensor."""
     lm = LayerModel(cfg, layout, hw)
-    c0 = lm.time(dataclasses.replace(strategy, remat="none"))
-    c1 = lm.time(dataclasses.replace(strategy, remat="full"))
-    # The executor's forward stores what a layer keeps, a_i bytes, in RESIDUAL_STORE_PASSES
-    # passes over HBM (a recomputed layer keeps less, a'_i; priced as a_i, an upper bound that
-    # keeps r the recompute's own cost).
-    store_s = hw.mem_s(RESIDUAL_STORE_PASSES * c0.act_bytes)
+    none, full = (dataclasses.replace(strategy, remat=r) for r in ("none", "full"))
+    c0, c1 = lm.time(none), lm.time(full)
+    # The executor's forward stores what a layer keeps in its pools, a_i bytes
+    # (`LayerModel.pool_bytes`: the VJP's residuals), in RESIDUAL_STORE_PASSES passes over HBM
+    # (a recomputed layer keeps less, a'_i; priced as a_i, an upper bound that keeps r the
+    # recompute's own cost).
+    act, act_remat = lm.pool_bytes(none), lm.pool_bytes(full)
+    store_s = hw.mem_s(RESIDUAL_STORE_PASSES * act)
     head_s, head_temp = head_cost(cfg, layout, hw)
     per_param = 16 + (4 if layout.microbatches > 1 else 0)
     e = elem_bytes(cfg)
@@ -82,7 +84,7 @@ def stage_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware,
     t = layout.tensor
     return StageInputs.uniform(
         cfg.n_layers, f=c0.fwd_s + store_s, b=c0.bwd_s, r=max(c1.bwd_s - c0.bwd_s, 0.0),
-        act=c0.act_bytes, act_remat=c1.act_bytes, temp=c0.temp_bytes, temp_remat=c1.temp_bytes,
+        act=act, act_remat=act_remat, temp=c0.temp_bytes, temp_remat=c1.temp_bytes,
         block_bytes=(per_param + (e if e < 4 else 0)) * blocks / cfg.n_layers / t,
         shared_bytes=per_param * shared / t, last_f=head_s / 3, last_b=2 * head_s / 3,
         last_temp=head_temp)
