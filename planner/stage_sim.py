@@ -19,10 +19,17 @@ from oases_jax.pipeline.table import Schedule, place
 from oases_jax.pipeline.validate import inflight
 
 
-@functools.lru_cache(maxsize=512)
 def build(name: str, stages: int, microbatches: int, chunks: int = 1,
           recompute: tuple[bool, ...] | None = None) -> Schedule:
-    """The schedule (cached); `recompute`: per-stage flags (Merak's schedule has its own)."""
+    """The schedule (cached); `recompute`: per-stage flags (Merak's schedule has its own, so
+    its flags are not part of the key: a search prices many partitions that differ only in
+    them)."""
+    return _build(name, stages, microbatches, chunks, None if name == "merak" else recompute)
+
+
+@functools.lru_cache(maxsize=512)
+def _build(name: str, stages: int, microbatches: int, chunks: int,
+           recompute: tuple[bool, ...] | None) -> Schedule:
     flags = recompute if recompute is not None else False
     if name == "merak":
         return schedules.merak(stages, microbatches)
@@ -68,7 +75,7 @@ def _program_costs(name: str, f, b, r) -> tuple[tuple, tuple, tuple[bool, ...]]:
 
 @functools.lru_cache(maxsize=512)
 def _ticks(name: str, stages: int, microbatches: int, chunks: int,
-           recompute: tuple[bool, ...], k: int
+           recompute: tuple[bool, ...] | None, k: int
            ) -> tuple[tuple[tuple[tuple[int, str], ...], bool], ...]:
     """Per tick: the (stage, kind) of every non-idle cell, and whether anything moves after
     it."""
@@ -91,7 +98,8 @@ def simulate(name: str, microbatches: int, chunks: int, f: Sequence[float],
     v = build(name, S, microbatches, chunks, recompute).chunks
     cost = {"F": f, "PF": f, "R": r, "RrG": r, "B": tuple(x / k for x in b_run), "W": (0.0,) * S}
     total, finish = 0.0, [0.0] * S
-    for cells, moves in _ticks(name, S, microbatches, chunks, recompute, k):
+    for cells, moves in _ticks(name, S, microbatches, chunks,
+                               None if name == "merak" else recompute, k):
         total += max((cost[kind][s] for s, kind in cells), default=0.0) / v
         for s, _ in cells:
             finish[s] = total
