@@ -42,6 +42,13 @@ ACTIVATION_PASSES = {False: (2.0, 2.0), True: (3.0, 7.0)}
 WEIGHT_SLICE_PASSES = 6.0
 
 
+def layer_matrices(cfg: ModelConfig) -> tuple[int, int]:
+    """(attention, MLP) weight-matrix parameters of one layer: Q, K, V and the output
+    projection; the MLP's two (GELU) or three (SwiGLU) matrices."""
+    d, h, g, k, f = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.k_dim, cfg.ff_dim
+    return d * (h + 2 * g) * k + h * k * d, d * f * (3 if cfg.gated_mlp else 2)
+
+
 def elem_bytes(cfg: ModelConfig) -> int:
     """Bytes per activation element in the compute dtype."""
     return jnp.dtype(cfg.dtype).itemsize
@@ -133,7 +140,4 @@ class LayerWork:
     def weight_bytes(self) -> float:
         """Bytes of one layer's weight matrices on this device, in the compute dtype (biases
         and norm scales left out)."""
-        c = self.cfg
-        matrices = c.d_model * (c.n_heads + 2 * c.kv_heads) * c.k_dim \
-            + c.n_heads * c.k_dim * c.d_model + c.d_model * c.ff_dim * (3 if c.gated_mlp else 2)
-        return matrices * self.e / self.layout.tensor
+        return sum(layer_matrices(self.cfg)) * self.e / self.layout.tensor

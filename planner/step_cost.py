@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from models.config import ModelConfig
 from oases_jax.layer_plan import LayerSpec
 from planner.layer_cost import LayerCost, LayerModel
-from planner.layer_work import elem_bytes
+from planner.layer_work import elem_bytes, layer_matrices
 from planner.layout import Layout, replica_group, tensor_group
 from planner.prices import Hardware
 from planner.primepar_cost import head_extra
@@ -81,9 +81,7 @@ def static_memory(cfg: ModelConfig, layout: Layout) -> dict[str, float]:
 def matrix_share(cfg: ModelConfig) -> float:
     """The share of the parameters that are the layers' weight matrices: cast to the compute
     dtype once per step (`models.layers.compute_weights`), their gradients in that dtype."""
-    d, h, g, k, f = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.k_dim, cfg.ff_dim
-    block = d * (h + 2 * g) * k + h * k * d + d * f * (3 if cfg.gated_mlp else 2)
-    return cfg.n_layers * block / cfg.param_count()
+    return cfg.n_layers * sum(layer_matrices(cfg)) / cfg.param_count()
 
 
 def update_s(cfg: ModelConfig, local_params: float, hw: Hardware) -> float:
@@ -154,13 +152,12 @@ def fsdp_comm_s(cfg: ModelConfig, layout: Layout, hw: Hardware, strategies: Sequ
 
     with g_a, g_m the attention's and the MLP's weight gathers, r a layer's gradient
     reduce-scatter, F, B the layers' forward and backward (recompute included) times."""
-    e = min(elem_bytes(cfg), 4)
-    d, h, g, k, f = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.k_dim, cfg.ff_dim
-    attn = d * (h + 2 * g) * k + h * k * d
-    mlp = d * f * (3 if cfg.gated_mlp else 2)
-    rest = cfg.param_count(embeddings=False) / cfg.n_layers - attn - mlp
+    e = elem_bytes(cfg)
+    attn, mlp = layer_matrices(cfg)
+    rest = cfg.param_count(embeddings=False) / cfg.n_layers - attn - mlp  # norms, biases
     t = layout.tensor
-    attn_bytes, mlp_bytes = (attn * e + rest * 2) / t, (mlp * e + rest * 2) / t
+    # The vectors move in fp32, half with each sub-layer's gathers.
+    attn_bytes, mlp_bytes = (attn * e + rest * 4 / 2) / t, (mlp * e + rest * 4 / 2) / t
     emb_bytes = 4 * (cfg.param_count() - cfg.param_count(embeddings=False)) / t
     group = [i * t for i in range(layout.fsdp)]
 
