@@ -70,12 +70,12 @@ def stage_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware,
     lm = LayerModel(cfg, layout, hw)
     none, full = (dataclasses.replace(strategy, remat=r) for r in ("none", "full"))
     c0, c1 = lm.time(none), lm.time(full)
-    # The executor's forward stores what a layer keeps in its pools, a_i bytes
-    # (`LayerModel.pool_bytes`: the VJP's residuals), in RESIDUAL_STORE_PASSES passes over HBM
-    # (a recomputed layer keeps less, a'_i; priced as a_i, an upper bound that keeps r the
-    # recompute's own cost).
-    act, act_remat = lm.pool_bytes(none), lm.pool_bytes(full)
-    store_s = hw.mem_s(RESIDUAL_STORE_PASSES * act)
+    # The executor's forward stores what a layer keeps in its pools in RESIDUAL_STORE_PASSES
+    # passes over the VJP's residuals (`LayerModel.pool_bytes`; a recomputed layer keeps less,
+    # priced as the whole, an upper bound that keeps r the recompute's own cost). The pools
+    # hold what the compiled program keeps (`saved_bytes`).
+    act, act_remat = c0.act_bytes, c1.act_bytes
+    store_s = hw.mem_s(RESIDUAL_STORE_PASSES * lm.pool_bytes(none))
     head_s, head_temp = head_cost(cfg, layout, hw)
     per_param = 16 + (4 if layout.microbatches > 1 else 0)
     e = elem_bytes(cfg)
