@@ -218,7 +218,7 @@ def stage_memory(program: Program, plan: Plan, residuals: Mapping[int, Sequence[
             for layout, slots in ((residuals[j], plan.res_slots[j]),
                                   (stashes[j], plan.stash_slots[j])):
                 for leaf in layout:
-                    used[(tuple(leaf[0]), leaf[1])] += slots
+                    used[plan.pool_key(*leaf)] += slots
         used_by.append(used)
     rows = collections.Counter()
     for used in used_by:
@@ -235,9 +235,9 @@ def stage_memory(program: Program, plan: Plan, residuals: Mapping[int, Sequence[
     per_leaf = {p.leaf: p.leaf_bytes for p in pools}
 
     def leaf_bytes(leaf) -> int:
-        return per_leaf.get((tuple(leaf[0]), leaf[1]), 0)
+        return per_leaf.get(plan.pool_key(*leaf), 0)
 
-    held = tuple(sum(n * leaf_bytes(leaf) for leaf, n in used.items()) for used in used_by)
+    held = tuple(sum(n * per_leaf.get(key, 0) for key, n in used.items()) for used in used_by)
     res = tuple(sum(leaf_bytes(leaf) for leaf in residuals[j]) for j in range(V))
     stash = tuple(sum(leaf_bytes(leaf) for leaf in stashes[j]) for j in range(V))
     return StageMemory(plan, tuple(pools), held, res, stash, int(peak_bytes))

@@ -66,10 +66,6 @@ class StageProgram:
     parts: tuple[int, ...]
 
 
-def _bucket(a) -> tuple:
-    return (tuple(a.shape), jnp.dtype(a.dtype).name)
-
-
 def _split_residuals(vjp_fn, params_j) -> tuple[list, list[bool], Any]:
     """The VJP's residual leaves, which of them are the primal parameters themselves, and its
     tree structure."""
@@ -121,12 +117,15 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
             layouts[(j, q)] = jax.eval_shape(trace, local_params, data_M[0])
     stash_layout = {j: ([] if j == 0 else [act_aval]) for j in range(V)}
 
-    # Pools: one buffer per (shape, dtype); each device's virtual stages take disjoint ranges.
+    # Pools: one buffer per key (`Plan.pool_key`: shape and dtype, or size and dtype with
+    # several chunks per device); each device's virtual stages take disjoint ranges.
+    def bucket(a) -> tuple:
+        return p.pool_key(a.shape, a.dtype)
+
     offsets: dict[tuple[str, int], dict[tuple, int]] = {}
     counts: dict[tuple[str, int], dict[tuple, int]] = {}
     firsts: dict[tuple[str, int, int], dict[tuple, int]] = {}  # a part's first index per bucket
     pool_size: dict[tuple, int] = {}
-    avals: dict[tuple, Any] = {}
     for d in range(S):
         used: dict[tuple, int] = {}
         for j in range(d, V, S):
@@ -137,8 +136,7 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
                 for q, layout in enumerate(parts):
                     firsts[(what, j, q)] = dict(per)
                     for leaf in layout:
-                        per[_bucket(leaf)] = per.get(_bucket(leaf), 0) + 1
-                        avals[_bucket(leaf)] = leaf
+                        per[bucket(leaf)] = per.get(bucket(leaf), 0) + 1
                 counts[(what, j)] = per
                 offsets[(what, j)] = {k: used.get(k, 0) for k in per}
                 for k, n in per.items():
@@ -152,15 +150,14 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
         value = fill if jnp.issubdtype(dtype, jnp.floating) else 0
         return jnp.full(shape, value, dtype)
 
-    pools = {i: empty((pool_size[k], *avals[k].shape), avals[k].dtype)
-             for i, k in enumerate(keys)}
+    pools = {i: empty((pool_size[k], *k[0]), k[1]) for i, k in enumerate(keys)}
 
     def index(what, j, q, slot, leaves):
         """(pool, row) of each leaf of part q's residuals (or the stash, q=0) in `slot`."""
         seen = dict(firsts[(what, j, q)])
         out = []
         for leaf in leaves:
-            k = _bucket(leaf)
+            k = bucket(leaf)
             out.append((keys.index(k),
                         offsets[(what, j)][k] + slot * counts[(what, j)][k] + seen.get(k, 0)))
             seen[k] = seen.get(k, 0) + 1
@@ -169,12 +166,13 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
     def store(pools_, what, j, q, slot, leaves):
         pools_ = dict(pools_)
         for leaf, (i, at) in zip(leaves, index(what, j, q, slot, leaves), strict=True):
-            pools_[i] = jax.lax.dynamic_update_index_in_dim(pools_[i], leaf, at, 0)
+            pools_[i] = jax.lax.dynamic_update_index_in_dim(
+                pools_[i], leaf.reshape(pools_[i].shape[1:]), at, 0)
         return pools_
 
     def load(pools_, what, j, q, slot, layout):
-        return [jax.lax.dynamic_index_in_dim(pools_[i], at, 0, keepdims=False)
-                for i, at in index(what, j, q, slot, layout)]
+        return [jax.lax.dynamic_index_in_dim(pools_[i], at, 0, keepdims=False).reshape(leaf.shape)
+                for leaf, (i, at) in zip(layout, index(what, j, q, slot, layout), strict=True)]
 
     no_send = jnp.full(act_aval.shape, fill, act_aval.dtype)
 
