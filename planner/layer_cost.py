@@ -276,19 +276,6 @@ class LayerModel(LayerWork):
         scores = tok * self.layout.seq_len * h / t
         return base + scores * e + 4 * scores
 
-    def pool_bytes(self, strategy: LayerSpec) -> float:
-        """What a pipeline stage stores per layer and micro-batch in its residual pools: the
-        layer's VJP residuals, which keep autodiff's three f32 copies of materialised scores
-        (the scores, their masked form and the softmax) where the scanned program XLA
-        schedules keeps one (`saved_bytes`): 2 x 4 T L H / t more without flash attention and
-        without remat."""
-        extra = 0.0
-        if not self.flash and strategy.remat == "none" and not (
-                self.layout.primepar or strategy.spec.square):
-            tok = self.layout.rows * self.layout.seq_len
-            extra = 2 * 4 * tok * self.layout.seq_len * self.cfg.n_heads / self.layout.tensor
-        return self.saved_bytes(strategy) + extra
-
     def temp_bytes(self, strategy: LayerSpec) -> float:
         """Working set beyond the saved activations while a layer runs its backward: the
         recomputed activations (for remat) plus the f32 score and gradient buffers (none under

@@ -53,12 +53,15 @@ class PipelineCandidate:
                 f"{self.strategy.label()}")
 
 
-# HBM passes the pipelined forward makes over the bytes a layer keeps for its backward: the
-# layer scan's stacked output is zero-filled, written layer by layer, partly transposed, then
-# read and written into the residual pool (oases_jax/pipeline/executor.py). Measured on the
-# compiled forward branch of GPT-2 1.5B (bf16, xla attention, h100:16, stage=2,data=8, M=2):
-# 7.1 of its 19.5 ms go to these passes over 12 layers x about 380 MB, 5.2 passes.
-RESIDUAL_STORE_PASSES = 5.0
+# HBM passes a pipelined stage makes over the bytes each layer keeps for its backward
+# (`LayerModel.saved_bytes`), beyond the scanned layer's own work: the forward zero-fills the
+# layer scan's stacked output, writes it layer by layer and copies it into the residual pool;
+# the backward reads it back out of the pool (oases_jax/pipeline/executor.py). Measured on the
+# compiled F and B branches of GPT-2 1.5B (bf16, xla attention, h100:16, GPipe; stage=2,data=8,
+# M=4, 24 layers a stage, and stage=4,data=4, M=8, 12 layers), per layer over the scanned
+# program's forward and backward: 5.8 and 5.7 passes in F, 4.2 and 4.3 in B.
+RESIDUAL_STORE_PASSES = 5.75
+RESIDUAL_LOAD_PASSES = 4.25
 
 
 def stage_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware,
@@ -70,12 +73,12 @@ def stage_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware,
     lm = LayerModel(cfg, layout, hw)
     none, full = (dataclasses.replace(strategy, remat=r) for r in ("none", "full"))
     c0, c1 = lm.time(none), lm.time(full)
-    # The executor's forward stores what a layer keeps in its pools in RESIDUAL_STORE_PASSES
-    # passes over the VJP's residuals (`LayerModel.pool_bytes`; a recomputed layer keeps less,
-    # priced as the whole, an upper bound that keeps r the recompute's own cost). The pools
-    # hold what the compiled program keeps (`saved_bytes`).
+    # The executor's forward stores what a layer keeps in its pools and its backward loads it
+    # (RESIDUAL_STORE_PASSES, RESIDUAL_LOAD_PASSES; a recomputed layer keeps less, priced as
+    # the whole, an upper bound that keeps r the recompute's own cost).
     act, act_remat = c0.act_bytes, c1.act_bytes
-    store_s = hw.mem_s(RESIDUAL_STORE_PASSES * lm.pool_bytes(none))
+    store_s = hw.mem_s(RESIDUAL_STORE_PASSES * act)
+    load_s = hw.mem_s(RESIDUAL_LOAD_PASSES * act)
     head_s, head_temp = head_cost(cfg, layout, hw)
     per_param = 16 + (4 if layout.microbatches > 1 else 0)
     e = elem_bytes(cfg)
@@ -83,7 +86,8 @@ def stage_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware,
     shared = cfg.param_count() - blocks
     t = layout.tensor
     return StageInputs.uniform(
-        cfg.n_layers, f=c0.fwd_s + store_s, b=c0.bwd_s, r=max(c1.bwd_s - c0.bwd_s, 0.0),
+        cfg.n_layers, f=c0.fwd_s + store_s, b=c0.bwd_s + load_s,
+        r=max(c1.bwd_s - c0.bwd_s, 0.0),
         act=act, act_remat=act_remat, temp=c0.temp_bytes, temp_remat=c1.temp_bytes,
         block_bytes=(per_param + (e if e < 4 else 0)) * blocks / cfg.n_layers / t,
         shared_bytes=per_param * shared / t, last_f=head_s / 3, last_b=2 * head_s / 3,
@@ -94,13 +98,16 @@ def transfer_s(cfg: ModelConfig, layout: Layout, hw: Hardware, strategy: LayerSp
                stages: int) -> float:
     """One stage-to-stage activation (or gradient) of a micro-batch: T D e bytes per device
     (/t when the residual stream is sequence-sharded) between devices D t apart (stage is the
-    outermost mesh axis), priced by the alpha-beta model of the link they cross."""
+    outermost mesh axis), priced by the alpha-beta model of the slowest link any stage's pair
+    crosses: every pair moves in the same permute, which ends with the slowest (stage=4 over two
+    8-GPU nodes with data=4: one pair of the four crosses InfiniBand, and the compiled tick's
+    permutes take its time, 0.30 ms a tick against 0.04 priced on NVLink)."""
     if stages == 1:
         return 0.0
     nbytes = layout.rows * layout.seq_len * cfg.d_model * elem_bytes(cfg) \
         / sequence_split(strategy.schedule, layout.tensor)
     span = layout.data * layout.tensor
-    return hw.comm_s("collective-permute", nbytes, [0, span])
+    return hw.comm_s("collective-permute", nbytes, [s * span for s in range(stages)])
 
 
 def price(cfg: ModelConfig, hw: Hardware, stages: int, layout: Layout, strategy: LayerSpec,

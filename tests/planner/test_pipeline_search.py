@@ -32,7 +32,9 @@ def hw(name):
 
 def test_transfer_crosses_one_node_boundary_by_alpha_beta():
     """stage=8, data=2, tensor=4 on v100-64 (nodes of 4): neighbours are 8 devices apart, one
-    InfiniBand hop: bytes / B + alpha. With data=1, tensor=2 they share a node (NVLink)."""
+    InfiniBand hop: bytes / B + alpha. With data=1, tensor=2 two stages share a node (NVLink),
+    but eight span four nodes: every pair moves in one permute, which waits for the pairs that
+    cross InfiniBand."""
     h = hw("v100-64")
     lay = Layout(data=2, tensor=4, microbatches=8, global_batch=128, seq_len=1024)
     spec = LayerSpec(schedule="megatron")
@@ -43,8 +45,11 @@ def test_transfer_crosses_one_node_boundary_by_alpha_beta():
                                                              + ib.latency_s)
     near = Layout(data=1, tensor=2, microbatches=8, global_batch=128, seq_len=1024)
     nv = h.cluster.levels[0][1]
+    near_bytes = near.rows * 1024 * CFG.d_model * e
+    assert transfer_s(CFG, near, h, spec, 2) == pytest.approx(
+        near_bytes / nv.bytes_per_s + nv.latency_s)
     assert transfer_s(CFG, near, h, spec, 8) == pytest.approx(
-        near.rows * 1024 * CFG.d_model * e / nv.bytes_per_s + nv.latency_s)
+        near_bytes / ib.bytes_per_s + ib.latency_s)
 
 
 def test_step_is_latest_stage_finish_plus_its_reduction():
