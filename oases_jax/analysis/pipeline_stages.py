@@ -211,6 +211,7 @@ def stage_memory(program: Program, plan: Plan, residuals: Mapping[int, Sequence[
     that may shard a leaf inside the loop, e.g. `tensor`)."""
     loop = loop or find_tick_loop(program, plan)
     S, V = plan.stages, plan.virtual
+    flat = plan.flat_pools(sharded_inside=any(d > 1 for d in divisors))
     used_by: list[collections.Counter] = []
     for d in range(S):
         used: collections.Counter = collections.Counter()
@@ -218,7 +219,7 @@ def stage_memory(program: Program, plan: Plan, residuals: Mapping[int, Sequence[
             for layout, slots in ((residuals[j], plan.res_slots[j]),
                                   (stashes[j], plan.stash_slots[j])):
                 for leaf in layout:
-                    used[plan.pool_key(*leaf)] += slots
+                    used[plan.pool_key(*leaf, flat)] += slots
         used_by.append(used)
     rows = collections.Counter()
     for used in used_by:
@@ -235,7 +236,7 @@ def stage_memory(program: Program, plan: Plan, residuals: Mapping[int, Sequence[
     per_leaf = {p.leaf: p.leaf_bytes for p in pools}
 
     def leaf_bytes(leaf) -> int:
-        return per_leaf.get(plan.pool_key(*leaf), 0)
+        return per_leaf.get(plan.pool_key(*leaf, flat), 0)
 
     held = tuple(sum(n * per_leaf.get(key, 0) for key, n in used.items()) for used in used_by)
     res = tuple(sum(leaf_bytes(leaf) for leaf in residuals[j]) for j in range(V))

@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from oases_jax.compat import manual_axes
 from oases_jax.pipeline.lowering import (
     ACT_READ,
     ACT_STORE,
@@ -119,8 +120,13 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
 
     # Pools: one buffer per key (`Plan.pool_key`: shape and dtype, or size and dtype with
     # several chunks per device); each device's virtual stages take disjoint ranges.
+    mesh = jax.sharding.get_abstract_mesh()
+    sharded_inside = any(size > 1 for name, size in mesh.shape.items()
+                         if name not in manual_axes())
+    flat = p.flat_pools(sharded_inside)
+
     def bucket(a) -> tuple:
-        return p.pool_key(a.shape, a.dtype)
+        return p.pool_key(a.shape, a.dtype, flat)
 
     offsets: dict[tuple[str, int], dict[tuple, int]] = {}
     counts: dict[tuple[str, int], dict[tuple, int]] = {}
