@@ -17,7 +17,6 @@ import dataclasses
 import glob
 import gzip
 import json
-import pathlib
 import tempfile
 from collections.abc import Callable, Iterable
 
@@ -157,7 +156,3 @@ def format_table(label: str, report: dict) -> str:
         f"{t['op']} ({t['category']}) {t['measured_s'] * 1e3:.2f} ms" for t in
         report["top_measured"][:5]))
     return "\n".join(lines)
-
-
-def write_json(path: str, reports: dict) -> None:
-    pathlib.Path(path).write_text(json.dumps(reports, indent=1))
