@@ -59,13 +59,22 @@ class PipelineCandidate:
 # the backward reads it back out of the pool (oases_jax/pipeline/executor.py). Measured on the
 # compiled F and B branches of GPT-2 1.5B (bf16, xla attention, h100:16, GPipe; stage=2,data=8,
 # M=4, 24 layers a stage, and stage=4,data=4, M=8, 12 layers), per layer over the scanned
-# program's forward and backward: 5.8 and 5.7 passes in F, 4.2 and 4.3 in B.
-RESIDUAL_STORE_PASSES = 5.75
-RESIDUAL_LOAD_PASSES = 4.25
+# program's forward and backward: 4.82 and 4.86 passes in F, 3.33 and 3.46 in B. (Before the
+# block weights were cast once per step, `StageProgram.prepare`, every F and B branch re-cast
+# its stage's weights, which these passes absorbed as 0.9 more each.)
+RESIDUAL_STORE_PASSES = 4.85
+RESIDUAL_LOAD_PASSES = 3.4
+# With several chunks per device and no mesh axis sharding inside the stage, the residual pools
+# hold flattened leaves (`executor.Plan.flat_pools`); flattening a leaf whose layout XLA chose
+# transposed costs a transpose on the way in and part of one on the way out. Measured on the
+# same model, stage=2,data=8, M=4, interleaved v=2 (12-layer chunks) against GPipe's 12-layer
+# stages at stage=4,data=4: +1.15 ms per chunk forward, +0.44 ms per chunk backward.
+FLAT_STORE_PASSES = 1.5
+FLAT_LOAD_PASSES = 0.6
 
 
 def stage_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware,
-                 strategy: LayerSpec) -> StageInputs:
+                 strategy: LayerSpec, *, flat_pools: bool = False) -> StageInputs:
     """Per-layer costs and memory of one stage's device from the layer cost model: `strategy`
     (remat none) and its fully rematted twin; the head and loss (`head_cost`, one third forward)
     on the last stage. Static bytes per parameter: 16 (fp32 weight, gradient, AdamW moments),
@@ -77,8 +86,8 @@ def stage_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware,
     # (RESIDUAL_STORE_PASSES, RESIDUAL_LOAD_PASSES; a recomputed layer keeps less, priced as
     # the whole, an upper bound that keeps r the recompute's own cost).
     act, act_remat = c0.act_bytes, c1.act_bytes
-    store_s = hw.mem_s(RESIDUAL_STORE_PASSES * act)
-    load_s = hw.mem_s(RESIDUAL_LOAD_PASSES * act)
+    store_s = hw.mem_s((RESIDUAL_STORE_PASSES + FLAT_STORE_PASSES * flat_pools) * act)
+    load_s = hw.mem_s((RESIDUAL_LOAD_PASSES + FLAT_LOAD_PASSES * flat_pools) * act)
     head_s, head_temp = head_cost(cfg, layout, hw)
     per_param = 16 + (4 if layout.microbatches > 1 else 0)
     e = elem_bytes(cfg)
@@ -115,7 +124,7 @@ def price(cfg: ModelConfig, hw: Hardware, stages: int, layout: Layout, strategy:
     """The step: each stage's gradient all-reduce over its data group starts when the stage
     finishes its last backward (the simulator's per-stage finish), plus the embedding/head
     gradients summed over `stage`, then AdamW and the accumulation passes:
-        step = max_s (finish_s + reduce_s) + stage_sum + optimizer + M x accumulate"""
+        step = max_s (finish_s + reduce_s) + stage_sum + optimizer + M x accumulate + cast"""
     lmax = max(sp.layers)
     local = (lmax * x.block_bytes + x.shared_bytes) / (16 + (4 if layout.microbatches > 1
                                                              else 0))
@@ -126,10 +135,21 @@ def price(cfg: ModelConfig, hw: Hardware, stages: int, layout: Layout, strategy:
     stage_sum = hw.comm_s("all-reduce", 4 * shared_params, stage_group)
     opt = update_s(cfg, local, hw)
     accum = hw.mem_s(3 * 4 * local) * layout.microbatches if layout.microbatches > 1 else 0.0
+    # The stage's block weights cast to the compute dtype once per step, before the tick loop
+    # (`StageProgram.prepare`): read float32, write e bytes a parameter.
+    e = elem_bytes(cfg)
+    blocks = cfg.param_count(embeddings=False) / cfg.n_layers / layout.tensor
+    cast = hw.mem_s((4 + e) * lmax * blocks) if e < 4 else 0.0
     end = max(fin + reduce for fin in sp.finish)
-    step = end + stage_sum + opt + accum
+    step = end + stage_sum + opt + accum + cast
     return PipelineCandidate(stages, layout, strategy, sp, step, sp.makespan, reduce, p2p,
                              max(sp.memory))
+
+
+def flat_pools(layout: Layout) -> bool:
+    """Whether an interleaved program's pools are flattened (`executor.Plan.flat_pools`): no
+    mesh axis left to GSPMD inside the stages shards the residuals (tensor = 1)."""
+    return layout.tensor == 1
 
 
 def _screen(cfg, hw, stages, layout, strategy, x, p2p, schedule) -> float:
@@ -174,8 +194,11 @@ def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int
         for sch in pipelines:
             if sch == "interleaved" and (S < 2 or cfg.n_layers % (CHUNKS * S)):
                 continue
-            est = _screen(cfg, hw, S, layout, strategy, x, p2p, sch)
-            screened.append((est, S, layout, strategy, x, p2p, sch))
+            xs = x
+            if sch == "interleaved" and flat_pools(layout):
+                xs = stage_inputs(cfg, layout, hw, strategy, flat_pools=True)
+            est = _screen(cfg, hw, S, layout, strategy, xs, p2p, sch)
+            screened.append((est, S, layout, strategy, xs, p2p, sch))
     screened.sort(key=lambda c: c[0])
     out, tried = [], 0
     for _, S, layout, strategy, x, p2p, sch in screened:

@@ -178,22 +178,32 @@ def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruc
         return tuple((key, a, b) for key, a, b in (("remat", lo, min(hi, k)),
                                                     ("keep", max(lo, k), hi)) if a < b)
 
+    def prepare(local):
+        """Once per step, outside the tick loop: each chunk's block weights in the compute
+        dtype (one copy; a cast inside a branch re-ran every tick, a full pass over the stage's
+        weights each: 1.3 ms of a 17 ms GPT-2 1.5B forward tick on h100:16)."""
+        def chunks(a):
+            cast = a.ndim >= 4 and jnp.issubdtype(a.dtype, jnp.floating)
+            return tuple(a[c].astype(dt) if cast else a[c] for c in range(a.shape[0]))
+        return {"blocks": jax.tree.map(chunks, local["blocks"]),
+                **{k: v for k, v in local.items() if k != "blocks"}}
+
     def params(j, q):
         c = j // S
 
-        def pick(local):
+        def pick(prepared):
             # Block weights enter the VJP already sliced to each range and in the compute dtype:
             # the backward keeps them as its own primal (never a per-micro-batch copy, as a
             # slice taken inside the VJP would be); the cast's transpose is the same cast of the
-            # gradient, so the gradients are those of the float32 weights.
+            # gradient, so the gradients are those of the float32 weights. A range that spans
+            # the whole chunk is the prepared array itself, no copy.
             def block(a, first, end):
-                a = a[c, first:end]
-                return a.astype(dt) if a.ndim >= 3 and jnp.issubdtype(a.dtype, jnp.floating) \
-                    else a
+                return a[c] if (first, end) == (0, a[c].shape[0]) else a[c][first:end]
             return {"blocks": {key: jax.tree.map(lambda a, f=first, e=end: block(a, f, e),
-                                                 local["blocks"])
+                                                 prepared["blocks"],
+                                                 is_leaf=lambda x: isinstance(x, tuple))
                                for key, first, end in ranges(j, q)},
-                    "shared": {k: local[k] for k in shared(j, q)}}
+                    "shared": {k: prepared[k] for k in shared(j, q)}}
         return pick
 
     def add_grads(j, q):
@@ -233,7 +243,7 @@ def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruc
         return f
 
     return executor.StageProgram(forward=forward, params=params, add_grads=add_grads, act=act,
-                                 parts=tuple(len(p) for p in parts))
+                                 parts=tuple(len(p) for p in parts), prepare=prepare)
 
 
 def pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,

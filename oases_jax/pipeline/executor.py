@@ -53,8 +53,11 @@ class StageProgram:
     forward(j, q)(params_jq, x, data_mb) -> part q's output: the input of part q+1, or for the
         last part what is sent on (j < V-1) or the micro-batch's scalar loss (j = V-1); x is
         None for part 0 of j = 0, which reads its input from data_mb.
-    params(j, q)(local) -> params_jq: the parameters part q of stage j uses, sliced from the
-        device's local parameters (the VJP's primal, so its gradient has the same structure).
+    prepare(local) -> prepared: what every tick reads of the device's local parameters, made
+        once per step outside the tick loop (e.g. the block weights cast to the compute dtype:
+        a cast inside the loop re-runs every tick, a full pass over the weights each).
+    params(j, q)(prepared) -> params_jq: the parameters part q of stage j uses, taken from the
+        prepared parameters (the VJP's primal, so its gradient has that structure).
     add_grads(j, q)(acc, grads_jq) -> acc: those gradients added into the local accumulator.
     act: ShapeDtypeStruct of one micro-batch's activation (what moves between stages and
         between parts).
@@ -65,6 +68,7 @@ class StageProgram:
     add_grads: Callable[[int, int], Callable[[Any, Any], Any]]
     act: jax.ShapeDtypeStruct
     parts: tuple[int, ...]
+    prepare: Callable[[Any], Any] = lambda local: local
 
 
 def _split_residuals(vjp_fn, params_j) -> tuple[list, list[bool], Any]:
@@ -95,6 +99,7 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
     fill = jnp.nan if poison else 0.0
     act_aval = prog.act
     split = any(k > 1 for k in prog.parts)
+    prepared = prog.prepare(local_params)  # loop-invariant: computed once, read every tick
 
     def vjp_of(j, q, params_jq, x, data_mb):
         fwd = prog.forward(j, q)
@@ -111,7 +116,7 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
     for j in range(V):
         for q in range(prog.parts[j]):
             def trace(local, data_mb, j=j, q=q):
-                params_jq = prog.params(j, q)(local)
+                params_jq = prog.params(j, q)(prog.prepare(local))
                 _, vjp_fn = vjp_of(j, q, params_jq, part_input(j, q), data_mb)
                 return _stored(vjp_fn, params_jq)
 
@@ -191,7 +196,7 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
     def keep_residuals(pools_, j, slot, x, data_mb):
         """Run stage j's parts with their VJPs, storing each part's residuals in `slot`."""
         for q in range(prog.parts[j]):
-            params_jq = prog.params(j, q)(local_params)
+            params_jq = prog.params(j, q)(prepared)
             x, vjp_fn = vjp_of(j, q, params_jq, x, data_mb)
             pools_ = store(pools_, "res", j, q, slot, _stored(vjp_fn, params_jq))
         return pools_, x
@@ -204,7 +209,7 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
             if stash_only:
                 out = x
                 for q in range(prog.parts[j]):
-                    out = prog.forward(j, q)(prog.params(j, q)(local_params), out, data_mb)
+                    out = prog.forward(j, q)(prog.params(j, q)(prepared), out, data_mb)
                 pools_ = store(pools_, "stash", j, 0, r[SLOT_OUT], [] if j == 0 else [x])
             else:
                 pools_, out = keep_residuals(pools_, j, r[SLOT_OUT], x, data_mb)
@@ -228,7 +233,7 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
         def go(carry, r):
             pools_, act_buf, grad_buf, mid, acc, loss = carry
             data_mb = data_M[r[MB]]
-            params_jq = prog.params(j, q)(local_params)
+            params_jq = prog.params(j, q)(prepared)
             # A fresh trace gives the VJP's structure and its parameter leaves; its forward is
             # dead code (every other residual comes from the pool) and XLA removes it.
             out0, fresh = vjp_of(j, q, params_jq, part_input(j, q), data_mb)
