@@ -61,18 +61,20 @@ def stage_layouts(spec: CompileSpec, mesh: Mesh) -> tuple[dict, dict]:
     def local(params_in, tokens_MBL):
         local_params = dict(params_in)
         local_params["blocks"] = jax.tree.map(lambda a: a[0], local_params["blocks"])
+        data = pipeline_step.shifted(tokens_MBL)[0]  # as `pipeline_grads` feeds the executor
         with outer_axes(*manual), use_parallel(parallel):
+            prepared = prog.prepare(local_params)
             for j in range(pipe.virtual):
                 leaves = []
                 for q in range(parts[j] if parts is not None else 1):
-                    params_jq = fn("params", j, q)(local_params)
+                    params_jq = fn("params", j, q)(prepared)
                     forward = fn("forward", j, q)
                     if j == 0 and q == 0:
-                        _, vjp_fn = jax.vjp(lambda pj, f=forward: f(pj, None, tokens_MBL[0]),
+                        _, vjp_fn = jax.vjp(lambda pj, f=forward: f(pj, None, data),
                                             params_jq)
                     else:
                         x = jnp.zeros(act.shape, act.dtype)
-                        _, vjp_fn = jax.vjp(lambda pj, xx, f=forward: f(pj, xx, tokens_MBL[0]),
+                        _, vjp_fn = jax.vjp(lambda pj, xx, f=forward: f(pj, xx, data),
                                             params_jq, x)
                     stored, is_param, _ = executor._split_residuals(vjp_fn, params_jq)
                     leaves += [(tuple(a.shape), jnp.dtype(a.dtype).name)

@@ -185,14 +185,14 @@ def _check_pipeline(par: ParallelConfig) -> None:
     if stages == 1:
         raise UserError(f"--pipeline {par.pipeline} needs a stage axis in --mesh (e.g. "
                         f"--mesh data=2,stage=2,tensor=2), got --mesh {par.mesh}")
-    if par.rules in ("fsdp", "fsdp_tp", "primepar", "tp_sp"):
+    if par.rules in ("fsdp", "fsdp_tp", "primepar"):
         raise UserError(f"--pipeline does not combine with --rules {par.rules} yet: use --rules "
-                        f"dp or tp (data and tensor parallelism inside the stages)")
+                        f"dp, tp or tp_sp (data and tensor parallelism inside the stages)")
     if par.schedule not in STAGE_SCHEDULES:
-        raise UserError(f"--pipeline runs --schedule {par.schedule} inside its stages only once "
-                        f"that is tested (its collective-permutes inside the tick's switch "
-                        f"deadlock the CPU runtime): use --schedule "
-                        f"{' or '.join(STAGE_SCHEDULES)}")
+        raise UserError(f"--pipeline cannot run --schedule {par.schedule} inside its stages (its "
+                        f"ring collective-permutes inside the tick's switch would wait for "
+                        f"stages running other branches): use --schedule "
+                        f"{', '.join(STAGE_SCHEDULES)}")
     if par.layers is not None:
         raise UserError("--pipeline runs every layer under one --schedule; a plan's per-layer "
                         "strategies are not pipelined yet: drop --plan or --pipeline")

@@ -185,8 +185,15 @@ def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruc
         def chunks(a):
             cast = a.ndim >= 4 and jnp.issubdtype(a.dtype, jnp.floating)
             return tuple(a[c].astype(dt) if cast else a[c] for c in range(a.shape[0]))
-        return {"blocks": jax.tree.map(chunks, local["blocks"]),
-                **{k: v for k, v in local.items() if k != "blocks"}}
+        out = {"blocks": jax.tree.map(chunks, local["blocks"]),
+               **{k: v for k, v in local.items() if k != "blocks"}}
+        if "pos" in out:
+            # The L rows the embedding adds, taken here: under sequence parallelism the table
+            # is sharded over `tensor` by rows, and slicing them inside a branch moved rows with
+            # collective-permutes there (see `shifted`). `add_grads` adds their gradient back
+            # into the table's first L rows.
+            out["pos"] = jax.tree.map(lambda a: a[:act.shape[1]], out["pos"])
+        return out
 
     def params(j, q):
         c = j // S
@@ -216,20 +223,24 @@ def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruc
                     lambda a, b, f=first, e=end: a.at[c, f:e].add(b.astype(a.dtype)),
                     acc["blocks"], g["blocks"][key])
             for k, v in g["shared"].items():
-                acc[k] = jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc[k], v)
+                # `pos` arrives as its first L rows (`prepare`).
+                acc[k] = jax.tree.map(lambda a, b: a.at[:b.shape[0]].add(b.astype(a.dtype))
+                                      if a.shape != b.shape else a + b.astype(a.dtype),
+                                      acc[k], v)
             return acc
         return add
 
     def forward(j, q):
         with_head = layers(j, q)[2]
 
-        def f(pj, x, tokens_BL):
+        def f(pj, x, pair_B2L):
+            # [B, 2, L]: the inputs and the labels, shifted outside the tick loop (`shifted`).
             sh = pj["shared"]
             # The model's own methods on a stand-in holding only what this part uses.
             stand_in = types.SimpleNamespace(cfg=cfg, **{key: sh[key] for key in (
                 "embed", "pos", "head") if key in sh})
             if j == 0 and q == 0:
-                x = Transformer.embed_tokens(stand_in, tokens_BL[:, :-1])
+                x = Transformer.embed_tokens(stand_in, pair_B2L[:, 0])
             fns = block_fns(gd_blocks)
             # Layers below k are recomputed in the backward (stage-aware remat).
             for key, _, _ in ranges(j, q):
@@ -238,12 +249,21 @@ def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruc
             if with_head:
                 h = nnx.merge(gd_norm, sh["norm_f"])(x)
                 logits = Transformer.logits(stand_in, h, None)
-                return cross_entropy(logits, tokens_BL[:, 1:], cfg.vocab_size)
+                return cross_entropy(logits, pair_B2L[:, 1], cfg.vocab_size)
             return x
         return f
 
     return executor.StageProgram(forward=forward, params=params, add_grads=add_grads, act=act,
                                  parts=tuple(len(p) for p in parts), prepare=prepare)
+
+
+def shifted(batch_MBL: jax.Array) -> jax.Array:
+    """[M, B, L+1] token ids -> [M, B, 2, L]: each micro-batch's inputs and labels, shifted here,
+    outside the tick loop. Shifted inside a branch, a sequence-sharded layout (sequence
+    parallelism over `tensor`) made GSPMD shift the ids with halo collective-permutes inside
+    the tick's switch, which the devices of stages running another branch never join: the CPU
+    runtime's rendezvous deadlocks (collective-permutes rendezvous over every device)."""
+    return jnp.stack([batch_MBL[..., :-1], batch_MBL[..., 1:]], axis=2)
 
 
 def pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,
@@ -261,6 +281,7 @@ def pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,
     batch_spec = P(None, "data") if groups > 1 else P()
 
     def local(params_in, tokens):
+        tokens = shifted(tokens)
         params = dict(params_in)
         params["blocks"] = jax.tree.map(lambda a: a[0], params["blocks"])
         with outer_axes(*manual), use_parallel(parallel):

@@ -2,8 +2,11 @@
 their validator (`validate`) and event simulator (`events`), and Merak's stage-aware
 recomputation ratios (`remat`)."""
 
-# The tensor-parallel schedules a pipeline stage runs (checked equal to the unpipelined model).
-# The others move data with collective-permutes inside the tick's switch, where devices of
-# different stages take different branches: on the CPU runtime that deadlocks the collective
-# rendezvous (megatron_sp measured), so they are refused until each is tested.
-STAGE_SCHEDULES = ("megatron", "oases")
+# The tensor-parallel schedules a pipeline stage runs (each checked equal to the unpipelined
+# model). Their collectives inside the tick's switch, where devices of different stages take
+# different branches, are all-reduces, all-gathers and reduce-scatters over `tensor`, whose
+# rendezvous is the tensor group. A collective-permute's is every device (the CPU runtime; the
+# permutes run by no other stage never complete), so the ring schedules (collective_matmul,
+# oases_cm) and PrimePar's rotations are refused; megatron_sp runs since its token shift and
+# position rows are taken outside the loop (`training.pipeline_step.shifted`).
+STAGE_SCHEDULES = ("megatron", "megatron_sp", "oases")

@@ -1,6 +1,7 @@
 """Pipeline exactness: the loss and every gradient (embedding, tied head, final norm, every
 block) of a pipelined step equal the non-pipelined model's on one device, for each schedule on
-meshes stage=8; data=2,stage=4; data=2,stage=2,tensor=2 (megatron and oases inside the stages),
+meshes stage=8; data=2,stage=4; data=2,stage=2,tensor=2 (megatron, megatron_sp and oases inside the
+stages),
 with M in {S, S+1, 2S+3}; NaN-filled bubbles and buffers change nothing."""
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ def _reference(cfg, graphdef, params, tokens):
 
 
 def _pipelined(cfg, params, tokens, mesh_text, schedule, *, tp="megatron", layers=None,
-               ratios=None, poison=False, backward_ticks=0):
+               ratios=None, poison=False, backward_ticks=0, rules="tp"):
     mesh = make_mesh(mesh_text, jax.devices())
-    rules = get_rules("tp")
+    rules = get_rules(rules)
     pipe = ps.pipeline_spec(cfg, schedule=schedule, stages=mesh.shape["stage"],
                             microbatches=tokens.shape[0], stage_layers=layers,
                             remat_ratios=ratios, backward_ticks=backward_ticks)
@@ -125,6 +126,22 @@ def test_oases_inside_the_stages(model, schedule):
     _assert_equal(_reference(cfg, graphdef, params, tokens),
                   _pipelined(cfg, params, tokens, "data=2,stage=2,tensor=2", schedule,
                              tp="oases"))
+
+
+@pytest.mark.parametrize(("mesh", "schedule"), [("data=2,stage=2,tensor=2", "1f1b"),
+                                                pytest.param("stage=2,tensor=4", "merak",
+                                                             marks=pytest.mark.slow)])
+def test_megatron_sp_inside_the_stages(model, mesh, schedule):
+    """Sequence parallelism inside the stages (its own rule set, the residual stream sharded
+    over `tensor` by tokens), learned positions included: no collective-permute inside the
+    tick's switch, where it deadlocked (the token shift and position rows are taken outside
+    the loop), and the same loss and gradients."""
+    cfg, graphdef, params = model
+    assert cfg.learned_positions
+    tokens = _tokens(cfg, 3)
+    _assert_equal(_reference(cfg, graphdef, params, tokens),
+                  _pipelined(cfg, params, tokens, mesh, schedule, tp="megatron_sp",
+                             rules="tp_sp"))
 
 
 def test_nan_bubbles_uneven_stages_and_stage_aware_remat(model):

@@ -81,3 +81,24 @@ def test_one_f_one_b_memory_is_flat_in_m_gpipe_grows():
             for s in ("1f1b", "gpipe") for m in (8, 16)}
     assert temp[("1f1b", 16)] < 1.05 * temp[("1f1b", 8)], temp
     assert temp[("gpipe", 16)] > 1.5 * temp[("gpipe", 8)], temp
+
+
+@pytest.mark.parametrize("schedule", ["megatron", "megatron_sp", "oases"])
+def test_no_collective_permute_inside_the_switch(schedule):
+    """Devices of different stages take different branches of the tick's conditional, so the
+    collectives inside a branch must rendezvous over the stage's own devices (tensor-group
+    all-reduces, all-gathers, reduce-scatters): a collective-permute there waits for every
+    device, and the CPU runtime deadlocked on sequence parallelism's token shift."""
+    mesh = "stage=2,tensor=4"
+    spec = CompileSpec(model=CFG, parallel=ParallelConfig(mesh=mesh, rules="tp",
+                                                          schedule=schedule, pipeline="1f1b"),
+                       batch_size=8, seq_len=64, microbatches=2)
+    module = hlo.parse_module(lower(spec, make_mesh(mesh, jax.devices())).compile().as_text())
+    entry = module.computations[module.entry]
+    switches = [i for i in _walk(module, entry) if i.opcode == "conditional"]
+    assert switches, "no tick switch"
+    inside = [i for sw in switches for c in sw.called if c in module.computations
+              for i in _walk(module, module.computations[c])]
+    assert any(i.opcode.startswith(("all-reduce", "all-gather", "reduce-scatter"))
+               for i in inside), "no tensor-parallel collective inside the branches"
+    assert not [i.name for i in inside if i.opcode.startswith("collective-permute")]

@@ -73,15 +73,18 @@ def test_resume_is_exact_and_moves_between_stage_counts(reference, tmp_path):
     (dict(mesh="data=2,stage=4", pipeline="zb_h1"), "unknown --pipeline"),
     (dict(mesh="data=2,stage=4", pipeline="1f1b", rules="fsdp"), "--rules fsdp"),
     (dict(mesh="data=2,stage=4", pipeline="interleaved", microbatches=4), "split into v=2"),
+    (dict(mesh="stage=2,tensor=4", pipeline="1f1b", schedule="collective_matmul"),
+     "cannot run --schedule collective_matmul inside its stages"),
 ])
 def test_bad_input_is_one_line(overrides, words):
     overrides = dict(overrides)
     m = overrides.pop("microbatches", 4)
+    schedule = overrides.pop("schedule", "megatron")
     par = dict(mesh=overrides.pop("mesh"), pipeline=overrides.pop("pipeline", None),
                rules=overrides.pop("rules", "tp"), **overrides)
     with pytest.raises(UserError, match=words) as err:
         cfg = TrainConfig(model=get_preset("tiny").replace(n_layers=4),
-                          parallel=ParallelConfig(schedule="megatron", **par), steps=2,
+                          parallel=ParallelConfig(schedule=schedule, **par), steps=2,
                           batch_size=16, seq_len=32, microbatches=m, progress=False)
         from oases_jax.mesh import make_mesh
         from training.loop import step_program

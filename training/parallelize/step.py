@@ -99,12 +99,19 @@ def stage_program(cut: Cut, layers_fn, pipe: PipelineSpec, act: jax.ShapeDtypeSt
             ks |= set(cut.post.reads)
         return sorted(ks)
 
+    def prepare(local):
+        """Once per step, outside the tick loop: each chunk's block leaves as arrays of their
+        own, so a branch whose stage fills its chunk takes them without a copy."""
+        return {"blocks": [tuple(a[c] for c in range(a.shape[0])) for a in local["blocks"]],
+                "shared": local["shared"]}
+
     def params(j, q):
         c, n = j // S, n_j[j]
 
-        def pick(local):
-            return {"blocks": [a[c, :n] for a in local["blocks"]],
-                    "shared": {i: local["shared"][i] for i in keys(j)}}
+        def pick(prepared):
+            return {"blocks": [a[c] if n == a[c].shape[0] else a[c][:n]
+                               for a in prepared["blocks"]],
+                    "shared": {i: prepared["shared"][i] for i in keys(j)}}
         return pick
 
     def add_grads(j, q):
@@ -143,7 +150,7 @@ def stage_program(cut: Cut, layers_fn, pipe: PipelineSpec, act: jax.ShapeDtypeSt
     # Every backward runs in one tick (one part per stage, q = 0): a user's block has no cost
     # model to balance a backward split over several ticks by.
     return executor.StageProgram(forward=forward, params=params, add_grads=add_grads, act=act,
-                                 parts=(1,) * V)
+                                 parts=(1,) * V, prepare=prepare)
 
 
 def grads_fn(mesh: Mesh, pipe: PipelineSpec, prog: executor.StageProgram, groups: int):
