@@ -18,7 +18,14 @@ from planner.layout import Layout
 from planner.prices import Hardware
 from planner.primepar_cost import SCHEDULE as PRIMEPAR
 from planner.primepar_cost import SIDES, square_layouts
-from planner.step_cost import StepCost, head_cost, resharding_s, static_memory, step_cost
+from planner.step_cost import (
+    StepCost,
+    gathered_layer_bytes,
+    head_cost,
+    resharding_s,
+    static_memory,
+    step_cost,
+)
 
 SCHEDULES = registry.names(planned=True)  # the per-layer schedules the planner chooses from
 REMATS = ("none", "save_proj", "full")  # the remat policies the cost model prices
@@ -165,6 +172,9 @@ def plan_layout(cfg: ModelConfig, layout: Layout, hw: Hardware, budget: float,
     if not strats:
         return None, {}
     costs: dict[LayerSpec, LayerCost] = {s: lm.time(s) for s in strats}
+    # What each layer keeps from its forward to its backward: activations, and under fsdp the
+    # weights an overlapped layer gathered (`gathered_layer_bytes`).
+    kept = {s: costs[s].act_bytes + gathered_layer_bytes(cfg, layout, s) for s in strats}
     static = sum(static_memory(cfg, layout).values())
     _, head_temp = head_cost(cfg, layout, hw)
 
@@ -173,8 +183,7 @@ def plan_layout(cfg: ModelConfig, layout: Layout, hw: Hardware, budget: float,
 
     uniform: dict[LayerSpec, Candidate] = {}
     for s in strats:
-        if static + max(costs[s].temp_bytes, head_temp) + cfg.n_layers * costs[s].act_bytes \
-                <= budget:
+        if static + max(costs[s].temp_bytes, head_temp) + cfg.n_layers * kept[s] <= budget:
             uniform[s] = full([s] * cfg.n_layers)
     best_uniform = min(uniform.values(), key=lambda c: c.cost.step_s, default=None)
     # Identical layers and non-negative edges: without a binding budget the best chain is
@@ -189,11 +198,11 @@ def plan_layout(cfg: ModelConfig, layout: Layout, hw: Hardware, budget: float,
     # A strategy slower, heavier and with a larger working set than another is never chosen:
     # drop it (exactness kept, the DP shrinks).
     keep = [s for s in strats if not any(
-        o != s and costs[o].step_s <= costs[s].step_s and costs[o].act_bytes <= costs[s].act_bytes
+        o != s and costs[o].step_s <= costs[s].step_s and kept[o] <= kept[s]
         and costs[o].temp_bytes <= costs[s].temp_bytes for o in strats)]
     strats = keep
     times = np.array([costs[s].step_s for s in strats]) * layout.microbatches
-    mems = np.array([costs[s].act_bytes for s in strats])
+    mems = np.array([kept[s] for s in strats])
     edges = np.array([[resharding_s(a, b, cfg, layout, hw) * layout.microbatches for b in strats]
                       for a in strats])
     temps = sorted({max(costs[s].temp_bytes, head_temp) for s in strats})

@@ -302,3 +302,25 @@ def test_merak_clusters(name, per_node, n):
     assert c.n_devices == n and c.levels[0][0] == per_node
     inside, across = c.link_for(list(range(per_node))), c.link_for([0, per_node])
     assert inside.bytes_per_s > 2 * across.bytes_per_s
+
+
+def test_fsdp_overlapped_layers_keep_their_gathered_weights():
+    """Under fsdp an oases layer without remat keeps the weights it gathered inside its
+    shard_map until its backward (e bytes x its weight matrices / t: hand arithmetic for
+    oases-h4096-l16, fp32, t=4: 12 x 4096^2 x 4 B / 4 a layer); megatron (GSPMD), a rematted
+    layer, and a replicated layout keep none, and the step's peak carries the difference."""
+    cfg = get_preset("oases-h4096-l16")
+    hw = Hardware.of(get_cluster("3090-pcie-32"))
+    fsdp = Layout(fsdp=8, tensor=4, global_batch=32, seq_len=1024)
+    per_layer = 12 * 4096**2 * 4 / 4
+    oases = LayerSpec(schedule="oases", sub_batches=2)
+    none, proj = oases, LayerSpec(schedule="oases", sub_batches=2, remat="save_proj")
+    from planner.step_cost import gathered_layer_bytes
+    assert gathered_layer_bytes(cfg, fsdp, none) == per_layer
+    assert gathered_layer_bytes(cfg, fsdp, proj) == 0
+    assert gathered_layer_bytes(cfg, fsdp, LayerSpec(schedule="megatron")) == 0
+    replicated = Layout(data=8, tensor=4, global_batch=32, seq_len=1024)
+    assert gathered_layer_bytes(cfg, replicated, none) == 0
+    cost = step_cost(cfg, fsdp, [none] * cfg.n_layers, hw)
+    assert cost.memory["gathered_weights"] == cfg.n_layers * per_layer
+    assert "gathered_weights" not in step_cost(cfg, fsdp, [proj] * cfg.n_layers, hw).memory
