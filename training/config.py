@@ -185,9 +185,10 @@ def _check_pipeline(par: ParallelConfig) -> None:
     if stages == 1:
         raise UserError(f"--pipeline {par.pipeline} needs a stage axis in --mesh (e.g. "
                         f"--mesh data=2,stage=2,tensor=2), got --mesh {par.mesh}")
-    if par.rules in ("fsdp", "fsdp_tp", "primepar"):
+    if par.rules in ("fsdp_tp", "primepar"):
         raise UserError(f"--pipeline does not combine with --rules {par.rules} yet: use --rules "
-                        f"dp, tp or tp_sp (data and tensor parallelism inside the stages)")
+                        f"dp, fsdp, tp or tp_sp (data, FSDP or tensor parallelism inside the "
+                        f"stages)")
     if par.schedule not in STAGE_SCHEDULES:
         raise UserError(f"--pipeline cannot run --schedule {par.schedule} inside its stages (its "
                         f"ring collective-permutes inside the tick's switch would wait for "

@@ -144,6 +144,17 @@ def test_megatron_sp_inside_the_stages(model, mesh, schedule):
                              rules="tp_sp"))
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", pytest.param("interleaved",
+                                                            marks=pytest.mark.slow)])
+def test_fsdp_inside_the_stages(model, schedule):
+    """FSDP inside the stages (`--rules fsdp`: the parameters sharded over `data`, which GSPMD
+    gathers inside each tick's branch and whose gradients it reduce-scatters)."""
+    cfg, graphdef, params = model
+    tokens = _tokens(cfg, 4)
+    _assert_equal(_reference(cfg, graphdef, params, tokens),
+                  _pipelined(cfg, params, tokens, "data=2,stage=4", schedule, rules="fsdp"))
+
+
 def test_nan_bubbles_uneven_stages_and_stage_aware_remat(model):
     """Every receive buffer, residual pool and bubble transfer starts as NaN: nothing a
     correct plan reads. Uneven stages (2,3,1,2: padding rows) and Merak's ratios from r0=0.8

@@ -102,3 +102,25 @@ def test_no_collective_permute_inside_the_switch(schedule):
     assert any(i.opcode.startswith(("all-reduce", "all-gather", "reduce-scatter"))
                for i in inside), "no tensor-parallel collective inside the branches"
     assert not [i.name for i in inside if i.opcode.startswith("collective-permute")]
+
+
+def test_fsdp_gathers_inside_the_branches():
+    """`--rules fsdp` inside the stages is FSDP: the tick's branches all-gather the weights
+    over `data` and reduce their gradients there (GSPMD's all-reduce and slice, per
+    micro-batch, as ZeRO-3 does), rather than the step gathering every weight once before
+    the loop; no collective-permute inside the switch."""
+    mesh = "data=2,stage=4"
+    spec = CompileSpec(model=CFG, parallel=ParallelConfig(mesh=mesh, rules="fsdp",
+                                                          schedule="megatron", pipeline="1f1b"),
+                       batch_size=8, seq_len=64, microbatches=4)
+    module = hlo.parse_module(lower(spec, make_mesh(mesh, jax.devices())).compile().as_text())
+    entry = module.computations[module.entry]
+    switches = [i for i in _walk(module, entry) if i.opcode == "conditional"]
+    assert switches, "no tick switch"
+    inside = [i for sw in switches for c in sw.called if c in module.computations
+              for i in _walk(module, module.computations[c])]
+    gathered = [i for i in inside if i.opcode.startswith("all-gather")]
+    # The MLP's input projection, [D, F] = [128, 512]: gathered from its [64, 512] shards.
+    assert any(i.type_text.startswith(("f32[128,512]", "f32[512,128]")) for i in gathered)
+    assert any(i.opcode.startswith(("all-reduce", "reduce-scatter")) for i in inside)
+    assert not [i.name for i in inside if i.opcode.startswith("collective-permute")]

@@ -71,7 +71,7 @@ def test_resume_is_exact_and_moves_between_stage_counts(reference, tmp_path):
     (dict(mesh="data=2,stage=4"), "no --pipeline"),
     (dict(mesh="data=2,tensor=4", pipeline="1f1b"), "needs a stage axis"),
     (dict(mesh="data=2,stage=4", pipeline="zb_h1"), "unknown --pipeline"),
-    (dict(mesh="data=2,stage=4", pipeline="1f1b", rules="fsdp"), "--rules fsdp"),
+    (dict(mesh="data=2,stage=2,tensor=2", pipeline="1f1b", rules="fsdp_tp"), "--rules fsdp_tp"),
     (dict(mesh="data=2,stage=4", pipeline="interleaved", microbatches=4), "split into v=2"),
     (dict(mesh="stage=2,tensor=4", pipeline="1f1b", schedule="collective_matmul"),
      "cannot run --schedule collective_matmul inside its stages"),
