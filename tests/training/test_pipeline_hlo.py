@@ -83,22 +83,27 @@ def test_one_f_one_b_memory_is_flat_in_m_gpipe_grows():
     assert temp[("gpipe", 16)] > 1.5 * temp[("gpipe", 8)], temp
 
 
+def _inside_the_switch(mesh: str, rules: str, schedule: str, m: int) -> list:
+    """Every instruction inside the branches of the tick's conditional of the compiled 1F1B
+    step (and what they call)."""
+    spec = CompileSpec(model=CFG, parallel=ParallelConfig(mesh=mesh, rules=rules,
+                                                          schedule=schedule, pipeline="1f1b"),
+                       batch_size=4 * m, seq_len=64, microbatches=m)
+    module = hlo.parse_module(lower(spec, make_mesh(mesh, jax.devices())).compile().as_text())
+    switches = [i for i in _walk(module, module.computations[module.entry])
+                if i.opcode == "conditional"]
+    assert switches, "no tick switch"
+    return [i for sw in switches for c in sw.called if c in module.computations
+            for i in _walk(module, module.computations[c])]
+
+
 @pytest.mark.parametrize("schedule", ["megatron", "megatron_sp", "oases"])
 def test_no_collective_permute_inside_the_switch(schedule):
     """Devices of different stages take different branches of the tick's conditional, so the
     collectives inside a branch must rendezvous over the stage's own devices (tensor-group
     all-reduces, all-gathers, reduce-scatters): a collective-permute there waits for every
     device, and the CPU runtime deadlocked on sequence parallelism's token shift."""
-    mesh = "stage=2,tensor=4"
-    spec = CompileSpec(model=CFG, parallel=ParallelConfig(mesh=mesh, rules="tp",
-                                                          schedule=schedule, pipeline="1f1b"),
-                       batch_size=8, seq_len=64, microbatches=2)
-    module = hlo.parse_module(lower(spec, make_mesh(mesh, jax.devices())).compile().as_text())
-    entry = module.computations[module.entry]
-    switches = [i for i in _walk(module, entry) if i.opcode == "conditional"]
-    assert switches, "no tick switch"
-    inside = [i for sw in switches for c in sw.called if c in module.computations
-              for i in _walk(module, module.computations[c])]
+    inside = _inside_the_switch("stage=2,tensor=4", "tp", schedule, 2)
     assert any(i.opcode.startswith(("all-reduce", "all-gather", "reduce-scatter"))
                for i in inside), "no tensor-parallel collective inside the branches"
     assert not [i.name for i in inside if i.opcode.startswith("collective-permute")]
@@ -109,16 +114,7 @@ def test_fsdp_gathers_inside_the_branches():
     over `data` and reduce their gradients there (GSPMD's all-reduce and slice, per
     micro-batch, as ZeRO-3 does), rather than the step gathering every weight once before
     the loop; no collective-permute inside the switch."""
-    mesh = "data=2,stage=4"
-    spec = CompileSpec(model=CFG, parallel=ParallelConfig(mesh=mesh, rules="fsdp",
-                                                          schedule="megatron", pipeline="1f1b"),
-                       batch_size=8, seq_len=64, microbatches=4)
-    module = hlo.parse_module(lower(spec, make_mesh(mesh, jax.devices())).compile().as_text())
-    entry = module.computations[module.entry]
-    switches = [i for i in _walk(module, entry) if i.opcode == "conditional"]
-    assert switches, "no tick switch"
-    inside = [i for sw in switches for c in sw.called if c in module.computations
-              for i in _walk(module, module.computations[c])]
+    inside = _inside_the_switch("data=2,stage=4", "fsdp", "megatron", 4)
     gathered = [i for i in inside if i.opcode.startswith("all-gather")]
     # The MLP's input projection, [D, F] = [128, 512]: gathered from its [64, 512] shards.
     assert any(i.type_text.startswith(("f32[128,512]", "f32[512,128]")) for i in gathered)
