@@ -45,6 +45,9 @@ def parse_args(argv=None):
     p.add_argument("--json", metavar="OUT", help="write the report as JSON")
     p.add_argument("--fusions", action="store_true",
                    help="also print the per-op account of the compute outside the GEMMs")
+    p.add_argument("--memory-report", type=int, default=0, metavar="N",
+                   help="also print the N largest allocations of XLA's memory-usage report "
+                   "(the same compile dumps it; the JSON keeps the 50 largest)")
     p.add_argument("--timeline", metavar="OUT.png", help="draw the timeline (a pipelined step: "
                    "one row per stage, tick by tick)")
     p.add_argument("--timeline-source", choices=("sim", "xla"), default="sim",
@@ -72,6 +75,9 @@ def check_args(args) -> None:
             output_file(value, flag)
     if args.diff is not None and len(args.diff.split(",")) != 2:
         raise UserError(f"--diff {args.diff!r} needs two entries, e.g. megatron,xla_auto")
+    if not 0 <= args.memory_report <= 1000:
+        raise UserError(f"--memory-report {args.memory_report} must be in 0..1000 (the number "
+                        f"of allocations to print; 0: none)")
 
 
 def main() -> int:
@@ -136,7 +142,7 @@ def main() -> int:
         if target.is_gpu_aot and may_abort(spec):
             r = inspect_isolated(spec, args.target, None if xla_png else png)
         else:
-            ins = inspect_program(spec, target)
+            ins = inspect_program(spec, target, memory_report=args.memory_report > 0)
             r = ins.report()
             if png and not xla_png:
                 report.draw_timeline(ins.sim.events, r, png)
@@ -168,6 +174,11 @@ def main() -> int:
             from oases_jax.analysis.fusions import format_summary
 
             print(format_summary(r["fusions"]), end="\n\n")
+        if args.memory_report and r.get("memory_report"):
+            from oases_jax.analysis.memory_report import MemoryReport
+
+            print(MemoryReport.from_json(r["memory_report"]).format(args.memory_report),
+                  end="\n\n")
     if len(pipelines) > 1 and all("error" not in r for r in reports):
         from tools.pipeline_report import schedules_table
 

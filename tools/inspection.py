@@ -14,6 +14,7 @@ import time
 
 from oases_jax import registry
 from oases_jax.analysis import fusions, moe_program, pipeline_time
+from oases_jax.analysis import memory_report as memory_reports
 from oases_jax.analysis.attention import attention_kernel
 from oases_jax.analysis.program import Analysis, Program, analyze
 from oases_jax.analysis.simulate import SimResult, simulate
@@ -22,6 +23,8 @@ from oases_jax.analysis.xla_compile import compile_with_estimate
 from oases_jax.analysis.xla_estimate import XlaEstimate
 from oases_jax.mesh import make_mesh
 from training.program import CompileSpec, lower
+
+MEMORY_REPORT_TOP = 50  # allocations a report's JSON keeps
 
 
 @dataclasses.dataclass
@@ -36,6 +39,8 @@ class Inspection:
     xla: XlaEstimate | None = None  # XLA's own estimate (GPU targets only)
     options: dict = dataclasses.field(default_factory=dict)  # the XLA options it compiled with
     pipeline: dict | None = None  # a pipelined program's tick-by-tick time (`pipeline_time`)
+    # XLA's memory-usage report of the same compile (`inspect_program(memory_report=True)`)
+    memory_report: memory_reports.MemoryReport | None = None
 
     def report(self) -> dict:
         a, sim, par = self.analysis, self.sim, self.spec.parallel
@@ -85,6 +90,9 @@ class Inspection:
             # Pipelined programs: the tick loop priced per branch and stage (the simulated step
             # above replays each tick's conditional by its first branch).
             "pipeline": self.pipeline,
+            # XLA's memory-usage report, its largest allocations (`--memory-report`).
+            "memory_report": (self.memory_report.to_json(MEMORY_REPORT_TOP)
+                              if self.memory_report else None),
         }
 
 
@@ -116,16 +124,25 @@ def may_abort(spec: CompileSpec) -> bool:
     return any(registry.get(s).may_abort for s in spec.parallel.schedules)
 
 
-def inspect_program(spec: CompileSpec, target: Target) -> Inspection:
+def inspect_program(spec: CompileSpec, target: Target, *,
+                    memory_report: bool = False) -> Inspection:
     """Compile `spec` for `target` through the compile path training uses
-    (`training.program.lower`), and analyse and simulate the compiled program."""
+    (`training.program.lower`), and analyse and simulate the compiled program. `memory_report`:
+    the same compile also dumps XLA's memory-usage report (`Inspection.memory_report`)."""
     mesh = make_mesh(spec.parallel.mesh, target.devices)
     t0 = time.perf_counter()
     prog = lower(spec, mesh)
-    xla = None
+    xla, reports = None, []
+    extra = memory_reports.DUMP_OPTIONS if memory_report else {}
     if target.is_gpu_aot:  # the same compile also dumps XLA's schedule and its time estimates
-        compiled, xla = compile_with_estimate(prog.lowered, prog.options,
-                                              device=target.cluster.device_spec)
+        compiled, xla = compile_with_estimate(
+            prog.lowered, {**prog.options, **extra}, device=target.cluster.device_spec,
+            on_dump=(lambda where: reports.append(memory_reports.read(where)))
+            if memory_report else None)
+    elif memory_report:
+        with memory_reports.memory_dump() as (options, where):
+            compiled = prog.compile(options)
+            reports.append(memory_reports.read(where))
     else:
         compiled = prog.compile()
     compile_s = time.perf_counter() - t0
@@ -133,7 +150,8 @@ def inspect_program(spec: CompileSpec, target: Target) -> Inspection:
     sim = simulate(program, target.cluster)
     return Inspection(spec, target, analysis, program, sim, compile_s, prog.resolved_mesh, xla,
                       options=prog.options,
-                      pipeline=_pipeline(spec, mesh, program, target, analysis.peak_memory_bytes))
+                      pipeline=_pipeline(spec, mesh, program, target, analysis.peak_memory_bytes),
+                      memory_report=reports[0] if reports else None)
 
 
 def _pipeline(spec: CompileSpec, mesh, program: Program, target: Target,

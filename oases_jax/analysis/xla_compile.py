@@ -69,11 +69,12 @@ def read_dump(where: pathlib.Path, compiled_text: str | None = None,
 
 
 def compile_with_estimate(lowered, compiler_options: dict | None = None,
-                          device: DeviceSpec | None = None):
+                          device: DeviceSpec | None = None, on_dump=None):
     """`lowered.compile(...)` with the schedule dump on, for a GPU target: (compiled, estimate).
     cuDNN's fused-attention calls are priced at the roofline of `device` (by default the
     compiled program's own devices, `compiled_device`) instead of XLA's flat 10 us. The dump
-    directory is removed before this returns or raises. An XLA that refuses the dump options
+    directory is removed before this returns or raises; `on_dump(directory)` may read what else
+    the options dumped there first (e.g. `memory_report`). An XLA that refuses the dump options
     gets a plain compile and the estimate is None (a warning says why)."""
     with schedule_dump() as (options, where):
         try:
@@ -84,6 +85,8 @@ def compile_with_estimate(lowered, compiler_options: dict | None = None,
                           "no XLA estimate", stacklevel=2)
             return compiled, None
         text = compiled.as_text()
+        if on_dump is not None:
+            on_dump(where)
         device = device or compiled_device(compiled)
         prices = None
         if FUSED_ATTENTION_PREFIX in text:

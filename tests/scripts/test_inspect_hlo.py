@@ -152,3 +152,20 @@ def test_plan_without_model_flag_takes_the_plans_model(tmp_path):
     errors = [ln for ln in proc.stderr.splitlines() if "error:" in ln]
     assert proc.returncode == 2 and len(errors) == 1 and "names no model" in errors[0], \
         proc.stderr[-2000:]
+
+
+def test_memory_report(tmp_path):
+    """`--memory-report N` prints XLA's N largest allocations from the same compile, and the
+    JSON keeps them; their total is the program's peak (within alignment)."""
+    out = tmp_path / "r.json"
+    proc = run("--model", "tiny", "--mesh", "data=2,tensor=4", "--batch-size", "8",
+               "--seq-len", "32", "--memory-report", "3", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "XLA's memory-usage report" in proc.stdout and "the 3 largest" in proc.stdout
+    r = json.loads(out.read_text())
+    rep = r["memory_report"]
+    assert abs(rep["total_bytes"] - r["peak_memory_bytes"]) <= 0.01 * r["peak_memory_bytes"]
+    sizes = [a["size_bytes"] for a in rep["allocations"]]
+    assert sizes == sorted(sizes, reverse=True) and rep["n_allocations"] >= len(sizes)
+    bad = run("--model", "tiny", "--memory-report", "-1")
+    assert bad.returncode == 2 and "--memory-report -1" in bad.stderr
