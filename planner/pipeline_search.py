@@ -11,6 +11,7 @@ import time
 from models.config import ModelConfig
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.pipeline import STAGE_SCHEDULES
+from oases_jax.pipeline.lowering import flat_pools
 from planner.layer_cost import LayerModel
 from planner.layer_work import elem_bytes, sequence_split
 from planner.layout import Layout
@@ -65,7 +66,7 @@ class PipelineCandidate:
 RESIDUAL_STORE_PASSES = 4.85
 RESIDUAL_LOAD_PASSES = 3.4
 # With several chunks per device and no mesh axis sharding inside the stage, the residual pools
-# hold flattened leaves (`executor.Plan.flat_pools`); flattening a leaf whose layout XLA chose
+# hold flattened leaves (`lowering.flat_pools`); flattening a leaf whose layout XLA chose
 # transposed costs a transpose on the way in and part of one on the way out. Measured on the
 # same model, stage=2,data=8, M=4, interleaved v=2 (12-layer chunks) against GPipe's 12-layer
 # stages at stage=4,data=4: +1.15 ms per chunk forward, +0.44 ms per chunk backward.
@@ -74,7 +75,7 @@ FLAT_LOAD_PASSES = 0.6
 
 
 def stage_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware,
-                 strategy: LayerSpec, *, flat_pools: bool = False) -> StageInputs:
+                 strategy: LayerSpec) -> StageInputs:
     """Per-layer costs and memory of one stage's device from the layer cost model: `strategy`
     (remat none) and its fully rematted twin; the head and loss (`head_cost`, one third forward)
     on the last stage. Static bytes per parameter: 16 (fp32 weight, gradient, AdamW moments),
@@ -86,8 +87,8 @@ def stage_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware,
     # (RESIDUAL_STORE_PASSES, RESIDUAL_LOAD_PASSES; a recomputed layer keeps less, priced as
     # the whole, an upper bound that keeps r the recompute's own cost).
     act, act_remat = c0.act_bytes, c1.act_bytes
-    store_s = hw.mem_s((RESIDUAL_STORE_PASSES + FLAT_STORE_PASSES * flat_pools) * act)
-    load_s = hw.mem_s((RESIDUAL_LOAD_PASSES + FLAT_LOAD_PASSES * flat_pools) * act)
+    store_s = hw.mem_s(RESIDUAL_STORE_PASSES * act)
+    load_s = hw.mem_s(RESIDUAL_LOAD_PASSES * act)
     head_s, head_temp = head_cost(cfg, layout, hw)
     per_param = 16 + (4 if layout.microbatches > 1 else 0)
     e = elem_bytes(cfg)
@@ -146,10 +147,12 @@ def price(cfg: ModelConfig, hw: Hardware, stages: int, layout: Layout, strategy:
                              max(sp.memory))
 
 
-def flat_pools(layout: Layout) -> bool:
-    """Whether an interleaved program's pools are flattened (`executor.Plan.flat_pools`): no
-    mesh axis left to GSPMD inside the stages shards the residuals (tensor = 1)."""
-    return layout.tensor == 1
+def with_flat_pools(x: StageInputs, hw: Hardware) -> StageInputs:
+    """`x` for an interleaved program whose pools hold flattened leaves: each layer's forward
+    and backward pay the flattening's extra passes over what it keeps."""
+    return dataclasses.replace(
+        x, f=tuple(f + hw.mem_s(FLAT_STORE_PASSES * a) for f, a in zip(x.f, x.act, strict=True)),
+        b=tuple(b + hw.mem_s(FLAT_LOAD_PASSES * a) for b, a in zip(x.b, x.act, strict=True)))
 
 
 def _screen(cfg, hw, stages, layout, strategy, x, p2p, schedule) -> float:
@@ -194,9 +197,9 @@ def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int
         for sch in pipelines:
             if sch == "interleaved" and (S < 2 or cfg.n_layers % (CHUNKS * S)):
                 continue
-            xs = x
-            if sch == "interleaved" and flat_pools(layout):
-                xs = stage_inputs(cfg, layout, hw, strategy, flat_pools=True)
+            # No mesh axis is left to GSPMD inside the stages when tensor = 1.
+            flat = flat_pools(CHUNKS if sch == "interleaved" else 1, layout.tensor > 1)
+            xs = with_flat_pools(x, hw) if flat else x
             est = _screen(cfg, hw, S, layout, strategy, xs, p2p, sch)
             screened.append((est, S, layout, strategy, xs, p2p, sch))
     screened.sort(key=lambda c: c[0])

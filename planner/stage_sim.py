@@ -24,7 +24,12 @@ def build(name: str, stages: int, microbatches: int, chunks: int = 1,
     """The schedule (cached); `recompute`: per-stage flags (Merak's schedule has its own, so
     its flags are not part of the key: a search prices many partitions that differ only in
     them)."""
-    return _build(name, stages, microbatches, chunks, None if name == "merak" else recompute)
+    return _build(name, stages, microbatches, chunks, _flags_key(name, recompute))
+
+
+def _flags_key(name: str, recompute: tuple[bool, ...] | None) -> tuple[bool, ...] | None:
+    """The recompute flags as a cache key: none for Merak's schedule, which has its own."""
+    return None if name == "merak" else recompute
 
 
 @functools.lru_cache(maxsize=512)
@@ -108,8 +113,7 @@ def simulate(name: str, microbatches: int, chunks: int, f: Sequence[float],
     cost = {"F": f, "PF": f, "R": r, "RrG": r, "B": tuple(x / k for x in b_run), "W": (0.0,) * S}
     total, finish = 0.0, [0.0] * S
     per_tick = p2p * permutes_per_tick(v) if S > 1 else 0.0
-    for cells, _ in _ticks(name, S, microbatches, chunks,
-                           None if name == "merak" else recompute, k):
+    for cells, _ in _ticks(name, S, microbatches, chunks, _flags_key(name, recompute), k):
         total += max((cost[kind][s] for s, kind in cells), default=0.0) / v
         for s, _ in cells:
             finish[s] = total

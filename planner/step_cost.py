@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from models.config import ModelConfig
 from oases_jax.layer_plan import LayerSpec
+from oases_jax.registry import SCHEDULES
 from planner.layer_cost import LayerCost, LayerModel
 from planner.layer_work import elem_bytes, layer_matrices
 from planner.layout import Layout, replica_group, tensor_group
@@ -86,8 +87,6 @@ def gathered_layer_bytes(cfg: ModelConfig, layout: Layout, s: LayerSpec) -> floa
     sharded weights and gathers again.) Compiled: oases-h4096-l16, fp32, data=8,tensor=4
     fsdp_tp, 16 x oases/2+none on 3090:32 keeps 16 layers x 201M/4 x 4 B = 3.0 GiB of
     [16, 4096, 4096]-class stacks; the peak was predicted 17.0 GiB against 21.5 without it."""
-    from oases_jax.registry import SCHEDULES
-
     if layout.fsdp <= 1 or s.remat != "none" \
             or SCHEDULES[s.schedule].runner(s.sub_batches, layout.tensor) == "scan":
         return 0.0

@@ -25,9 +25,7 @@ from training.state import accumulation_groups
 def step_plan(spec: CompileSpec, mesh: Mesh) -> tuple[executor.Plan, pipeline_step.PipelineSpec]:
     """The plan the pipelined step of `spec` runs (as `training.pipeline_step` builds it)."""
     pipe = pipeline_step.spec_for(spec.model, spec.parallel, spec.microbatches, mesh)
-    if hasattr(pipeline_step, "step_plan"):
-        return pipeline_step.step_plan(spec.model, pipe), pipe
-    return executor.plan(pipe.schedule_table()), pipe
+    return pipeline_step.step_plan(spec.model, pipe), pipe
 
 
 def stage_layouts(spec: CompileSpec, mesh: Mesh) -> tuple[dict, dict]:
@@ -46,7 +44,6 @@ def stage_layouts(spec: CompileSpec, mesh: Mesh) -> tuple[dict, dict]:
     act = jax.ShapeDtypeStruct((spec.batch_size // m // groups, spec.seq_len, cfg.d_model),
                                jnp.dtype(cfg.dtype))
     prog = pipeline_step.stage_program(cfg, pipe, act)
-    parts = getattr(prog, "parts", None)
     _, abstract_std = abstract_model(cfg)
     params = jax.eval_shape(lambda p: to_stages(p, pipe), abstract_std)
     p_specs = jax.tree.map(lambda var: P(STAGE) if _stacked(var) else P(), params,
@@ -54,32 +51,15 @@ def stage_layouts(spec: CompileSpec, mesh: Mesh) -> tuple[dict, dict]:
     tokens = jax.ShapeDtypeStruct((m, spec.batch_size // m, spec.seq_len + 1), jnp.int32)
     residuals: dict[int, list] = {}
 
-    def fn(kind, j, q):
-        f = getattr(prog, kind)
-        return f(j, q) if parts is not None else f(j)
-
     def local(params_in, tokens_MBL):
         local_params = dict(params_in)
         local_params["blocks"] = jax.tree.map(lambda a: a[0], local_params["blocks"])
         data = pipeline_step.shifted(tokens_MBL)[0]  # as `pipeline_grads` feeds the executor
         with outer_axes(*manual), use_parallel(parallel):
-            prepared = prog.prepare(local_params)
-            for j in range(pipe.virtual):
-                leaves = []
-                for q in range(parts[j] if parts is not None else 1):
-                    params_jq = fn("params", j, q)(prepared)
-                    forward = fn("forward", j, q)
-                    if j == 0 and q == 0:
-                        _, vjp_fn = jax.vjp(lambda pj, f=forward: f(pj, None, data),
-                                            params_jq)
-                    else:
-                        x = jnp.zeros(act.shape, act.dtype)
-                        _, vjp_fn = jax.vjp(lambda pj, xx, f=forward: f(pj, xx, data),
-                                            params_jq, x)
-                    stored, is_param, _ = executor._split_residuals(vjp_fn, params_jq)
-                    leaves += [(tuple(a.shape), jnp.dtype(a.dtype).name)
-                               for a, ip in zip(stored, is_param, strict=True) if not ip]
-                residuals[j] = leaves
+            layouts = executor.residual_layouts(prog, local_params, data)
+        for j in range(pipe.virtual):
+            residuals[j] = [(tuple(a.shape), jnp.dtype(a.dtype).name)
+                            for q in range(prog.parts[j]) for a in layouts[(j, q)]]
         return jnp.zeros((), jnp.float32)
 
     with jax.set_mesh(mesh):

@@ -203,10 +203,8 @@ def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruc
             # the backward keeps them as its own primal (never a per-micro-batch copy, as a
             # slice taken inside the VJP would be); the cast's transpose is the same cast of the
             # gradient, so the gradients are those of the float32 weights. A range that spans
-            # the whole chunk is the prepared array itself, no copy.
-            def block(a, first, end):
-                return a[c] if (first, end) == (0, a[c].shape[0]) else a[c][first:end]
-            return {"blocks": {key: jax.tree.map(lambda a, f=first, e=end: block(a, f, e),
+            # the whole chunk is the prepared array itself (JAX returns a full slice as is).
+            return {"blocks": {key: jax.tree.map(lambda a, f=first, e=end: a[c][f:e],
                                                  prepared["blocks"],
                                                  is_leaf=lambda x: isinstance(x, tuple))
                                for key, first, end in ranges(j, q)},

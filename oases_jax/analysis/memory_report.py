@@ -8,13 +8,11 @@ layers keep their gathered weights" term came from it (docs/planner.md, the benc
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import pathlib
 import re
-import shutil
-import tempfile
-from collections.abc import Iterator
+
+from oases_jax.analysis.xla_compile import xla_dump
 
 # Per-compile options that make XLA dump the optimized module as text, with its buffer
 # assignment and memory-usage report beside it. `xla_dump_to` is added per call.
@@ -105,13 +103,8 @@ def read(where: pathlib.Path, module: str | None = None) -> MemoryReport | None:
     return max(reports, key=lambda r: r.total_bytes)
 
 
-@contextlib.contextmanager
-def memory_dump() -> Iterator[tuple[dict, pathlib.Path]]:
+def memory_dump():
     """Compiler options that dump the optimized module (and its memory-usage report) into a
-    fresh directory, removed on exit: `with memory_dump() as (options, where): ...compile(
-    compiler_options={**mine, **options}); read(where)`."""
-    where = pathlib.Path(tempfile.mkdtemp(prefix="oases-xla-memory-"))
-    try:
-        yield {"xla_dump_to": str(where), **DUMP_OPTIONS}, where
-    finally:
-        shutil.rmtree(where, ignore_errors=True)
+    fresh directory, removed on exit (`xla_compile.xla_dump`): `with memory_dump() as
+    (options, where): ...compile(compiler_options={**mine, **options}); read(where)`."""
+    return xla_dump(DUMP_OPTIONS)

@@ -29,15 +29,20 @@ DUMP_OPTIONS = {"xla_dump_latency_hiding_schedule": True, "xla_gpu_collect_cost_
 
 
 @contextlib.contextmanager
-def schedule_dump() -> Iterator[tuple[dict, pathlib.Path]]:
-    """Compiler options that dump the schedule into a fresh directory, removed on exit (errors
-    included): `with schedule_dump() as (options, where): lowered.compile(compiler_options={
-    **mine, **options})`, then `read_dump(where)`."""
+def xla_dump(options: dict) -> Iterator[tuple[dict, pathlib.Path]]:
+    """Compiler options that make XLA dump what `options` ask for into a fresh directory,
+    removed on exit (errors included): `with xla_dump(opts) as (options, where):
+    lowered.compile(compiler_options={**mine, **options})`, then read `where`."""
     where = pathlib.Path(tempfile.mkdtemp(prefix="oases-xla-dump-"))
     try:
-        yield {"xla_dump_to": str(where), **DUMP_OPTIONS}, where
+        yield {"xla_dump_to": str(where), **options}, where
     finally:
         shutil.rmtree(where, ignore_errors=True)
+
+
+def schedule_dump():
+    """`xla_dump` of the schedule (`DUMP_OPTIONS`), read back by `read_dump(where)`."""
+    return xla_dump(DUMP_OPTIONS)
 
 
 def schedule_files(where: pathlib.Path) -> list[pathlib.Path]:

@@ -42,7 +42,8 @@ from oases_jax.pipeline.lowering import (
 )
 
 __all__ = ["ACT_READ", "ACT_STORE", "BRANCH", "GRAD_READ", "GRAD_STORE", "KINDS", "MB",
-           "SLOT_IN", "SLOT_OUT", "Plan", "StageProgram", "base_kind", "plan", "run"]
+           "SLOT_IN", "SLOT_OUT", "Plan", "StageProgram", "base_kind", "plan", "residual_layouts",
+           "run"]
 
 @dataclasses.dataclass(frozen=True)
 class StageProgram:
@@ -84,6 +85,34 @@ def _stored(vjp_fn, params_j) -> list:
     return [leaf for leaf, ip in zip(leaves, is_param, strict=True) if not ip]
 
 
+def _vjp_of(prog: StageProgram, j: int, q: int, params_jq, x, data_mb):
+    fwd = prog.forward(j, q)
+    if x is None:
+        return jax.vjp(lambda pj: fwd(pj, None, data_mb), params_jq)
+    return jax.vjp(lambda pj, xx: fwd(pj, xx, data_mb), params_jq, x)
+
+
+def _part_input(prog: StageProgram, j: int, q: int):
+    """What part q of stage j is traced on: None where it reads the micro-batch's data."""
+    return None if (j == 0 and q == 0) else jnp.zeros(prog.act.shape, prog.act.dtype)
+
+
+def residual_layouts(prog: StageProgram, local_params, data_mb) -> dict[tuple[int, int], list]:
+    """Per (virtual stage j, part q): the leaves (shapes and dtypes) one micro-batch keeps for
+    the backward, the VJP's residuals other than the stage's own parameters; one abstract trace
+    each, inside the caller's shard_map (so each device's shapes)."""
+    layouts = {}
+    for j in range(len(prog.parts)):
+        for q in range(prog.parts[j]):
+            def trace(local, data, j=j, q=q):
+                params_jq = prog.params(j, q)(prog.prepare(local))
+                _, vjp_fn = _vjp_of(prog, j, q, params_jq, _part_input(prog, j, q), data)
+                return _stored(vjp_fn, params_jq)
+
+            layouts[(j, q)] = jax.eval_shape(trace, local_params, data_mb)
+    return layouts
+
+
 def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = "stage",
         poison: bool = False):
     """Run the plan on this device (inside a shard_map manual over `stage_axis`): returns (sum
@@ -101,26 +130,8 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
     split = any(k > 1 for k in prog.parts)
     prepared = prog.prepare(local_params)  # loop-invariant: computed once, read every tick
 
-    def vjp_of(j, q, params_jq, x, data_mb):
-        fwd = prog.forward(j, q)
-        if x is None:
-            return jax.vjp(lambda pj: fwd(pj, None, data_mb), params_jq)
-        return jax.vjp(lambda pj, xx: fwd(pj, xx, data_mb), params_jq, x)
-
-    def part_input(j, q):
-        return None if (j == 0 and q == 0) else jnp.zeros(act_aval.shape, act_aval.dtype)
-
-    # Residual layouts of every part of every virtual stage (shapes only), one abstract trace
-    # each. A residual slot of stage j holds all its parts' leaves, part after part.
-    layouts: dict[tuple[int, int], list] = {}
-    for j in range(V):
-        for q in range(prog.parts[j]):
-            def trace(local, data_mb, j=j, q=q):
-                params_jq = prog.params(j, q)(prog.prepare(local))
-                _, vjp_fn = vjp_of(j, q, params_jq, part_input(j, q), data_mb)
-                return _stored(vjp_fn, params_jq)
-
-            layouts[(j, q)] = jax.eval_shape(trace, local_params, data_M[0])
+    # A residual slot of stage j holds all its parts' leaves, part after part.
+    layouts = residual_layouts(prog, local_params, data_M[0])
     stash_layout = {j: ([] if j == 0 else [act_aval]) for j in range(V)}
 
     # Pools: one buffer per key (`Plan.pool_key`: shape and dtype, or size and dtype with
@@ -197,7 +208,7 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
         """Run stage j's parts with their VJPs, storing each part's residuals in `slot`."""
         for q in range(prog.parts[j]):
             params_jq = prog.params(j, q)(prepared)
-            x, vjp_fn = vjp_of(j, q, params_jq, x, data_mb)
+            x, vjp_fn = _vjp_of(prog, j, q, params_jq, x, data_mb)
             pools_ = store(pools_, "res", j, q, slot, _stored(vjp_fn, params_jq))
         return pools_, x
 
@@ -236,7 +247,7 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
             params_jq = prog.params(j, q)(prepared)
             # A fresh trace gives the VJP's structure and its parameter leaves; its forward is
             # dead code (every other residual comes from the pool) and XLA removes it.
-            out0, fresh = vjp_of(j, q, params_jq, part_input(j, q), data_mb)
+            out0, fresh = _vjp_of(prog, j, q, params_jq, _part_input(prog, j, q), data_mb)
             leaves, is_param, tree = _split_residuals(fresh, params_jq)
             stored = iter(load(pools_, "res", j, q, r[SLOT_IN], layouts[(j, q)]))
             vjp_fn = jax.tree.unflatten(tree, [leaf if ip else next(stored)

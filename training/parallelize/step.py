@@ -109,8 +109,7 @@ def stage_program(cut: Cut, layers_fn, pipe: PipelineSpec, act: jax.ShapeDtypeSt
         c, n = j // S, n_j[j]
 
         def pick(prepared):
-            return {"blocks": [a[c] if n == a[c].shape[0] else a[c][:n]
-                               for a in prepared["blocks"]],
+            return {"blocks": [a[c][:n] for a in prepared["blocks"]],  # a full slice is a[c]
                     "shared": {i: prepared["shared"][i] for i in keys(j)}}
         return pick
 
