@@ -3,6 +3,7 @@ beside each prediction (checked against the same plans compiled directly by
 `tools.inspection.inspect_program`), and the fit check that marks a plan and never chooses it."""
 
 import dataclasses
+import types
 
 import pytest
 
@@ -198,6 +199,8 @@ def test_the_fsdp_only_baseline_is_verified_beside_the_top_plans(monkeypatch):
                             compiled_peak_memory_bytes=2**30, simulated_step_s=1.0 / r)
 
     monkeypatch.setattr(ver, "verify_one", fake)
+    # The compiles are faked, so no GPU compile target (the gpu-aot extra) is needed.
+    monkeypatch.setattr(ver, "target_for", lambda cluster: types.SimpleNamespace(name="h100:8"))
     verified = ver.verify(result, cfg, cluster, n)
     assert seen == [(i, c.summary()) for i, c in enumerate(result.ranked[:n], 1)] + [
         (rank, base.summary())]
