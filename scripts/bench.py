@@ -63,6 +63,9 @@ def parse_args(argv=None):
                    help="after timing, profile STEPS more steps per variant and print the "
                         "measured time of each op category beside its roofline price (the "
                         "per-op account of inspect_hlo.py --fusions); 0: off")
+    g.add_argument("--trace-dir", metavar="DIR",
+                   help="keep each variant's --op-times profiler trace under DIR/LABEL (a "
+                        "Perfetto trace, also readable by TensorBoard); default: discarded")
     g = p.add_argument_group("planner")
     g.add_argument("--predict", metavar="SOURCE",
                    help="also price every variant with the planner's cost model (datasheet, "
@@ -120,6 +123,7 @@ def build_config(args):
         virtual_stages=args.virtual_stages,
         remat_ratios=args.remat_ratios,
         op_times=args.op_times,
+        trace_dir=args.trace_dir,
     )
 
 

@@ -48,6 +48,12 @@ def parse_args(argv=None):
     p.add_argument("--memory-report", type=int, default=0, metavar="N",
                    help="also print the N largest allocations of XLA's memory-usage report "
                    "(the same compile dumps it; the JSON keeps the 50 largest)")
+    p.add_argument("--op-trace", metavar="DIR",
+                   help="a profiler trace of this same program run on real devices (bench.py "
+                        "--op-times STEPS --trace-dir): print each op category's measured time "
+                        "beside its roofline price")
+    p.add_argument("--op-trace-steps", type=int, default=1, metavar="N",
+                   help="steps the --op-trace holds (bench.py's --op-times STEPS; default 1)")
     p.add_argument("--timeline", metavar="OUT.png", help="draw the timeline (a pipelined step: "
                    "one row per stage, tick by tick)")
     p.add_argument("--timeline-source", choices=("sim", "xla"), default="sim",
@@ -75,6 +81,15 @@ def check_args(args) -> None:
             output_file(value, flag)
     if args.diff is not None and len(args.diff.split(",")) != 2:
         raise UserError(f"--diff {args.diff!r} needs two entries, e.g. megatron,xla_auto")
+    if args.op_trace is not None:
+        from tools.op_times import find_trace
+
+        find_trace(args.op_trace, "--op-trace")  # missing or empty: now, not after the compile
+        if args.compare or args.diff or (args.pipeline and "," in args.pipeline):
+            raise UserError(f"--op-trace {args.op_trace} is the trace of one program: drop "
+                            f"--compare/--diff or give one --pipeline schedule")
+    if args.op_trace_steps < 1:
+        raise UserError(f"--op-trace-steps {args.op_trace_steps} must be >= 1")
     if not 0 <= args.memory_report <= 1000:
         raise UserError(f"--memory-report {args.memory_report} must be in 0..1000 (the number "
                         f"of allocations to print; 0: none)")
@@ -144,6 +159,11 @@ def main() -> int:
         else:
             ins = inspect_program(spec, target, memory_report=args.memory_report > 0)
             r = ins.report()
+            if args.op_trace:
+                from tools.op_times import traced
+
+                r["op_times"] = traced(ins.program, target.cluster.device_spec, args.op_trace,
+                                       args.op_trace_steps)
             if png and not xla_png:
                 report.draw_timeline(ins.sim.events, r, png)
         if xla_png and "error" not in r:
@@ -174,6 +194,11 @@ def main() -> int:
             from oases_jax.analysis.fusions import format_summary
 
             print(format_summary(r["fusions"]), end="\n\n")
+        if r.get("op_times"):
+            from tools.op_times import format_table
+
+            print(format_table(f"{args.op_trace} ({args.op_trace_steps} steps)", r["op_times"]),
+                  end="\n\n")
         if args.memory_report and r.get("memory_report"):
             from oases_jax.analysis.memory_report import MemoryReport
 

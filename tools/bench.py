@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
+import re
 import statistics
 import time
 from collections.abc import Callable
@@ -78,6 +80,7 @@ class BenchConfig:
     virtual_stages: int = 0
     remat_ratios: str | None = None
     op_times: int = 0  # steps profiled per variant after timing (`tools.op_times`); 0: none
+    trace_dir: str | None = None  # keep each variant's op_times trace under DIR/LABEL
 
     def __post_init__(self):
         if not self.variants:
@@ -90,6 +93,9 @@ class BenchConfig:
             flag, value = ("--warmup", self.warmup) if self.warmup < 0 else ("--op-times",
                                                                            self.op_times)
             raise UserError(f"{flag} {value} must be >= 0")
+        if self.trace_dir and not self.op_times:
+            raise UserError(f"--trace-dir {self.trace_dir} keeps the --op-times profiles: add "
+                            f"--op-times 2 (steps to profile per variant)")
         if self.batch_size % self.microbatches:
             raise UserError(f"--batch-size {self.batch_size} does not split into --microbatches "
                             f"{self.microbatches}; use a multiple of {self.microbatches}")
@@ -342,7 +348,11 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda _: None) -> 
         from tools.op_times import for_variant
 
         for v, row in zip(variants, report["variants"], strict=True):
-            row["op_times"] = for_variant(v, cfg.op_times)
+            keep = None
+            if cfg.trace_dir:
+                keep = os.path.join(cfg.trace_dir, re.sub(r"[^A-Za-z0-9._-]", "_", row["label"]))
+                os.makedirs(keep, exist_ok=True)
+            row["op_times"] = for_variant(v, cfg.op_times, keep)
     return report
 
 

@@ -17,12 +17,15 @@ import dataclasses
 import glob
 import gzip
 import json
+import os
+import re
 import tempfile
 from collections.abc import Callable, Iterable
 
 from oases_jax.analysis import fusions
 from oases_jax.analysis.hardware import DeviceSpec
 from oases_jax.analysis.program import Program
+from oases_jax.errors import UserError
 
 
 def op_seconds(events: Iterable[dict], process_names: dict[int, str]) -> dict[str, float]:
@@ -37,7 +40,11 @@ def op_seconds(events: Iterable[dict], process_names: dict[int, str]) -> dict[st
         out: dict[str, float] = collections.defaultdict(float)
         for e in events:
             if e.get("pid") in pids:
-                op = (e.get("args") or {}).get("hlo_op") or e.get("name", "")
+                op = (e.get("args") or {}).get("hlo_op") or ""
+                if not op or op.startswith("command_buffer"):
+                    # Inside a CUDA graph (an XLA command buffer) every kernel carries the
+                    # buffer's name as its hlo_op; the kernel's own name is the fusion's.
+                    op = e.get("name", "")
                 out[op] += float(e.get("dur", 0.0)) * 1e-6
         return dict(out)
     events = [e for e in events if "hlo_op" in (e.get("args") or {})]
@@ -51,29 +58,61 @@ def op_seconds(events: Iterable[dict], process_names: dict[int, str]) -> dict[st
     return dict(out)
 
 
+# Library kernels that name no HLO op (in a command buffer, a cuBLAS GEMM is `nvjet_...` or
+# `sm90_xmma_...`, cuDNN's attention `cudnn_generated_..._sdpa_...`): the category by the name.
+_LIBRARY_KERNELS = (
+    (re.compile(r"sdpa|flash|cudnn", re.I), "attention_kernel"),
+    (re.compile(r"nvjet|gemm|xmma|cutlass|cublas", re.I), "gemm"),
+    (re.compile(r"^(memcpy|memset)", re.I), "copy"),
+)
+
+
+def kernel_category(name: str) -> str | None:
+    """The account's category of a library kernel known only by its name, or None."""
+    for pattern, category in _LIBRARY_KERNELS:
+        if pattern.search(name):
+            return category
+    return None
+
+
 def _key(name: str) -> str:
     """An op's name as kernels spell it too ("loop_add_fusion.3" and "loop_add_fusion_3")."""
     return name.replace(".", "_").replace("-", "_")
 
 
-def read_trace(trace_dir: str) -> tuple[list[dict], dict[int, str]]:
-    """The events and process names of the Perfetto trace `jax.profiler.trace` wrote."""
+def find_trace(trace_dir: str, flag: str = "the trace directory") -> str:
+    """The newest Perfetto trace `jax.profiler.trace` wrote under `trace_dir`."""
     paths = glob.glob(f"{trace_dir}/**/*perfetto_trace.json.gz", recursive=True)
     if not paths:
-        raise RuntimeError(f"the profiler wrote no Perfetto trace under {trace_dir}")
-    with gzip.open(paths[0]) as f:
-        trace = json.load(f)
+        raise UserError(f"{flag} {trace_dir}: no profiler trace (*perfetto_trace.json.gz) under "
+                        f"it; pass the directory bench.py --trace-dir wrote")
+    return max(paths, key=os.path.getmtime)
+
+
+def read_trace(trace_dir: str) -> tuple[list[dict], dict[int, str]]:
+    """The events and process names of the Perfetto trace `jax.profiler.trace` wrote."""
+    path = find_trace(trace_dir)
+    try:
+        with gzip.open(path) as f:
+            trace = json.load(f)
+    except (OSError, EOFError, ValueError) as e:
+        raise UserError(f"profiler trace {path} is unreadable ({e}); profile again") from None
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     names = {e["pid"]: e["args"]["name"] for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name"}
     return events, names
 
 
-def measure(run_step: Callable[[], None], steps: int) -> dict[str, float]:
-    """Seconds per step of each HLO op over `steps` calls of `run_step` under the profiler."""
+def measure(run_step: Callable[[], None], steps: int,
+            trace_dir: str | None = None) -> dict[str, float]:
+    """Seconds per step of each HLO op over `steps` calls of `run_step` under the profiler; the
+    trace is kept under `trace_dir` when one is given (for Perfetto or TensorBoard)."""
+    import contextlib
+
     import jax
 
-    with tempfile.TemporaryDirectory() as d:
+    with (contextlib.nullcontext(trace_dir) if trace_dir
+          else tempfile.TemporaryDirectory()) as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             for _ in range(steps):
                 run_step()
@@ -101,25 +140,35 @@ def compare(program: Program, device: DeviceSpec, measured: dict[str, float]) ->
     for r in rows:
         roof[r.category] += r.total_s
     claimed = 0.0
+    category_of: dict[str, str] = {}
     for op, s in measured.items():
         costed = by_name.get(_key(op))
-        if not costed:
+        category = costed[0].category if costed else kernel_category(op)
+        if category is None:
             continue
+        category_of[op] = category
         claimed += s
-        meas[costed[0].category] += s
+        meas[category] += s
     cats = sorted(roof, key=lambda c: -roof[c])
-    top = sorted(((s, op) for op, s in measured.items() if _key(op) in by_name),
-                 reverse=True)[:10]
+    cats += sorted(c for c in meas if c not in roof)
+    top = sorted(((s, op) for op, s in measured.items() if op in category_of), reverse=True)[:10]
     return {
-        "categories": [dataclasses.asdict(Row(c, roof[c], meas.get(c, 0.0))) for c in cats],
+        "categories": [dataclasses.asdict(Row(c, roof.get(c, 0.0), meas.get(c, 0.0)))
+                       for c in cats],
         "roofline_s": sum(roof.values()),
         "measured_s": sum(measured.values()),
         "unattributed_s": sum(measured.values()) - claimed,
-        "top_measured": [{"op": op, "category": by_name[_key(op)][0].category,
-                          "measured_s": s,
-                          "roofline_s": sum(r.total_s for r in by_name[_key(op)])}
+        "top_measured": [{"op": op, "category": category_of[op], "measured_s": s,
+                          "roofline_s": sum(r.total_s for r in by_name.get(_key(op), ()))}
                          for s, op in top],
     }
+
+
+def traced(program: Program, device: DeviceSpec, trace_dir: str, steps: int) -> dict:
+    """`compare` for a trace of `steps` steps of this program, profiled elsewhere (a GPU run's
+    trace brought back beside a deviceless compile of the same program)."""
+    events, names = read_trace(trace_dir)
+    return compare(program, device, {op: s / steps for op, s in op_seconds(events, names).items()})
 
 
 def local_device() -> DeviceSpec:
@@ -134,11 +183,11 @@ def local_device() -> DeviceSpec:
     return spec or get_cluster("cpu-8").device_spec
 
 
-def for_variant(variant, steps: int) -> dict:
+def for_variant(variant, steps: int, trace_dir: str | None = None) -> dict:
     """`compare` for a compiled bench variant (`tools.bench.Variant`), profiled over `steps`
-    further steps of its own."""
+    further steps of its own (the trace kept under `trace_dir` if given)."""
     program = Program(variant.step.as_text())
-    return compare(program, local_device(), measure(variant.run_step, steps))
+    return compare(program, local_device(), measure(variant.run_step, steps, trace_dir))
 
 
 def format_table(label: str, report: dict) -> str:

@@ -182,9 +182,12 @@ def _check_pipeline(par: ParallelConfig) -> None:
     if par.pipeline not in runnable:
         raise UserError(f"unknown --pipeline {par.pipeline!r}: choose one of "
                         f"{', '.join(runnable)}")
-    if stages == 1:
+    # stage=1 named in the mesh is a one-stage pipeline: the tick loop, residual pools and
+    # stage program with no transfers, to measure the executor against plain accumulation.
+    if stages == 1 and "stage" not in parse_mesh(par.mesh).names:
         raise UserError(f"--pipeline {par.pipeline} needs a stage axis in --mesh (e.g. "
-                        f"--mesh data=2,stage=2,tensor=2), got --mesh {par.mesh}")
+                        f"--mesh data=2,stage=2,tensor=2, or stage=1 for a one-stage "
+                        f"pipeline), got --mesh {par.mesh}")
     if par.rules in ("fsdp_tp", "primepar"):
         raise UserError(f"--pipeline does not combine with --rules {par.rules} yet: use --rules "
                         f"dp, fsdp, tp or tp_sp (data, FSDP or tensor parallelism inside the "

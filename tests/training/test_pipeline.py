@@ -86,11 +86,14 @@ def _assert_equal(ref, got):
 FAST = [  # (mesh, schedule, M as a function of S)
     ("data=2,stage=4", "1f1b", "S"),
     ("data=2,stage=2,tensor=2", "merak", "S+1"),
+    # A one-stage pipeline: the tick loop, pools and stage program with no transfers.
+    ("data=4,stage=1,tensor=2", "1f1b", "2S+3"),
 ]
 SLOW = [(mesh, sched, m) for mesh in ("stage=8", "data=2,stage=4", "data=2,stage=2,tensor=2")
         for sched, m in (("gpipe", "S"), ("1f1b", "2S+3"), ("interleaved", "S"),
                          ("merak", "S+1"), ("1f1b", "S+1"), ("merak", "2S+3"))
-        if (mesh, sched, m) not in FAST and not (mesh == "stage=8" and sched == "interleaved")]
+        if (mesh, sched, m) not in FAST and not (mesh == "stage=8" and sched == "interleaved")
+        ] + [("data=4,stage=1,tensor=2", "gpipe", "S+1"), ("data=4,stage=1,tensor=2", "merak", "S")]
 
 
 def _m(rule: str, s: int) -> int:
