@@ -102,3 +102,95 @@ def test_groups_follow_the_rules():
     square = make_mesh("data=2,tp_row=2,tp_col=2", jax.devices())
     assert accumulation_groups(get_rules("primepar"), square) == 1
     assert accumulation_groups(get_rules("tp"), make_mesh("data=1,tensor=8", jax.devices())) == 1
+
+
+@pytest.fixture(scope="module")
+def bf16_model():
+    import jax.numpy as jnp  # noqa: F401
+    from flax import nnx
+
+    from models.sharding import init_sharded
+    from oases_jax.rules import get_rules
+
+    cfg = get_preset("tiny").replace(dtype="bfloat16", n_layers=3)
+    one = make_mesh("data=1", jax.devices()[:1])
+    graphdef, params = nnx.split(init_sharded(cfg, get_rules("dp"), one, 0))
+    tokens = jax.random.randint(jax.random.key(3), (4, 2, 17), 0, cfg.vocab_size)
+    return cfg, graphdef, params, tokens
+
+
+def test_weights_cast_once_give_the_per_micro_batch_gradients(bf16_model):
+    """bf16 compute: `accumulate` casts the block weights once, before the micro-batch loop.
+    Its sums equal those of value_and_grad on the float32 weights micro-batch by micro-batch
+    (the model casting at each use, as before), float32 gradients included."""
+    import jax.numpy as jnp
+
+    from training.state import accumulate, loss_fn
+
+    cfg, graphdef, params, tokens = bf16_model
+
+    def grad_fn(p, t):
+        (loss, _), g = jax.value_and_grad(
+            lambda p, t: loss_fn(graphdef, p, t, cfg.vocab_size), has_aux=True)(p, t)
+        return {"loss": loss}, g
+
+    zeros = {"loss": jnp.zeros((), jnp.float32)}
+    got_m, got_g = jax.jit(lambda p, t: accumulate(grad_fn, p, t, zeros, cfg.dtype))(
+        params, tokens)
+    per = [jax.jit(grad_fn)(params, t) for t in tokens]
+    want_m = sum(float(m["loss"]) for m, _ in per)
+    want_g = jax.tree.map(lambda *gs: sum(np.asarray(g, np.float64) for g in gs),
+                          *[g for _, g in per])
+    np.testing.assert_allclose(float(got_m["loss"]), want_m, rtol=1e-6)
+    cast = 0
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got_g), jax.tree.leaves(want_g),
+                            strict=True):
+        assert a.dtype == jnp.float32, jax.tree_util.keystr(path)
+        cast += a.ndim >= 3
+        np.testing.assert_allclose(np.asarray(a, np.float64), b, rtol=0,
+                                   atol=1e-6 * max(np.abs(b).max(), 1e-30),
+                                   err_msg=jax.tree_util.keystr(path))
+    assert cast >= 4  # the stacked block matrices went through the one cast
+
+
+@pytest.mark.parametrize("target", ["cpu", pytest.param("h100:1", marks=pytest.mark.gpu_aot)])
+def test_no_weight_cast_inside_the_micro_batch_loop(target):
+    """The compiled bf16 step with M=4: the micro-batch loop's body converts no float32 weight
+    stack to bf16 (one convert of each before the loop). On the CPU XLA hoists a per-micro-batch
+    cast out of the loop itself; for a GPU it did not (4 casts a step on h100:1 before)."""
+    import re
+
+    from oases_jax.analysis.targets import get_target, has_gpu_aot
+
+    if target != "cpu" and not has_gpu_aot():
+        pytest.skip("needs the gpu-aot extra")
+    cfg = get_preset("tiny").replace(dtype="bfloat16", n_layers=3)
+    devices = jax.devices()[:1] if target == "cpu" else get_target(target).devices
+    mesh = make_mesh("data=1", devices)
+    spec = CompileSpec(model=cfg, parallel=ParallelConfig(mesh="data=1", rules="dp"),
+                       batch_size=8, seq_len=32, microbatches=4)
+    module = hlo.parse_module(lower(spec, mesh).compile().as_text())
+    def reach(comp, seen):
+        if comp.name not in seen:
+            seen.add(comp.name)
+            yield comp
+            for i in comp.instrs:
+                for c in i.called:
+                    if c in module.computations:
+                        yield from reach(module.computations[c], seen)
+
+    def casts(comp, skip=frozenset()) -> int:
+        """Converts of a float32 [3, a, b] weight stack to bf16 in `comp` and what it calls."""
+        n = 0
+        for c in reach(comp, set(skip)):
+            for i in c.instrs:
+                if i.opcode == "convert" and re.match(r"bf16\[3,\d+,\d+\]", i.type_text):
+                    src = c.by_name.get(i.operands[0])
+                    n += bool(src and src.type_text.startswith("f32[3,"))
+        return n
+
+    entry = module.computations[module.entry]
+    (loop,) = [i for i in entry.instrs if i.opcode == "while" and module.trip_count(i) == 4]
+    body = module.computations[loop.attr("body").lstrip("%")]
+    assert casts(body) == 0
+    assert casts(entry, skip={body.name}) >= 4
