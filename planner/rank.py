@@ -9,6 +9,7 @@ other axes) get no prediction and stay out of the correlation.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
@@ -38,13 +39,16 @@ def layout_of(mesh: str, rules: str, *, global_batch: int, seq_len: int) -> Layo
 
 
 def predict_step_s(cfg: ModelConfig, hw: Hardware, *, mesh: str, rules: str, schedule: str,
-                   sub_batches: int, global_batch: int, seq_len: int) -> float | None:
-    """Predicted seconds of one optimizer step of the variant, or None if not modelled."""
+                   sub_batches: int, global_batch: int, seq_len: int,
+                   microbatches: int = 1) -> float | None:
+    """Predicted seconds of one optimizer step of the variant (its global batch accumulated
+    over `microbatches`), or None if not modelled."""
     if schedule not in SCHEDULES:
         return None
     layout = layout_of(mesh, rules, global_batch=global_batch, seq_len=seq_len)
     if layout is None:
         return None
+    layout = dataclasses.replace(layout, microbatches=microbatches)
     k = registry.get(schedule).layer_sub_batches(sub_batches)
     strategy = LayerSpec(schedule=schedule if layout.tensor > 1 else "megatron",
                          sub_batches=k if layout.tensor > 1 else 1, remat=cfg.remat)

@@ -167,7 +167,7 @@ def add_predictions(report: dict, cfg, hw, source: str) -> None:
         r["predicted_s"] = predict_step_s(
             cfg.model, hw, mesh=r["mesh"], rules=r["rules"], schedule=r["schedule"],
             sub_batches=r.get("sub_batches", 2), global_batch=cfg.batch_size,
-            seq_len=cfg.seq_len)
+            seq_len=cfg.seq_len, microbatches=r.get("microbatches") or 1)
     priced = [r for r in rows if r["predicted_s"] is not None]
     rho = spearman([r["predicted_s"] for r in priced], [r["median_s"] for r in priced]) \
         if len(priced) >= 2 else None

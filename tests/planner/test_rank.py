@@ -46,3 +46,9 @@ def test_prediction_is_the_step_cost_of_the_uniform_plan():
     assert got == want
     assert predict_step_s(cfg, hw, mesh="data=2,tensor=4", rules="tp_sp", schedule="xla_auto",
                           sub_batches=2, **kw) is None
+    # Accumulated: the step of the layout with its micro-batches (bench.py --microbatches).
+    got4 = predict_step_s(cfg, hw, mesh="data=2,tensor=4", rules="tp", schedule="oases",
+                          sub_batches=2, microbatches=4, **kw)
+    want4 = step_cost(cfg, Layout(data=2, tensor=4, microbatches=4, **kw),
+                      [LayerSpec(schedule="oases", sub_batches=2)] * cfg.n_layers, hw).step_s
+    assert got4 == want4 and got4 > got
