@@ -13,6 +13,7 @@ as unattributed.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import glob
 import gzip
@@ -107,8 +108,6 @@ def measure(run_step: Callable[[], None], steps: int,
             trace_dir: str | None = None) -> dict[str, float]:
     """Seconds per step of each HLO op over `steps` calls of `run_step` under the profiler; the
     trace is kept under `trace_dir` when one is given (for Perfetto or TensorBoard)."""
-    import contextlib
-
     import jax
 
     with (contextlib.nullcontext(trace_dir) if trace_dir
