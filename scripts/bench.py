@@ -85,6 +85,9 @@ def build_config(args):
     from training.data import data_files
 
     check_seed(args.seed)
+    if args.trace_dir and not args.op_times:
+        raise UserError(f"--trace-dir {args.trace_dir} keeps the --op-times profiles: add "
+                        f"--op-times 2 (steps to profile per variant)")
     data_files(args.data)  # missing, empty, a FIFO or a device: now, not after the compiles
     if args.json:
         output_file(args.json, "--json")

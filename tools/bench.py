@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import os
-import re
 import statistics
 import time
 from collections.abc import Callable
@@ -19,6 +17,7 @@ from models.sharding import init_sharded
 from oases_jax.errors import UserError
 from oases_jax.mesh import make_mesh, parse_mesh
 from oases_jax.rules import get_rules
+from tools.op_times import for_variant, kept_dir
 from training.config import OptimConfig, ParallelConfig
 from training.data import BatchSampler, load_corpus
 from training.metrics import peak_flops_per_device, throughput
@@ -93,9 +92,6 @@ class BenchConfig:
             flag, value = ("--warmup", self.warmup) if self.warmup < 0 else ("--op-times",
                                                                            self.op_times)
             raise UserError(f"{flag} {value} must be >= 0")
-        if self.trace_dir and not self.op_times:
-            raise UserError(f"--trace-dir {self.trace_dir} keeps the --op-times profiles: add "
-                            f"--op-times 2 (steps to profile per variant)")
         if self.batch_size % self.microbatches:
             raise UserError(f"--batch-size {self.batch_size} does not split into --microbatches "
                             f"{self.microbatches}; use a multiple of {self.microbatches}")
@@ -345,14 +341,8 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] = lambda _: None) -> 
     log(f"timing {cfg.rounds} rounds x {cfg.steps_per_round} steps x {len(variants)} variants")
     report = summarize(cfg, variants, time_rounds(variants, cfg.rounds, cfg.steps_per_round))
     if cfg.op_times:
-        from tools.op_times import for_variant
-
         for v, row in zip(variants, report["variants"], strict=True):
-            keep = None
-            if cfg.trace_dir:
-                keep = os.path.join(cfg.trace_dir, re.sub(r"[^A-Za-z0-9._-]", "_", row["label"]))
-                os.makedirs(keep, exist_ok=True)
-            row["op_times"] = for_variant(v, cfg.op_times, keep)
+            row["op_times"] = for_variant(v, cfg.op_times, kept_dir(cfg.trace_dir, row["label"]))
     return report
 
 

@@ -182,6 +182,15 @@ def local_device() -> DeviceSpec:
     return spec or get_cluster("cpu-8").device_spec
 
 
+def kept_dir(root: str | None, label: str) -> str | None:
+    """Where a variant's trace is kept under `root` (bench.py --trace-dir; None: not kept)."""
+    if root is None:
+        return None
+    path = os.path.join(root, re.sub(r"[^A-Za-z0-9._-]", "_", label))
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
 def for_variant(variant, steps: int, trace_dir: str | None = None) -> dict:
     """`compare` for a compiled bench variant (`tools.bench.Variant`), profiled over `steps`
     further steps of its own (the trace kept under `trace_dir` if given)."""
