@@ -98,7 +98,7 @@ def pipeline_plan_json(c: PipelineCandidate, *, model: str, cfg: ModelConfig, cl
         "format": FORMAT, "version": VERSION, "model": model,
         "model_config": {**dataclasses.asdict(cfg), "remat": "none"},
         "cluster": cluster, "global_batch": c.layout.global_batch, "seq_len": c.layout.seq_len,
-        "mesh": c.mesh(), "rules": "tp" if c.layout.tensor > 1 else "dp",
+        "mesh": c.mesh(), "rules": c.rules(),
         "microbatches": c.layout.microbatches,
         "layers": [c.strategy.to_json()] * cfg.n_layers,
         "pipeline": {"schedule": sp.schedule, "stages": sp.stages,

@@ -154,6 +154,31 @@ def head_tensor_comm_s(cfg: ModelConfig, layout: Layout, hw: Hardware) -> float:
         + 3 * hw.comm_s("all-reduce", tok * 4, g)
 
 
+def fsdp_collectives(cfg: ModelConfig, layout: Layout, hw: Hardware,
+                     reduce: str = "reduce-scatter") -> tuple[float, float, float, float, float]:
+    """Seconds of FSDP's collectives over the fsdp group: a layer's attention weight gathers
+    g_a, its MLP weight gathers g_m, its gradient reduce-scatters r, the embedding's gather and
+    reduce-scatter. The weight matrices move in the compute dtype, the vectors (norms, biases)
+    in fp32, half with each sub-layer; one collective per weight matrix (XLA combines the
+    layer's vectors into one more), so the per-collective latency counts (GPT-2 1.5B on h100:8:
+    7 gathers per layer each way). `reduce`: the collective that reduces a layer's gradients."""
+    e = elem_bytes(cfg)
+    attn, mlp = layer_matrices(cfg)
+    rest = cfg.param_count(embeddings=False) / cfg.n_layers - attn - mlp  # norms, biases
+    t = layout.tensor
+    attn_bytes, mlp_bytes = (attn * e + rest * 4 / 2) / t, (mlp * e + rest * 4 / 2) / t
+    emb_bytes = 4 * (cfg.param_count() - cfg.param_count(embeddings=False)) / t
+    group = [i * t for i in range(layout.fsdp)]
+    n_attn, n_mlp = 4, (3 if cfg.gated_mlp else 2)
+
+    def coll(kind, nbytes, count):
+        return count * hw.comm_s(kind, nbytes / count, group)
+
+    return (coll("all-gather", attn_bytes, n_attn + 1), coll("all-gather", mlp_bytes, n_mlp),
+            coll(reduce, attn_bytes + mlp_bytes, n_attn + n_mlp + 1),
+            coll("all-gather", emb_bytes, 1), coll("reduce-scatter", emb_bytes, 1))
+
+
 def fsdp_comm_s(cfg: ModelConfig, layout: Layout, hw: Hardware, strategies: Sequence[LayerSpec],
                 layer_costs: dict[LayerSpec, LayerCost]) -> tuple[float, float]:
     """(exposed, total) seconds of FSDP's collectives for one micro-batch. The layer loop gathers
@@ -173,27 +198,7 @@ def fsdp_comm_s(cfg: ModelConfig, layout: Layout, hw: Hardware, strategies: Sequ
 
     with g_a, g_m the attention's and the MLP's weight gathers, r a layer's gradient
     reduce-scatter, F, B the layers' forward and backward (recompute included) times."""
-    e = elem_bytes(cfg)
-    attn, mlp = layer_matrices(cfg)
-    rest = cfg.param_count(embeddings=False) / cfg.n_layers - attn - mlp  # norms, biases
-    t = layout.tensor
-    # The vectors move in fp32, half with each sub-layer's gathers.
-    attn_bytes, mlp_bytes = (attn * e + rest * 4 / 2) / t, (mlp * e + rest * 4 / 2) / t
-    emb_bytes = 4 * (cfg.param_count() - cfg.param_count(embeddings=False)) / t
-    group = [i * t for i in range(layout.fsdp)]
-
-    # One collective per weight matrix (XLA combines the layer's vectors into one more): the
-    # per-collective latency counts (GPT-2 1.5B on h100:8: 7 gathers per layer each way).
-    n_attn, n_mlp = 4, (3 if cfg.gated_mlp else 2)
-
-    def coll(kind, nbytes, count):
-        return count * hw.comm_s(kind, nbytes / count, group)
-
-    ag_a = coll("all-gather", attn_bytes, n_attn + 1)
-    ag_m = coll("all-gather", mlp_bytes, n_mlp)
-    rs_l = coll("reduce-scatter", attn_bytes + mlp_bytes, n_attn + n_mlp + 1)
-    ag_e = coll("all-gather", emb_bytes, 1)
-    rs_e = coll("reduce-scatter", emb_bytes, 1)
+    ag_a, ag_m, rs_l, ag_e, rs_e = fsdp_collectives(cfg, layout, hw)
     n = len(strategies)
     total = 2 * n * (ag_a + ag_m) + n * rs_l + 2 * ag_e + rs_e
     if not hw.async_collectives:  # CPU: every collective is synchronous

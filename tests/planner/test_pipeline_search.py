@@ -166,3 +166,51 @@ def test_fixed_partition_agrees_with_the_partitioner():
     assert again.memory == pytest.approx(sp.memory)
     assert fixed(x, schedule="1f1b", counts=sp.layers, remat=sp.remat, microbatches=8,
                  budget=0.5 * min(sp.memory)) is None
+
+
+def test_fsdp_inside_the_stages_by_hand():
+    """FSDP over the replicas inside the stages (`--rules fsdp`): the fp32 state of a stage
+    sharded over them, the stage's weights gathered whole in the compute dtype, each layer's
+    forward and backward lengthened by its exposed gathers and its gradients' all-reduce
+    (`fsdp_layer_s`), no gradient all-reduce after the loop; the plan names rules fsdp on a
+    `data` axis."""
+    from planner.layer_cost import LayerModel
+    from planner.layer_work import layer_matrices
+    from planner.step_cost import fsdp_collectives
+
+    cfg, h = CFG.replace(dtype="bfloat16"), hw("h100:16")
+    spec = LayerSpec(schedule="megatron")
+    kw = {"microbatches": 4, "global_batch": 32, "seq_len": 1024}
+    dp, fs = Layout(data=8, **kw), Layout(fsdp=8, **kw)
+    x0, x1 = stage_inputs(cfg, dp, h, spec), stage_inputs(cfg, fs, h, spec)
+    cost = LayerModel(cfg, fs, h).time(LayerSpec(schedule="megatron", remat="none"))
+    ag_a, ag_m, ar, _, _ = fsdp_collectives(cfg, fs, h, reduce="all-reduce")
+    assert ar > fsdp_collectives(cfg, fs, h)[2]  # an all-reduce moves more than a scatter
+    assert x1.f[0] - x0.f[0] == pytest.approx(ag_a + max(0.0, ag_m - cost.fwd_s))
+    assert x1.b[0] - x0.b[0] == pytest.approx(ag_m + max(0.0, ag_a + ar - cost.bwd_s))
+    per_layer = cfg.param_count(embeddings=False) / cfg.n_layers
+    assert x1.block_bytes == pytest.approx((20 + 2) * per_layer / 8
+                                           + 2 * sum(layer_matrices(cfg)))
+    assert x1.shared_bytes == pytest.approx(x0.shared_bytes / 8)
+    sps = [fixed(x, schedule="gpipe", counts=[24, 24], remat=[0, 0], microbatches=4, p2p=0.0)
+           for x in (x0, x1)]
+    c0, c1 = (price(cfg, h, 2, lay, spec, sp, x, 0.0)
+              for lay, sp, x in ((dp, sps[0], x0), (fs, sps[1], x1)))
+    assert c0.dp_reduce_s > 0 and c1.dp_reduce_s == 0
+    assert c1.peak_memory_bytes < c0.peak_memory_bytes
+    assert (c0.mesh(), c0.rules()) == ({"stage": 2, "data": 8}, "dp")
+    assert (c1.mesh(), c1.rules()) == ({"stage": 2, "data": 8}, "fsdp")
+    d = plans.pipeline_plan_json(c1, model="gpt2-1.5b", cfg=cfg, cluster="h100:16",
+                                 cost_source="datasheet", search_s=0.1)
+    par = plans.from_json(d).parallel()
+    assert (par.mesh, par.rules, par.pipeline) == ("stage=2,data=8", "fsdp", "gpipe")
+
+
+def test_the_search_offers_fsdp_only_without_tensor():
+    """FSDP layouts join the search where tensor = 1 (fsdp_tp cannot run inside the stages);
+    Megatron-LM's baseline has none."""
+    cfg, h = CFG.replace(dtype="bfloat16"), hw("h100:16")
+    out = search_3d(cfg, h, global_batch=32, seq_len=1024, refine=40)
+    fsdp = [c for c in out if c.layout.fsdp > 1]
+    assert fsdp and all(c.layout.tensor == 1 and c.rules() == "fsdp" for c in fsdp)
+    assert all(c.layout.fsdp == 1 for c in megatron_3d(cfg, h, global_batch=32, seq_len=1024))
