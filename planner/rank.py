@@ -55,6 +55,38 @@ def predict_step_s(cfg: ModelConfig, hw: Hardware, *, mesh: str, rules: str, sch
     return step_cost(cfg, layout, [strategy] * cfg.n_layers, hw).step_s
 
 
+def predict_pipeline_step_s(cfg: ModelConfig, hw: Hardware, *, mesh: str, rules: str,
+                            schedule: str, pipeline: str, microbatches: int, global_batch: int,
+                            seq_len: int, stage_layers: str | None = None,
+                            virtual_stages: int = 0) -> float | None:
+    """Predicted seconds of one step of a pipelined variant, priced as the 3D search prices its
+    plans (`planner.pipeline_search`): its stages as given (uniform by default), every layer
+    recomputed under `remat=full` and none under `none`; None if not modelled (another remat
+    policy, axes beyond stage x data x tensor, a schedule the stages do not run)."""
+    from oases_jax.pipeline.remat import parse_stage_layers
+    from planner.pipeline_search import CHUNKS, price, stage_inputs, transfer_s
+    from planner.stage_partition import fixed
+
+    spec = parse_mesh(mesh)
+    if set(spec.names) - {"stage", "data", "tensor"} or cfg.remat not in ("full", "none") \
+            or schedule not in SCHEDULES:
+        return None
+    stages, replicas, tensor = spec.size("stage"), spec.size("data"), spec.size("tensor")
+    kw = {"tensor": tensor, "microbatches": microbatches, "global_batch": global_batch,
+          "seq_len": seq_len}
+    layout = Layout(fsdp=replicas, **kw) if rules in FSDP_RULES and replicas > 1 \
+        else Layout(data=replicas, **kw)
+    chunks = (virtual_stages or CHUNKS) if pipeline == "interleaved" else 1
+    counts = parse_stage_layers(stage_layers, cfg.n_layers, stages, chunks)
+    strategy = LayerSpec(schedule=schedule if tensor > 1 else "megatron")
+    x = stage_inputs(cfg, layout, hw, strategy)
+    p2p = transfer_s(cfg, layout, hw, strategy, stages)
+    remat = list(counts) if cfg.remat == "full" else [0] * stages
+    sp = fixed(x, schedule=pipeline, counts=counts, remat=remat, microbatches=microbatches,
+               chunks=chunks, p2p=p2p)
+    return price(cfg, hw, stages, layout, strategy, sp, x, p2p).step_s if sp else None
+
+
 def ranks(values: Sequence[float]) -> np.ndarray:
     """Ranks from 1, ties sharing the mean of their ranks."""
     v = np.asarray(values, dtype=np.float64)

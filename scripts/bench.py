@@ -157,15 +157,19 @@ def plan_variant(path: str, model, args):
 def add_predictions(report: dict, cfg, hw, source: str) -> None:
     """Put the planner's predicted step time beside every measured variant, and the rank
     correlation of the two over the variants it prices."""
-    from planner.rank import predict_step_s, spearman
+    from planner.rank import predict_pipeline_step_s, predict_step_s, spearman
 
     rows = report["variants"]
     for r in rows:
         if r.get("plan_predicted_s") is not None:  # a plan variant: the plan's own prediction
             r["predicted_s"] = r["plan_predicted_s"]
             continue
-        if r.get("pipeline"):  # the planner's step model here is the non-pipelined one
-            r["predicted_s"] = None
+        if r.get("pipeline"):  # priced as the 3D search prices its plans
+            r["predicted_s"] = predict_pipeline_step_s(
+                cfg.model, hw, mesh=r["mesh"], rules=r["rules"], schedule=r["schedule"],
+                pipeline=r["pipeline"], microbatches=r.get("microbatches") or cfg.microbatches,
+                global_batch=cfg.batch_size, seq_len=cfg.seq_len, stage_layers=cfg.stage_layers,
+                virtual_stages=cfg.virtual_stages)
             continue
         r["predicted_s"] = predict_step_s(
             cfg.model, hw, mesh=r["mesh"], rules=r["rules"], schedule=r["schedule"],

@@ -9,7 +9,7 @@ from oases_jax.analysis.hardware import get_cluster
 from oases_jax.layer_plan import LayerSpec
 from planner.layout import Layout
 from planner.prices import Hardware
-from planner.rank import layout_of, predict_step_s, ranks, spearman
+from planner.rank import layout_of, predict_pipeline_step_s, predict_step_s, ranks, spearman
 from planner.step_cost import step_cost
 
 
@@ -52,3 +52,33 @@ def test_prediction_is_the_step_cost_of_the_uniform_plan():
     want4 = step_cost(cfg, Layout(data=2, tensor=4, microbatches=4, **kw),
                       [LayerSpec(schedule="oases", sub_batches=2)] * cfg.n_layers, hw).step_s
     assert got4 == want4 and got4 > got
+
+
+def test_a_pipelined_variant_is_priced_as_the_3d_search_prices_it():
+    """bench.py --predict on a pipelined variant: the 3D search's price of its uniform stages
+    (every layer recomputed under remat full); FSDP rules price FSDP inside the stages; a remat
+    policy the stage model does not take, or axes it does not know, give None."""
+    from planner.pipeline_search import price, stage_inputs, transfer_s
+    from planner.stage_partition import fixed
+
+    cfg = get_preset("small").replace(remat="full")
+    hw = Hardware.of(get_cluster("h100-8"))
+    kw = {"global_batch": 32, "seq_len": 128, "microbatches": 4}
+    got = predict_pipeline_step_s(cfg, hw, mesh="stage=2,data=4", rules="tp",
+                                  schedule="megatron", pipeline="1f1b", **kw)
+    lay = Layout(data=4, **kw)
+    spec = LayerSpec(schedule="megatron")
+    x = stage_inputs(cfg, lay, hw, spec)
+    p2p = transfer_s(cfg, lay, hw, spec, 2)
+    half = cfg.n_layers // 2
+    sp = fixed(x, schedule="1f1b", counts=[half, half], remat=[half, half], microbatches=4,
+               p2p=p2p)
+    assert got == price(cfg, hw, 2, lay, spec, sp, x, p2p).step_s
+    fsdp = predict_pipeline_step_s(cfg, hw, mesh="stage=2,data=4", rules="fsdp",
+                                   schedule="megatron", pipeline="1f1b", **kw)
+    assert fsdp is not None and fsdp != got
+    assert predict_pipeline_step_s(cfg.replace(remat="save_proj"), hw, mesh="stage=2,data=4",
+                                   rules="tp", schedule="megatron", pipeline="1f1b",
+                                   **kw) is None
+    assert predict_pipeline_step_s(cfg, hw, mesh="stage=2,tp_row=2,tp_col=2", rules="primepar",
+                                   schedule="primepar", pipeline="1f1b", **kw) is None
