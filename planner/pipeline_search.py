@@ -78,6 +78,10 @@ RESIDUAL_LOAD_PASSES = 3.4
 # stages at stage=4,data=4: +1.15 ms per chunk forward, +0.44 ms per chunk backward.
 FLAT_STORE_PASSES = 1.5
 FLAT_LOAD_PASSES = 0.6
+# FSDP inside the stages: the shares of a layer's forward and backward compute that its weight
+# gathers (forward) and gradient all-reduce (backward) hide behind (`fsdp_layer_s`).
+FSDP_FWD_HIDDEN = 0.52
+FSDP_BWD_HIDDEN = 0.40
 
 
 def stage_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware,
@@ -117,20 +121,22 @@ def fsdp_layer_s(cfg: ModelConfig, layout: Layout, hw: Hardware,
     backward for one micro-batch, and the bytes of its gathered weights. A branch of the tick
     loop gathers its layers' weights over the replicas in the compute dtype and keeps them for
     the branch (the stage's stacked bf16[24, 1600, 6400] in the program below: a layer's whole
-    matrices, per layer of the stage, in the stage's memory); the layers' gathers and gradient
-    reductions follow `step_cost.fsdp_comm_s`'s rule, per layer: the sub-layer that runs first
-    waits for its gather, the rest hides behind compute,
+    matrices, per layer of the stage, in the stage's memory). The forward's gathers hide behind
+    part of the forward; in the backward the gathers hide and the gradients' reduction (an
+    all-reduce of the whole matrices inside the tick's branches, then a slice: the partitioner
+    emits no reduce-scatter there) behind part of the backward:
 
-        forward  = g_a + max(0, g_m - F)        backward = g_m + max(0, g_a + r - B)
+        forward  = max(0, g_a + g_m - FSDP_FWD_HIDDEN F)
+        backward = max(0, r - FSDP_BWD_HIDDEN B)
 
-    Inside the tick's branches the partitioner reduces each gradient with an all-reduce of the
-    whole matrix (then keeps its shard), not a reduce-scatter: r is priced so. Compiled (GPT-2
-    1.5B, bf16, h100:16, stage=2,data=8, GPipe M=4, 24 layers a stage): the F branch 16.27 ms
-    against 13.78 without FSDP, B 25.96 against 18.17, with 19.5 MiB all-reduces of the MLP
-    matrices' gradients."""
-    ag_a, ag_m, rs, _, _ = fsdp_collectives(cfg, layout, hw, reduce="all-reduce")
-    fwd = ag_a + max(0.0, ag_m - cost.fwd_s)
-    bwd = ag_m + max(0.0, ag_a + rs - cost.bwd_s)
+    Read from two compiled programs (GPT-2 1.5B, bf16, h100:16, one row per micro-batch), each
+    against the same plan without FSDP: stage=2,data=8, GPipe M=4, the layer's forward +0.104 ms
+    and backward +0.325 ms (branches 16.27 / 25.96 ms against 13.78 / 18.17); stage=4,data=4,
+    interleaved M=8, +0.013 and +0.132 ms (4.61 / 5.80 against 4.53 / 5.01 a 6-layer chunk).
+    The rule gives +0.104 / +0.326 and +0.002 / +0.124 ms."""
+    ag_a, ag_m, ar, _, _ = fsdp_collectives(cfg, layout, hw, reduce="all-reduce")
+    fwd = max(0.0, ag_a + ag_m - FSDP_FWD_HIDDEN * cost.fwd_s)
+    bwd = max(0.0, ar - FSDP_BWD_HIDDEN * cost.bwd_s)
     attn, mlp = layer_matrices(cfg)
     return fwd, bwd, elem_bytes(cfg) * (attn + mlp) / layout.tensor
 
