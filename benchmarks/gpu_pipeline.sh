@@ -18,20 +18,12 @@ set -u
 out=${1:?usage: bash benchmarks/gpu_pipeline.sh OUT_DIR [PART...]}
 shift
 parts=" ${*:-full_m4 full_m8 none_m4 llama_m4 accum} "
-want() { [[ $parts == *" $1 "* ]]; }
-mkdir -p "$out/runs"
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}
-export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
-tag=$(python3 -c "import jax; print(jax.devices()[0].device_kind.split()[1].lower())")
-{ nvidia-smi -L; python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax',
-  flax.__version__, 'optax', optax.__version__, jax.devices())"; } | tee -a "$out/log.txt"
+dest=$out/runs
+source "$(dirname "$0")/gpu_common.sh"
+log_env log.txt
 
 run() {  # run NAME BENCH-FLAGS...: one bench.py run, its table and JSON kept
-  echo "== $1: bench.py ${*:2}" | tee -a "$out/log.txt"
-  local t0=$SECONDS
-  python3 scripts/bench.py "${@:2}" --json "$out/runs/$1.json" > "$out/runs/$1.txt" \
-    2>> "$out/log.txt" || echo "!! $1 failed (rc $?)" | tee -a "$out/log.txt"
-  echo "== $1 took $((SECONDS - t0)) s" | tee -a "$out/log.txt"
+  step "$1" python3 scripts/bench.py "${@:2}" --json "$dest/$1.json"
 }
 
 common=(--dtype bfloat16 --batch-size 8 --seq-len 1024 --rounds 5 --warmup 2

@@ -19,21 +19,9 @@ set -u
 out=${1:?usage: bash benchmarks/gpu_single.sh OUT_DIR [PART...]}
 shift
 parts=" ${*:-profile profile_t8 gpt2_full gpt2_save_proj gpt2_none llama_l8 llama_l8_none} "
-want() { [[ $parts == *" $1 "* ]]; }
-mkdir -p "$out"
-export PYTHONPATH=. PYTHONUNBUFFERED=1 JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}
-export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
-tag=$(python3 -c "import jax; print(jax.devices()[0].device_kind.split()[1].lower())")
-
-step() {  # step NAME CMD...: run CMD, keep its stdout, put its stderr in the log
-  echo "== $1: ${*:2}" | tee -a "$out/log.txt"
-  local t0=$SECONDS
-  "${@:2}" > "$out/$1.txt" 2>> "$out/log.txt" || echo "!! $1 failed (rc $?)" | tee -a "$out/log.txt"
-  echo "== $1 took $((SECONDS - t0)) s" | tee -a "$out/log.txt"
-}
-
-{ nvidia-smi -L; python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax',
-  flax.__version__, 'optax', optax.__version__, jax.devices())"; } | tee "$out/env.txt"
+dest=$out
+source "$(dirname "$0")/gpu_common.sh"
+log_env env.txt
 
 want profile && step "profile_${tag}-1_gpt2-1.5b" python3 scripts/calibrate.py --model gpt2-1.5b --tokens 8192 \
   --square-sizes 1024,2048,4096,8192 --dtypes bfloat16,float32 --memory-sizes 16M,64M,256M,1G \

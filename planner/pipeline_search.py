@@ -46,9 +46,8 @@ class PipelineCandidate:
         return {k: v for k, v in axes.items() if v > 1 or k == "stage"}
 
     def rules(self) -> str:
-        """The rule set inside the stages: FSDP over the replicas (`fsdp`), tensor parallelism
-        (`tp`), or plain data parallelism."""
-        return "fsdp" if self.layout.fsdp > 1 else ("tp" if self.layout.tensor > 1 else "dp")
+        """The rule set inside the stages (`Layout.rules`: fsdp, tp or dp here)."""
+        return self.layout.rules()
 
     def summary(self) -> str:
         p = self.stage_plan
@@ -166,9 +165,10 @@ def price(cfg: ModelConfig, hw: Hardware, stages: int, layout: Layout, strategy:
     lmax = max(sp.layers)
     local = (lmax * x.block_bytes + x.shared_bytes) / (16 + (4 if layout.microbatches > 1
                                                              else 0))
-    # Under FSDP the gradients were reduce-scattered inside the branches (`fsdp_layer_s`).
+    # Under FSDP (data = 1) the group is one device: the gradients were reduced inside the
+    # branches (`fsdp_layer_s`).
     group = [i * layout.tensor for i in range(layout.data)]
-    reduce = hw.comm_s("all-reduce", 4 * local, group) if layout.fsdp == 1 else 0.0
+    reduce = hw.comm_s("all-reduce", 4 * local, group)
     shared_params = x.shared_bytes / (16 + (4 if layout.microbatches > 1 else 0))
     stage_group = [s * layout.replicas * layout.tensor for s in range(stages)]
     stage_sum = hw.comm_s("all-reduce", 4 * shared_params, stage_group)
@@ -209,8 +209,7 @@ def _screen(cfg, hw, stages, layout, strategy, x, p2p, schedule) -> float:
     # its data group and the optimizer passes (these decide between S, data and tensor degrees).
     per_param = 16 + (4 if M > 1 else 0)
     local = (counts[0] * x.block_bytes + x.shared_bytes) / per_param
-    reduce = hw.comm_s("all-reduce", 4 * local, [i * layout.tensor for i in range(layout.data)]) \
-        if layout.fsdp == 1 else 0.0
+    reduce = hw.comm_s("all-reduce", 4 * local, [i * layout.tensor for i in range(layout.data)])
     return (M + (S - 1) / v) * (max(loads) + 2 * p2p) + reduce + update_s(cfg, local, hw)
 
 

@@ -68,14 +68,12 @@ def predict_pipeline_step_s(cfg: ModelConfig, hw: Hardware, *, mesh: str, rules:
     from planner.stage_partition import fixed
 
     spec = parse_mesh(mesh)
-    if set(spec.names) - {"stage", "data", "tensor"} or cfg.remat not in ("full", "none") \
-            or schedule not in SCHEDULES:
+    inside = ",".join(f"{n}={s}" for n, s in spec.axes if n != "stage") or "data=1"
+    layout = layout_of(inside, rules, global_batch=global_batch, seq_len=seq_len)
+    if layout is None or cfg.remat not in ("full", "none") or schedule not in SCHEDULES:
         return None
-    stages, replicas, tensor = spec.size("stage"), spec.size("data"), spec.size("tensor")
-    kw = {"tensor": tensor, "microbatches": microbatches, "global_batch": global_batch,
-          "seq_len": seq_len}
-    layout = Layout(fsdp=replicas, **kw) if rules in FSDP_RULES and replicas > 1 \
-        else Layout(data=replicas, **kw)
+    layout = dataclasses.replace(layout, microbatches=microbatches)
+    stages, tensor = spec.size("stage"), layout.tensor
     chunks = (virtual_stages or CHUNKS) if pipeline == "interleaved" else 1
     counts = parse_stage_layers(stage_layers, cfg.n_layers, stages, chunks)
     strategy = LayerSpec(schedule=schedule if tensor > 1 else "megatron")
