@@ -161,28 +161,34 @@ def price(cfg: ModelConfig, hw: Hardware, stages: int, layout: Layout, strategy:
     """The step: each stage's gradient all-reduce over its data group starts when the stage
     finishes its last backward (the simulator's per-stage finish), plus the embedding/head
     gradients summed over `stage`, then AdamW and the accumulation passes:
-        step = max_s (finish_s + reduce_s) + stage_sum + optimizer + M x accumulate + cast"""
+        step = max_s (finish_s + reduce_s) + stage_sum + optimizer + M x accumulate
+    (`update_s` counts the blocks' once-per-step cast to the compute dtype, which
+    `StageProgram.prepare` does before the tick loop)."""
     lmax = max(sp.layers)
-    local = (lmax * x.block_bytes + x.shared_bytes) / (16 + (4 if layout.microbatches > 1
-                                                             else 0))
+    local = local_params(cfg, layout, lmax)
     # Under FSDP (data = 1) the group is one device: the gradients were reduced inside the
     # branches (`fsdp_layer_s`).
     group = [i * layout.tensor for i in range(layout.data)]
     reduce = hw.comm_s("all-reduce", 4 * local, group)
-    shared_params = x.shared_bytes / (16 + (4 if layout.microbatches > 1 else 0))
+    shared_params = local_params(cfg, layout, 0)
     stage_group = [s * layout.replicas * layout.tensor for s in range(stages)]
     stage_sum = hw.comm_s("all-reduce", 4 * shared_params, stage_group)
     opt = update_s(cfg, local, hw)
     accum = hw.mem_s(3 * 4 * local) * layout.microbatches if layout.microbatches > 1 else 0.0
-    # The stage's block weights cast to the compute dtype once per step, before the tick loop
-    # (`StageProgram.prepare`): read float32, write e bytes a parameter.
-    e = elem_bytes(cfg)
-    blocks = cfg.param_count(embeddings=False) / cfg.n_layers / layout.tensor / layout.fsdp
-    cast = hw.mem_s((4 + e) * lmax * blocks) if e < 4 else 0.0
     end = max(fin + reduce for fin in sp.finish)
-    step = end + stage_sum + opt + accum + cast
+    step = end + stage_sum + opt + accum
     return PipelineCandidate(stages, layout, strategy, sp, step, sp.makespan, reduce, p2p,
                              max(sp.memory))
+
+
+def local_params(cfg: ModelConfig, layout: Layout, layers: int) -> float:
+    """Parameters one device of a stage holds: its `layers` blocks and the embedding/head,
+    over tensor and fsdp (what its gradient reduction, AdamW and accumulator passes move; the
+    stage's memory, `StageInputs.block_bytes`, also counts the blocks' compute-dtype copy and,
+    under FSDP, the gathered weights, which these passes do not touch)."""
+    blocks = cfg.param_count(embeddings=False) / cfg.n_layers
+    shared = cfg.param_count() - cfg.param_count(embeddings=False)
+    return (layers * blocks + shared) / (layout.tensor * layout.fsdp)
 
 
 def with_flat_pools(x: StageInputs, hw: Hardware) -> StageInputs:
@@ -207,8 +213,7 @@ def _screen(cfg, hw, stages, layout, strategy, x, p2p, schedule) -> float:
     v = CHUNKS if schedule == "interleaved" else 1
     # Plus what `price` adds after the pipeline: the heaviest stage's gradient all-reduce over
     # its data group and the optimizer passes (these decide between S, data and tensor degrees).
-    per_param = 16 + (4 if M > 1 else 0)
-    local = (counts[0] * x.block_bytes + x.shared_bytes) / per_param
+    local = local_params(cfg, layout, counts[0])
     reduce = hw.comm_s("all-reduce", 4 * local, [i * layout.tensor for i in range(layout.data)])
     return (M + (S - 1) / v) * (max(loads) + 2 * p2p) + reduce + update_s(cfg, local, hw)
 
