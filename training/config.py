@@ -166,7 +166,8 @@ def _check_pipeline(par: ParallelConfig) -> None:
     model or the micro-batches is checked by `training.pipeline_step.pipeline_spec`)."""
     from oases_jax.pipeline.schedules import SCHEDULES
 
-    stages = parse_mesh(par.mesh).size("stage")
+    mesh = parse_mesh(par.mesh)
+    stages = mesh.size("stage")
     if par.pipeline is None:
         if stages != 1:
             raise UserError(f"--mesh {par.mesh} has a stage axis but no --pipeline schedule: pass "
@@ -184,7 +185,7 @@ def _check_pipeline(par: ParallelConfig) -> None:
                         f"{', '.join(runnable)}")
     # stage=1 named in the mesh is a one-stage pipeline: the tick loop, residual pools and
     # stage program with no transfers, to measure the executor against plain accumulation.
-    if stages == 1 and "stage" not in parse_mesh(par.mesh).names:
+    if stages == 1 and "stage" not in mesh.names:
         raise UserError(f"--pipeline {par.pipeline} needs a stage axis in --mesh (e.g. "
                         f"--mesh data=2,stage=2,tensor=2, or stage=1 for a one-stage "
                         f"pipeline), got --mesh {par.mesh}")
