@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
-from models.layers import block_fns
+from models.layers import block_fns, compute_weights
 from models.sharding import abstract_model
 from models.transformer import Transformer, cross_entropy
 from oases_jax.errors import UserError
@@ -90,6 +90,9 @@ def _graphdefs(cfg: ModelConfig):
     return nnx.split(model.blocks)[0], nnx.split(model.norm_f)[0], head
 
 
+# The key of the head's vocabulary table (tied: the embedding's) in the compute dtype, made once
+# per step by `stage_program`'s `prepare`; its gradient goes to the float32 parameter.
+HEAD_TABLE = "head_table"
 # Recomputed share of a layer's forward inside its backward, per remat policy: chooses how many
 # ticks a backward spans (`backward_parts`), nothing else.
 _RECOMPUTE_SHARE = {"none": 0.0, "full": 1.0, "save_proj": 0.5, "save_dots": 0.1}
@@ -156,6 +159,7 @@ def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruc
     n_j, k_j = pipe.virtual_layers(), pipe.recomputed()
     parts = backward_parts(cfg, pipe)
     dt = jnp.dtype(cfg.dtype)
+    head_key = "embed" if cfg.tied else "head"
 
     def layers(j, q):
         """[lo, hi) of the stage's layers part q runs, and whether it ends with the head."""
@@ -167,7 +171,7 @@ def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruc
         if j == 0 and q == 0:
             keys += ["embed"] + (["pos"] if cfg.learned_positions else [])
         if layers(j, q)[2]:
-            keys += ["norm_f"] + (["embed"] if cfg.tied else ["head"])
+            keys += ["norm_f", HEAD_TABLE]
         return tuple(dict.fromkeys(keys))
 
     def ranges(j, q):
@@ -181,12 +185,19 @@ def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruc
     def prepare(local):
         """Once per step, outside the tick loop: each chunk's block weights in the compute
         dtype (one copy; a cast inside a branch re-ran every tick, a full pass over the stage's
-        weights each: 1.3 ms of a 17 ms GPT-2 1.5B forward tick on h100:16)."""
+        weights each: 1.3 ms of a 17 ms GPT-2 1.5B forward tick on h100:16), and so the
+        head's vocabulary table (`HEAD_TABLE`): the last stage's forward and backward ticks
+        had each cast the float32 table, and its backward converted the gradient before adding
+        it (GPT-2 1.5B, stage=4,data=4 on h100:16: 0.24 ms of an 8.5 ms forward tick). The
+        embedding's lookup keeps the float32 table, so its scatter-added gradient stays
+        float32."""
         def chunks(a):
             cast = a.ndim >= 4 and jnp.issubdtype(a.dtype, jnp.floating)
             return tuple(a[c].astype(dt) if cast else a[c] for c in range(a.shape[0]))
         out = {"blocks": jax.tree.map(chunks, local["blocks"]),
                **{k: v for k, v in local.items() if k != "blocks"}}
+        if head_key in out:
+            out[HEAD_TABLE] = compute_weights(out[head_key], dt, lead=0)
         if "pos" in out:
             # The L rows the embedding adds, taken here: under sequence parallelism the table
             # is sharded over `tensor` by rows, and slicing them inside a branch moved rows with
@@ -220,8 +231,10 @@ def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruc
                 acc["blocks"] = jax.tree.map(
                     lambda a, b, f=first, e=end: a.at[c, f:e].add(b.astype(a.dtype)),
                     acc["blocks"], g["blocks"][key])
-            for k, v in g["shared"].items():
-                # `pos` arrives as its first L rows (`prepare`).
+            for key, v in g["shared"].items():
+                # `pos` arrives as its first L rows (`prepare`); the head's table is its
+                # parameter's compute-dtype copy.
+                k = head_key if key == HEAD_TABLE else key
                 acc[k] = jax.tree.map(lambda a, b: a.at[:b.shape[0]].add(b.astype(a.dtype))
                                       if a.shape != b.shape else a + b.astype(a.dtype),
                                       acc[k], v)
@@ -246,7 +259,8 @@ def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruc
                               remat_default="full" if key == "remat" else cfg.remat)
             if with_head:
                 h = nnx.merge(gd_norm, sh["norm_f"])(x)
-                logits = Transformer.logits(stand_in, h, None)
+                head_in = types.SimpleNamespace(cfg=cfg, **{head_key: sh[HEAD_TABLE]})
+                logits = Transformer.logits(head_in, h, None)
                 return cross_entropy(logits, pair_B2L[:, 1], cfg.vocab_size)
             return x
         return f

@@ -120,3 +120,48 @@ def test_fsdp_gathers_inside_the_branches():
     assert any(i.type_text.startswith(("f32[128,512]", "f32[512,128]")) for i in gathered)
     assert any(i.opcode.startswith(("all-reduce", "reduce-scatter")) for i in inside)
     assert not [i.name for i in inside if i.opcode.startswith("collective-permute")]
+
+
+@pytest.mark.parametrize("target", ["cpu", pytest.param("h100:8", marks=pytest.mark.gpu_aot)])
+def test_weights_cast_before_the_tick_loop(target):
+    """bf16 compute: the block weights and the head's vocabulary table (tied: the embedding's)
+    are cast once, before the tick loop (`stage_program`'s `prepare`); the tick's branches
+    convert no float32 weight to bf16. Each cast inside a branch was a pass over the weights
+    every tick (before the head table moved out: two converts of f32[V, D] in the branches)."""
+    import re
+
+    from oases_jax.analysis.targets import get_target, has_gpu_aot
+
+    if target != "cpu" and not has_gpu_aot():
+        pytest.skip("needs the gpu-aot extra")
+    cfg = CFG.replace(dtype="bfloat16")
+    devices = jax.devices() if target == "cpu" else get_target(target).devices
+    spec = CompileSpec(model=cfg, parallel=ParallelConfig(mesh="stage=4", rules="tp",
+                                                          schedule="megatron", pipeline="1f1b"),
+                       batch_size=16, seq_len=64, microbatches=4)
+    module = hlo.parse_module(lower(spec, make_mesh("stage=4", devices[:4])).compile().as_text())
+    entry = module.computations[module.entry]
+    V, D = cfg.padded_vocab, cfg.d_model
+
+    by_name = {i.name: i for c in module.computations.values() for i in c.instrs}
+    moved = ("parameter", "get-tuple-element", "dynamic-slice", "slice", "copy", "bitcast")
+
+    def weight_casts(instrs) -> list[str]:
+        """Converts to bf16 of a float32 weight as stored (the [V, D] table, a block matrix),
+        not of a gradient computed in the branch."""
+        out = []
+        for i in instrs:
+            shape = re.match(r"bf16\[([\d,]+)\]", i.type_text)
+            src = by_name.get(i.operands[0]) if i.operands else None
+            if i.opcode == "convert" and shape and src is not None and src.opcode in moved:
+                dims = tuple(map(int, shape.group(1).split(",")))
+                if dims == (V, D) or (len(dims) >= 2 and dims[-2:] in {(128, 512), (512, 128)}):
+                    out.append(i.name)
+        return out
+
+    switches = [i for i in _walk(module, entry) if i.opcode == "conditional"]
+    assert switches, "no tick switch"
+    inside = [i for sw in switches for c in sw.called if c in module.computations
+              for i in _walk(module, module.computations[c])]
+    assert not weight_casts(inside)
+    assert weight_casts(_walk(module, entry)), "the casts before the loop are missing"
