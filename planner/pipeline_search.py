@@ -77,18 +77,21 @@ RESIDUAL_LOAD_PASSES = 3.4
 # stages at stage=4,data=4: +1.15 ms per chunk forward, +0.44 ms per chunk backward.
 FLAT_STORE_PASSES = 1.5
 FLAT_LOAD_PASSES = 0.6
-# FSDP inside the stages: the shares of a layer's forward and backward compute that its weight
-# gathers (forward) and gradient all-reduce (backward) hide behind (`fsdp_layer_s`).
-FSDP_FWD_HIDDEN = 0.52
-FSDP_BWD_HIDDEN = 0.40
+# FSDP inside the stages: the shares of a layer's forward and backward work (the flattened
+# pools' passes included) that its weight gathers (forward) and gradient all-reduce (backward)
+# hide behind (`fsdp_layer_s`).
+FSDP_FWD_HIDDEN = 0.31
+FSDP_BWD_HIDDEN = 0.28
 
 
 def stage_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware,
-                 strategy: LayerSpec) -> StageInputs:
+                 strategy: LayerSpec, flat: bool = False) -> StageInputs:
     """Per-layer costs and memory of one stage's device from the layer cost model: `strategy`
     (remat none) and its fully rematted twin; the head and loss (`head_cost`, one third forward)
     on the last stage. Static bytes per parameter: 16 (fp32 weight, gradient, AdamW moments),
-    + 4 with an accumulator (M > 1), + e for the blocks' compute-dtype copy, over tensor."""
+    + 4 with an accumulator (M > 1), + e for the blocks' compute-dtype copy, over tensor.
+    `flat`: the residual pools hold flattened leaves (`lowering.flat_pools`), whose stores and
+    loads pay FLAT_STORE_PASSES and FLAT_LOAD_PASSES more over what a layer keeps."""
     lm = LayerModel(cfg, layout, hw)
     none, full = (dataclasses.replace(strategy, remat=r) for r in ("none", "full"))
     c0, c1 = lm.time(none), lm.time(full)
@@ -96,15 +99,18 @@ def stage_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware,
     # (RESIDUAL_STORE_PASSES, RESIDUAL_LOAD_PASSES; a recomputed layer keeps less, priced as
     # the whole, an upper bound that keeps r the recompute's own cost).
     act, act_remat = c0.act_bytes, c1.act_bytes
-    store_s = hw.mem_s(RESIDUAL_STORE_PASSES * act)
-    load_s = hw.mem_s(RESIDUAL_LOAD_PASSES * act)
+    flat_f = hw.mem_s(FLAT_STORE_PASSES * act) if flat else 0.0
+    flat_b = hw.mem_s(FLAT_LOAD_PASSES * act) if flat else 0.0
+    store_s = hw.mem_s(RESIDUAL_STORE_PASSES * act) + flat_f
+    load_s = hw.mem_s(RESIDUAL_LOAD_PASSES * act) + flat_b
     head_s, head_temp = head_cost(cfg, layout, hw)
     per_param = 16 + (4 if layout.microbatches > 1 else 0)
     e = elem_bytes(cfg)
     blocks = cfg.param_count(embeddings=False)
     shared = cfg.param_count() - blocks
     t, f = layout.tensor, layout.fsdp
-    fsdp_f, fsdp_b, gathered = fsdp_layer_s(cfg, layout, hw, c0) if f > 1 else (0.0, 0.0, 0.0)
+    fsdp_f, fsdp_b, gathered = (fsdp_layer_s(cfg, layout, hw, c0.fwd_s + flat_f,
+                                             c0.bwd_s + flat_b) if f > 1 else (0.0, 0.0, 0.0))
     return StageInputs.uniform(
         cfg.n_layers, f=c0.fwd_s + store_s + fsdp_f, b=c0.bwd_s + load_s + fsdp_b,
         r=max(c1.bwd_s - c0.bwd_s, 0.0),
@@ -114,28 +120,34 @@ def stage_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware,
         last_temp=head_temp)
 
 
-def fsdp_layer_s(cfg: ModelConfig, layout: Layout, hw: Hardware,
-                 cost) -> tuple[float, float, float]:
-    """FSDP inside a stage (`--rules fsdp`): what one layer's collectives add to its forward and
-    backward for one micro-batch, and the bytes of its gathered weights. A branch of the tick
-    loop gathers its layers' weights over the replicas in the compute dtype and keeps them for
-    the branch (the stage's stacked bf16[24, 1600, 6400] in the program below: a layer's whole
-    matrices, per layer of the stage, in the stage's memory). The forward's gathers hide behind
-    part of the forward; in the backward the gathers hide and the gradients' reduction (an
-    all-reduce of the whole matrices inside the tick's branches, then a slice: the partitioner
-    emits no reduce-scatter there) behind part of the backward:
+def fsdp_layer_s(cfg: ModelConfig, layout: Layout, hw: Hardware, fwd_s: float,
+                 bwd_s: float) -> tuple[float, float, float]:
+    """FSDP inside a stage (`--rules fsdp`): what one layer's collectives add to its forward
+    (`fwd_s` of work, F) and backward (`bwd_s`, B) for one micro-batch, and the bytes of its
+    gathered weights. A branch of the tick loop gathers its layers' weights over the replicas
+    in the compute dtype and keeps them for the branch (the stage's stacked bf16[24, 1600,
+    6400] in the program below: a layer's whole matrices, per layer of the stage, in the
+    stage's memory). The forward's gathers hide behind part of the forward; in the backward
+    the gathers hide and the gradients' reduction (an all-reduce of the whole matrices inside
+    the tick's branches, then a slice: the partitioner emits no reduce-scatter there) behind
+    part of the backward:
 
         forward  = max(0, g_a + g_m - FSDP_FWD_HIDDEN F)
         backward = max(0, r - FSDP_BWD_HIDDEN B)
 
-    Read from two compiled programs (GPT-2 1.5B, bf16, h100:16, one row per micro-batch), each
-    against the same plan without FSDP: stage=2,data=8, GPipe M=4, the layer's forward +0.104 ms
-    and backward +0.325 ms (branches 16.27 / 25.96 ms against 13.78 / 18.17); stage=4,data=4,
-    interleaved M=8, +0.013 and +0.132 ms (4.61 / 5.80 against 4.53 / 5.01 a 6-layer chunk).
-    The rule gives +0.104 / +0.326 and +0.002 / +0.124 ms."""
+    F and B count the flattened pools' passes (interleaved), whose transposes the gathers
+    hide behind too. The two shares are least-squares fits to four compiled programs (GPT-2
+    1.5B, bf16, h100:16), each against the same plan without FSDP, per layer and micro-batch
+    (docs/planner.md, "FSDP inside the stages"):
+
+        program                                  measured F / B     the rule
+        stage=2,data=8, GPipe M=4 (1 row)        +0.121 / +0.342    0.157 / 0.371
+        stage=4,data=4, GPipe M=8 (1 row)        +0.106 / +0.159    0.056 / 0.169
+        stage=4,data=4, interleaved M=8 (1 row)  +0.014 / +0.131    0.026 / 0.158
+        stage=2,data=8, interleaved M=2 (2 rows) +0.003 / +0.242    0.000 / 0.208"""
     ag_a, ag_m, ar, _, _ = fsdp_collectives(cfg, layout, hw, reduce="all-reduce")
-    fwd = max(0.0, ag_a + ag_m - FSDP_FWD_HIDDEN * cost.fwd_s)
-    bwd = max(0.0, ar - FSDP_BWD_HIDDEN * cost.bwd_s)
+    fwd = max(0.0, ag_a + ag_m - FSDP_FWD_HIDDEN * fwd_s)
+    bwd = max(0.0, ar - FSDP_BWD_HIDDEN * bwd_s)
     attn, mlp = layer_matrices(cfg)
     return fwd, bwd, elem_bytes(cfg) * (attn + mlp) / layout.tensor
 
@@ -191,14 +203,6 @@ def local_params(cfg: ModelConfig, layout: Layout, layers: int) -> float:
     return (layers * blocks + shared) / (layout.tensor * layout.fsdp)
 
 
-def with_flat_pools(x: StageInputs, hw: Hardware) -> StageInputs:
-    """`x` for an interleaved program whose pools hold flattened leaves: each layer's forward
-    and backward pay the flattening's extra passes over what it keeps."""
-    return dataclasses.replace(
-        x, f=tuple(f + hw.mem_s(FLAT_STORE_PASSES * a) for f, a in zip(x.f, x.act, strict=True)),
-        b=tuple(b + hw.mem_s(FLAT_LOAD_PASSES * a) for b, a in zip(x.b, x.act, strict=True)))
-
-
 def _screen(cfg, hw, stages, layout, strategy, x, p2p, schedule) -> float:
     """A quick estimate from the uniform split: (M + (S-1)/v) x the heaviest stage's load, plus
     its data-parallel reduction and optimizer step."""
@@ -235,14 +239,13 @@ def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int
         strategy = _strategy(cfg, layout, hw, megatron_only)
         if strategy is None:
             continue
-        x = stage_inputs(cfg, layout, hw, strategy)
+        x = {flat: stage_inputs(cfg, layout, hw, strategy, flat) for flat in (False, True)}
         p2p = transfer_s(cfg, layout, hw, strategy, S)
         for sch in pipelines:
             if sch == "interleaved" and (S < 2 or cfg.n_layers % (CHUNKS * S)):
                 continue
             # No mesh axis is left to GSPMD inside the stages when tensor = 1.
-            flat = flat_pools(CHUNKS if sch == "interleaved" else 1, layout.tensor > 1)
-            xs = with_flat_pools(x, hw) if flat else x
+            xs = x[flat_pools(CHUNKS if sch == "interleaved" else 1, layout.tensor > 1)]
             est = _screen(cfg, hw, S, layout, strategy, xs, p2p, sch)
             screened.append((est, S, layout, strategy, xs, p2p, sch))
     screened.sort(key=lambda c: c[0])

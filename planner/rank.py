@@ -63,6 +63,7 @@ def predict_pipeline_step_s(cfg: ModelConfig, hw: Hardware, *, mesh: str, rules:
     plans (`planner.pipeline_search`): its stages as given (uniform by default), every layer
     recomputed under `remat=full` and none under `none`; None if not modelled (another remat
     policy, axes beyond stage x data x tensor, a schedule the stages do not run)."""
+    from oases_jax.pipeline.lowering import flat_pools
     from oases_jax.pipeline.remat import parse_stage_layers
     from planner.pipeline_search import CHUNKS, price, stage_inputs, transfer_s
     from planner.stage_partition import fixed
@@ -77,7 +78,7 @@ def predict_pipeline_step_s(cfg: ModelConfig, hw: Hardware, *, mesh: str, rules:
     chunks = (virtual_stages or CHUNKS) if pipeline == "interleaved" else 1
     counts = parse_stage_layers(stage_layers, cfg.n_layers, stages, chunks)
     strategy = LayerSpec(schedule=schedule if tensor > 1 else "megatron")
-    x = stage_inputs(cfg, layout, hw, strategy)
+    x = stage_inputs(cfg, layout, hw, strategy, flat=flat_pools(chunks, tensor > 1))
     p2p = transfer_s(cfg, layout, hw, strategy, stages)
     remat = list(counts) if cfg.remat == "full" else [0] * stages
     sp = fixed(x, schedule=pipeline, counts=counts, remat=remat, microbatches=microbatches,

@@ -18,7 +18,7 @@ from fractions import Fraction
 import numpy as np
 
 from oases_jax.errors import UserError
-from planner.stage_sim import backward_ticks, build, peak_inflight, simulate
+from planner.stage_sim import NO_ENDS, Ends, backward_ticks, build, peak_inflight, simulate
 
 __all__ = ["StageInputs", "StagePlan", "bottleneck", "build", "fixed", "partition",
            "peak_inflight", "simulate"]
@@ -66,6 +66,12 @@ class StageInputs:
     def n_layers(self) -> int:
         return len(self.f)
 
+    @property
+    def ends(self) -> Ends:
+        """(first_f, first_b, last_f, last_b): what the embedding and the head add to the end
+        stages, on one chunk each (`stage_sim.chunk_costs`)."""
+        return (self.first_f, self.first_b, self.last_f, self.last_b)
+
 
 @dataclasses.dataclass(frozen=True)
 class StagePlan:
@@ -86,6 +92,7 @@ class StagePlan:
     finish: tuple[float, ...]  # per stage: when its last action ends
     exact: bool
     p2p: float = 0.0  # the stage-to-stage transfer time the step was simulated with
+    ends: Ends = NO_ENDS  # the embedding's and head's f, b inside the end stages' (`simulate`)
 
     @property
     def stages(self) -> int:
@@ -106,7 +113,7 @@ class StagePlan:
         """The ticks each backward spans in the program this plan runs: the choice its step
         was simulated with (`stage_sim.backward_ticks`); the plan records it."""
         return backward_ticks(self.schedule, self.microbatches, self.chunks, self.f, self.b,
-                              self.r, self.p2p)
+                              self.r, self.p2p, self.ends)
 
     @property
     def ratios(self) -> tuple[Fraction, ...]:
@@ -234,7 +241,8 @@ def partition(x: StageInputs, *, schedule: str, stages: int, microbatches: int,
             if got is None:
                 return math.inf
             f, b, r = ([g[k] for g in got] for k in range(3))
-            sims[counts] = (*simulate(schedule, microbatches, chunks, f, b, r, p2p), got)
+            sims[counts] = (*simulate(schedule, microbatches, chunks, f, b, r, p2p,
+                                      ends=x.ends), got)
         return sims[counts][0]
 
     if step > 1:  # interleaved: every stage's count a multiple of v (equal chunks)
@@ -257,7 +265,7 @@ def partition(x: StageInputs, *, schedule: str, stages: int, microbatches: int,
     makespan, finish, got = sims[counts]
     f, b, r, k, mem = (tuple(g[i] for g in got) for i in range(5))
     return StagePlan(schedule, microbatches, chunks, counts, k, f, b, r, mem, makespan, finish,
-                     exact, p2p)
+                     exact, p2p, x.ends)
 
 
 def fixed(x: StageInputs, *, schedule: str, counts: Sequence[int], remat: Sequence[int],
@@ -275,9 +283,9 @@ def fixed(x: StageInputs, *, schedule: str, counts: Sequence[int], remat: Sequen
         got.append(one)
         i += n
     f, b, r, k, mem = (tuple(g[j] for g in got) for j in range(5))
-    makespan, finish = simulate(schedule, microbatches, chunks, f, b, r, p2p)
+    makespan, finish = simulate(schedule, microbatches, chunks, f, b, r, p2p, ends=x.ends)
     return StagePlan(schedule, microbatches, chunks, tuple(counts), k, f, b, r, mem, makespan,
-                     finish, False, p2p)
+                     finish, False, p2p, x.ends)
 
 
 def _bottleneck_seeds(st: _Stages, L: int, S: int) -> list[tuple[int, ...]]:

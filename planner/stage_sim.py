@@ -18,6 +18,9 @@ from oases_jax.pipeline import schedules
 from oases_jax.pipeline.table import Schedule, place
 from oases_jax.pipeline.validate import inflight
 
+Ends = tuple[float, float, float, float]
+NO_ENDS: Ends = (0.0, 0.0, 0.0, 0.0)  # (first_f, first_b, last_f, last_b): see `chunk_costs`
+
 
 def build(name: str, stages: int, microbatches: int, chunks: int = 1,
           recompute: tuple[bool, ...] | None = None) -> Schedule:
@@ -62,11 +65,13 @@ def tick_choices(name: str, f: Sequence[float], b: Sequence[float],
 
 
 def backward_ticks(name: str, microbatches: int, chunks: int, f: Sequence[float],
-                   b: Sequence[float], r: Sequence[float], p2p: float = 0.0) -> int:
+                   b: Sequence[float], r: Sequence[float], p2p: float = 0.0,
+                   ends: Ends = NO_ENDS) -> int:
     """The choice of `tick_choices` with the shortest lockstep step (the fewest ticks on a
     tie): what `simulate` priced and the plan records."""
     return min(tick_choices(name, f, b, r),
-               key=lambda k: (simulate(name, microbatches, chunks, f, b, r, p2p, k=k)[0], k))
+               key=lambda k: (simulate(name, microbatches, chunks, f, b, r, p2p, k=k,
+                                       ends=ends)[0], k))
 
 
 def _program_costs(name: str, f, b, r) -> tuple[tuple, tuple, tuple[bool, ...]]:
@@ -78,14 +83,34 @@ def _program_costs(name: str, f, b, r) -> tuple[tuple, tuple, tuple[bool, ...]]:
     return tuple(f), tuple(bb + rr for bb, rr in zip(b, r, strict=True)), (False,) * len(f)
 
 
+def chunk_costs(x: Sequence[float], chunks: int, first: float = 0.0, last: float = 0.0
+                ) -> tuple[tuple[float, ...], ...]:
+    """Per stage, per chunk: the share of a stage's cost `x` one of its `chunks` equal chunks
+    runs, with the embedding's part `first` of stage 0's cost on its chunk 0 alone and the head
+    and loss's part `last` of the last stage's cost on its last chunk alone (virtual stages 0
+    and vS-1: the executor runs them there, not spread over the device's chunks)."""
+    S, v = len(x), chunks
+    out = []
+    for s, total in enumerate(x):
+        own = [0.0] * v
+        if s == 0:
+            own[0] += first
+        if s == S - 1:
+            own[-1] += last
+        rest = total - (first if s == 0 else 0.0) - (last if s == S - 1 else 0.0)
+        out.append(tuple(rest / v + o for o in own))
+    return tuple(out)
+
+
 @functools.lru_cache(maxsize=512)
 def _ticks(name: str, stages: int, microbatches: int, chunks: int,
            recompute: tuple[bool, ...] | None, k: int
            ) -> tuple[tuple[tuple[tuple[int, str], ...], bool], ...]:
-    """Per tick: the (stage, kind) of every non-idle cell, and whether anything moves after
-    it."""
+    """Per tick: the (stage, kind, chunk) of every non-idle cell, and whether anything moves
+    after it."""
     table = build(name, stages, microbatches, chunks, recompute).ticks(k)
-    return tuple((tuple((s, a.kind) for s, a in enumerate(row) if a.kind != "IDLE"), bool(moves))
+    return tuple((tuple((s, a.kind, a.chunk) for s, a in enumerate(row) if a.kind != "IDLE"),
+                  bool(moves))
                  for row, moves in zip(table.ticks, table.transfers, strict=True))
 
 
@@ -100,30 +125,36 @@ def permutes_per_tick(chunks: int) -> int:
 
 def simulate(name: str, microbatches: int, chunks: int, f: Sequence[float],
              b: Sequence[float], r: Sequence[float], p2p: float = 0.0,
-             k: int | None = None) -> tuple[float, tuple[float, ...]]:
+             k: int | None = None, ends: Ends = NO_ENDS) -> tuple[float, tuple[float, ...]]:
     """(step, per-stage finish) of the schedule's tick table in lockstep with these per-stage
     costs (module docstring), each backward over `k` ticks (default: the best of
-    `tick_choices`): what the compiled program's tick loop takes."""
+    `tick_choices`): what the compiled program's tick loop takes. `ends`: the embedding's
+    forward and backward inside stage 0's f and b and the head's inside the last stage's,
+    which run on one chunk each (`chunk_costs`)."""
     if k is None:
-        return min((simulate(name, microbatches, chunks, f, b, r, p2p, k=kk)
+        return min((simulate(name, microbatches, chunks, f, b, r, p2p, k=kk, ends=ends)
                     for kk in tick_choices(name, f, b, r)), key=lambda got: got[0])
     S = len(f)
     f, b_run, recompute = _program_costs(name, f, b, r)
     v = build(name, S, microbatches, chunks, recompute).chunks
-    cost = {"F": f, "PF": f, "R": r, "RrG": r, "B": tuple(x / k for x in b_run), "W": (0.0,) * S}
+    first_f, first_b, last_f, last_b = ends
+    fc = chunk_costs(f, v, first_f, last_f)
+    bc = chunk_costs(tuple(x / k for x in b_run), v, first_b / k, last_b / k)
+    rc = chunk_costs(r, v)
+    cost = {"F": fc, "PF": fc, "R": rc, "RrG": rc, "B": bc, "W": ((0.0,) * v,) * S}
     total, finish = 0.0, [0.0] * S
     per_tick = p2p * permutes_per_tick(v) if S > 1 else 0.0
     for cells, _ in _ticks(name, S, microbatches, chunks, _flags_key(name, recompute), k):
-        total += max((cost[kind][s] for s, kind in cells), default=0.0) / v
-        for s, _ in cells:
+        total += max((cost[kind][s][c] for s, kind, c in cells), default=0.0)
+        for s, _, _ in cells:
             finish[s] = total
         total += per_tick
     return total, tuple(finish)
 
 
 def simulate_events(name: str, microbatches: int, chunks: int, f: Sequence[float],
-                    b: Sequence[float], r: Sequence[float], p2p: float = 0.0
-                    ) -> tuple[float, tuple[float, ...]]:
+                    b: Sequence[float], r: Sequence[float], p2p: float = 0.0,
+                    ends: Ends = NO_ENDS) -> tuple[float, tuple[float, ...]]:
     """(makespan, per-stage finish) of the schedule with these per-stage costs when every stage
     runs ahead on its own (a lower bound of `simulate`): the event simulator's list scheduler
     (`oases_jax.pipeline.table.place`) in floats, for speed; `oases_jax.pipeline.events.
@@ -131,8 +162,11 @@ def simulate_events(name: str, microbatches: int, chunks: int, f: Sequence[float
     S = len(f)
     sch = build(name, S, microbatches, chunks, tuple(x > 0 for x in r))
     v = sch.chunks
-    dur = {"F": f, "PF": f, "R": r, "RrG": r, "B": b, "W": (0.0,) * S}
-    placed = place(sch, lambda s, a: dur[a.kind][s] / v, lambda t: p2p)
+    first_f, first_b, last_f, last_b = ends
+    fc, bc, rc = chunk_costs(f, v, first_f, last_f), chunk_costs(b, v, first_b, last_b), \
+        chunk_costs(r, v)
+    dur = {"F": fc, "PF": fc, "R": rc, "RrG": rc, "B": bc, "W": ((0.0,) * v,) * S}
+    placed = place(sch, lambda s, a: dur[a.kind][s][a.chunk], lambda t: p2p)
     finish = [0.0] * S
     for (s, _), (_, end) in placed.items():
         finish[s] = max(finish[s], float(end))

@@ -156,6 +156,28 @@ def test_heavy_head_moves_layers_to_earlier_stages():
     assert simulate("1f1b", 8, 1, (5, 5, 5, 4), (10, 10, 10, 8), (0,) * 4, k=2)[0] == 163.0
 
 
+def test_interleaved_head_runs_on_the_last_chunk():
+    """With v chunks per device the head runs on virtual stage vS-1 alone, not spread over the
+    last device's chunks. Interleaved, S=2, M=2, v=2 (tick table in the comments), f=(4, 6),
+    b=(8, 12), the head's 2 and 4 of stage 1's: its chunks run F 2 and 4, B 4 and 8; stage
+    0's F 2, B 4. By hand, tick by tick (the longest cell):
+        0 F0.0: 2 | 1 F1.0 F0.0: 2 | 2 F0.1 F1.0: 2 | 3 F1.1 F0.1: 2, 4 -> 4 | 4 B0.1: 8
+        5 B0.1 F1.1: 4, 4 | 6 B1.1: 8 | 7 B1.1 B0.0: 4, 4 | 8 B0.0 B1.0: 4 | 9 B1.0: 4
+    = 42, stage 1 done at 38. Spread over both chunks (F 3, B 6 each) it is 43."""
+    from planner.stage_sim import chunk_costs
+
+    assert chunk_costs((4.0, 6.0), 2, 1.0, 2.0) == ((2.5, 1.5), (2.0, 4.0))
+    f, b, r = (4.0, 6.0), (8.0, 12.0), (0.0, 0.0)
+    assert simulate("interleaved", 2, 2, f, b, r, k=1, ends=(0.0, 0.0, 2.0, 4.0)) \
+        == (42.0, (42.0, 38.0))
+    assert simulate("interleaved", 2, 2, f, b, r, k=1)[0] == 43.0
+    # One chunk per device: where the head sits inside the stage changes nothing.
+    assert simulate("1f1b", 8, 1, (5, 5, 5, 4), (10, 10, 10, 8), (0,) * 4,
+                    ends=(1.0, 2.0, 3.0, 6.0))[0] == 198.0
+    ahead = simulate_events("interleaved", 2, 2, f, b, r, ends=(0.0, 0.0, 2.0, 4.0))[0]
+    assert ahead <= 42.0
+
+
 def test_memory_forces_recompute_on_early_stages():
     """1F1B holds S - s micro-batches on stage s. 8 layers keeping 2 bytes each (0.5 when
     rematted), 1 byte of state per layer, a 12-byte budget, 2 stages of 4: stage 0 (2 in
