@@ -20,7 +20,10 @@ from planner.search import divisors, strategies
 from planner.stage_partition import StageInputs, StagePlan, fixed, partition
 from planner.step_cost import fsdp_collectives, head_cost, update_s
 
-PIPELINES = ("gpipe", "1f1b", "interleaved", "merak")  # the schedules the runtime runs
+# The schedules the runtime runs; gpipe_spmd (no per-stage control flow) is offered where it
+# runs a layer strategy the tick executor cannot (the rings).
+PIPELINES = ("gpipe", "1f1b", "interleaved", "merak", "gpipe_spmd")
+SPMD = "gpipe_spmd"
 CHUNKS = 2  # interleaved: chunks per stage
 MICROBATCH_FACTORS = (1, 2, 4, 8)  # M = S x factor
 REFINE = 12  # screened candidates whose stages are partitioned under the simulator
@@ -244,6 +247,15 @@ def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int
         for sch in pipelines:
             if sch == "interleaved" and (S < 2 or cfg.n_layers % (CHUNKS * S)):
                 continue
+            if sch == SPMD:
+                ring = _strategy(cfg, layout, hw, megatron_only, anywhere=True)
+                if ring is None or ring.schedule in STAGE_SCHEDULES or cfg.n_layers % S:
+                    continue  # the tick executor's gpipe runs it already, or unequal stages
+                xs, p2p_ring = stage_inputs(cfg, layout, hw, ring), \
+                    transfer_s(cfg, layout, hw, ring, S)
+                est = _screen(cfg, hw, S, layout, ring, xs, p2p_ring, sch)
+                screened.append((est, S, layout, ring, xs, p2p_ring, sch))
+                continue
             # No mesh axis is left to GSPMD inside the stages when tensor = 1.
             xs = x[flat_pools(CHUNKS if sch == "interleaved" else 1, layout.tensor > 1)]
             est = _screen(cfg, hw, S, layout, strategy, xs, p2p, sch)
@@ -255,9 +267,12 @@ def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int
         if len(out) >= refine or tried >= 3 * refine:
             break
         tried += 1
-        sp = partition(x, schedule=sch, stages=S, microbatches=layout.microbatches,
-                       chunks=CHUNKS if sch == "interleaved" else 1, p2p=p2p, budget=budget,
-                       max_leaves=60, max_sims=10)
+        if sch == SPMD:
+            sp = _uniform_stages(x, S, layout.microbatches, p2p, budget)
+        else:
+            sp = partition(x, schedule=sch, stages=S, microbatches=layout.microbatches,
+                           chunks=CHUNKS if sch == "interleaved" else 1, p2p=p2p,
+                           budget=budget, max_leaves=60, max_sims=10)
         if sp is not None:
             out.append(price(cfg, hw, S, layout, strategy, sp, x, p2p))
     if baseline:  # Megatron's plans are in the space: never return one slower than its best
@@ -325,10 +340,28 @@ def _layouts(cfg: ModelConfig, hw: Hardware, n: int, global_batch: int, seq_len:
                                     seq_len=seq_len), t
 
 
-def _strategy(cfg, layout, hw, megatron_only: bool) -> LayerSpec | None:
-    """The fastest layer strategy without remat (the partitioner adds recompute per stage)."""
+def _uniform_stages(x: StageInputs, stages: int, microbatches: int, p2p: float,
+                    budget: float) -> StagePlan | None:
+    """gpipe_spmd's stages: one program on every device, so equal stages, every layer
+    recomputed or none (the model's `--remat`): none if it fits, else full."""
+    n = x.n_layers // stages
+    for k in (0, n):
+        sp = fixed(x, schedule=SPMD, counts=[n] * stages, remat=[k] * stages,
+                   microbatches=microbatches, p2p=p2p, budget=budget)
+        if sp is not None:
+            return sp
+    return None
+
+
+def _strategy(cfg, layout, hw, megatron_only: bool, anywhere: bool = False
+              ) -> LayerSpec | None:
+    """The fastest layer strategy without remat (the partitioner adds recompute per stage)
+    that the tick executor runs inside its stages (`anywhere`: any but PrimePar's, which no
+    pipeline runs: gpipe_spmd's)."""
     opts = [s for s in strategies(layout, remats=("none",))
-            if s.schedule in STAGE_SCHEDULES and (not megatron_only or s.schedule == "megatron")]
+            if (s.schedule in STAGE_SCHEDULES or (anywhere and s.schedule != "primepar"
+                                                  and not s.spec.square))
+            and (not megatron_only or s.schedule == "megatron")]
     if not opts:
         return None
     lm = LayerModel(cfg, layout, hw)

@@ -23,6 +23,7 @@ import dataclasses
 import json
 import pathlib
 from collections.abc import Sequence
+from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from models.config import ModelConfig
@@ -147,6 +148,10 @@ class Plan:
                 sub_batches=self.layers[0].sub_batches, moe_schedule=moe["schedule"],
                 moe_chunks=moe.get("chunks", 1) if moe["schedule"] == "parm_s2" else 0)
         pipe = self.raw.get("pipeline")
+        if pipe and pipe["schedule"] == "gpipe_spmd":  # equal stages; the model carries remat
+            return ParallelConfig(mesh=self.mesh, rules=self.rules,
+                                  schedule=self.layers[0].schedule,
+                                  sub_batches=self.layers[0].sub_batches, pipeline="gpipe_spmd")
         if pipe:  # the runtime pipelines one layer strategy; the stages carry the remat
             return ParallelConfig(
                 mesh=self.mesh, rules=self.rules, schedule=self.layers[0].schedule,
@@ -164,6 +169,10 @@ class Plan:
         `oases_jax.moe.stack.run_groups`, not a per-layer one)."""
         if self.raw.get("moe"):
             return model.replace(remat=self.layers[0].remat)
+        pipe = self.raw.get("pipeline")
+        if pipe and pipe["schedule"] == "gpipe_spmd":  # one program: every stage or none
+            full = any(Fraction(r) > 0 for r in pipe["remat_ratios"])
+            return model.replace(remat="full" if full else "none")
         return model
 
     def compile_spec(self, model: ModelConfig) -> CompileSpec:

@@ -66,7 +66,8 @@ class PipelineEntry(Strict):
     """The stage section of a 3D plan (`planner.pipeline_search`): the schedule over the mesh's
     `stage` axis, layers and recompute ratios (k/n) per stage, chunks per stage."""
 
-    schedule: one_of(("gpipe", "1f1b", "interleaved", "merak"), "pipeline schedule")
+    schedule: one_of(("gpipe", "gpipe_spmd", "1f1b", "interleaved", "merak"),
+                     "pipeline schedule")
     stages: at_most(MAX_DEVICES)
     stage_layers: Annotated[list[at_most(SIZE_CAPS["n_layers"])], Field(min_length=1)]
     remat_ratios: list[Text]

@@ -65,6 +65,13 @@ def verify_3d(cfg: ModelConfig, candidates: list[PipelineCandidate], target: str
         except Exception as e:  # a compile or analysis failure is a finding, not a crash
             out.append(VerifiedStage(candidate=c, rank=rank, error=str(e)[:300]))
             continue
+        if ins.pipeline is None and c.stage_plan.schedule == "gpipe_spmd":
+            # No tick switch: the whole-program simulation is the step.
+            out.append(VerifiedStage(
+                candidate=c, rank=rank, simulated_step_s=ins.sim.step_s,
+                xla_step_s=ins.xla.step_s if ins.xla else None,
+                peak_memory_bytes=ins.analysis.peak_memory_bytes, compile_s=ins.compile_s))
+            continue
         pipe = ins.pipeline or {}
         if "step_s" not in pipe:
             out.append(VerifiedStage(candidate=c, rank=rank, compile_s=ins.compile_s,
@@ -99,8 +106,8 @@ def table(rows: list[VerifiedStage]) -> str:
             lines.append(f"| {r.rank} | {c.summary()} | | {c.step_s * 1e3:.1f} ms | "
                          f"{r.error[:80]} | | | | |")
             continue
-        idle = ", ".join(f"{x:.1%}" for x in r.idle_fraction)
-        event = ", ".join(f"{x:.1%}" for x in r.event_idle_fraction)
+        idle = ", ".join(f"{x:.1%}" for x in r.idle_fraction or ()) or "-"
+        event = ", ".join(f"{x:.1%}" for x in r.event_idle_fraction or ()) or "-"
         xla = f"{r.xla_step_s * 1e3:.1f} ms" if r.xla_step_s else "-"
         lines.append(f"| {r.rank} | {c.summary()} | {c.stage_plan.backward_ticks} | "
                      f"{c.step_s * 1e3:.1f} ms | {r.simulated_step_s * 1e3:.1f} ms | "

@@ -36,9 +36,9 @@ def parse_args(argv=None):
     g.add_argument("--mesh", default="data=2,tensor=4", help="mesh for --schedules and --pipeline")
     g.add_argument("--rules", default="tp", help="rule set for --schedules and --variant")
     g.add_argument("--pipeline", metavar="A,B,...",
-                   help="one variant per pipeline schedule (gpipe, 1f1b, interleaved, merak) on "
-                        "--mesh, which needs a stage axis; the tensor-parallel schedule is "
-                        "megatron, or the one --schedules names")
+                   help="one variant per pipeline schedule (gpipe, 1f1b, interleaved, merak, "
+                        "gpipe_spmd) on --mesh, which needs a stage axis; the tensor-parallel "
+                        "schedule is megatron, or the one --schedules names")
     g.add_argument("--microbatches", type=int, default=1,
                    help="micro-batches per step, for every variant (pipelined ones run them "
                         "through the stages, the others accumulate gradients)")

@@ -157,8 +157,8 @@ def inspect_program(spec: CompileSpec, target: Target, *,
 def _pipeline(spec: CompileSpec, mesh, program: Program, target: Target,
               peak_bytes: int) -> dict | None:
     """A pipelined train step's tick loop timed by `analysis.pipeline_time` (None otherwise)."""
-    if not spec.parallel.pipeline or spec.layer:
-        return None
+    if not spec.parallel.pipeline or spec.layer or spec.parallel.pipeline == "gpipe_spmd":
+        return None  # gpipe_spmd has no tick switch: the whole-program simulation is its step
     from training.pipeline_step import spec_for, step_plan
 
     plan = step_plan(spec.model, spec_for(spec.model, spec.parallel, spec.microbatches, mesh))

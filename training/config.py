@@ -171,7 +171,8 @@ def _check_pipeline(par: ParallelConfig) -> None:
     if par.pipeline is None:
         if stages != 1:
             raise UserError(f"--mesh {par.mesh} has a stage axis but no --pipeline schedule: pass "
-                            f"--pipeline 1f1b (or gpipe, interleaved, merak), or drop stage=")
+                            f"--pipeline 1f1b (or gpipe, interleaved, merak, gpipe_spmd), or "
+                            f"drop stage=")
         for flag, value in (("--stage-layers", par.stage_layers),
                             ("--remat-ratios", par.remat_ratios),
                             ("--virtual-stages", par.virtual_stages or None),
@@ -189,15 +190,24 @@ def _check_pipeline(par: ParallelConfig) -> None:
         raise UserError(f"--pipeline {par.pipeline} needs a stage axis in --mesh (e.g. "
                         f"--mesh data=2,stage=2,tensor=2, or stage=1 for a one-stage "
                         f"pipeline), got --mesh {par.mesh}")
-    if par.rules in ("fsdp_tp", "primepar"):
-        raise UserError(f"--pipeline does not combine with --rules {par.rules} yet: use --rules "
-                        f"dp, fsdp, tp or tp_sp (data, FSDP or tensor parallelism inside the "
-                        f"stages)")
-    if par.schedule not in STAGE_SCHEDULES:
-        raise UserError(f"--pipeline cannot run --schedule {par.schedule} inside its stages (its "
-                        f"ring collective-permutes inside the tick's switch would wait for "
-                        f"stages running other branches): use --schedule "
-                        f"{', '.join(STAGE_SCHEDULES)}")
+    spmd = par.pipeline == "gpipe_spmd"  # no per-stage control flow: any collective inside
+    if par.rules in ("fsdp_tp", "primepar") or par.schedule == "primepar":
+        what = f"--rules {par.rules}" if par.rules in ("fsdp_tp", "primepar") \
+            else "--schedule primepar"
+        raise UserError(f"--pipeline does not combine with {what} yet (XLA's partitioner aborts "
+                        f"on it inside the stage loop): use --rules dp, fsdp, tp or tp_sp")
+    if par.schedule not in STAGE_SCHEDULES and not spmd:
+        raise UserError(f"--pipeline {par.pipeline} cannot run --schedule {par.schedule} inside "
+                        f"its stages (its collective-permutes inside the tick's switch would "
+                        f"wait for stages running other branches): use --pipeline gpipe_spmd, "
+                        f"or --schedule {', '.join(STAGE_SCHEDULES)}")
+    if spmd:
+        for flag, value in (("--stage-layers", par.stage_layers),
+                            ("--remat-ratios", par.remat_ratios),
+                            ("--backward-ticks", par.backward_ticks or None)):
+            if value is not None:
+                raise UserError(f"--pipeline gpipe_spmd runs one program on every stage: equal "
+                                f"stages under --remat, one backward; drop {flag} {value}")
     if par.layers is not None:
         raise UserError("--pipeline runs every layer under one --schedule; a plan's per-layer "
                         "strategies are not pipelined yet: drop --plan or --pipeline")

@@ -2,11 +2,14 @@
 [L, ...] stored as [S, v, Lmax, ...], sharded on `stage` (device s, chunk c holds virtual stage
 c*S + s, whose n_j layers are the first n_j of its Lmax rows; uneven stages leave zero padding
 rows that no stage reads). Checkpoints hold the standard [L, ...] layout, so a run resumes onto
-any stage count. The train step is `training.pipeline_step`."""
+any stage count. The train step is `training.pipeline_step` (the tick executor's) or
+`training.pipeline_spmd` (`gpipe_spmd`); both take the model's graphdefs and shifted tokens from
+here."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from fractions import Fraction
 
@@ -17,6 +20,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from models.config import ModelConfig
+from models.transformer import Transformer
 from oases_jax.errors import UserError
 from oases_jax.pipeline import schedules
 from oases_jax.rules import ShardingRules, spec_divides
@@ -142,3 +147,23 @@ def stage_shardings(tree, rules: ShardingRules, mesh: Mesh):
         return var.replace(NamedSharding(mesh, spec))
 
     return jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_var)
+
+
+@functools.lru_cache(maxsize=16)
+def _graphdefs(cfg: ModelConfig):
+    """The graphdefs of the stacked blocks and of the final norm, and the head's matmul work
+    in blocks (built outside any mesh: `pipeline_spec` calls this first)."""
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    block = sum(math.prod(a.shape[1:]) for a in jax.tree.leaves(nnx.state(model.blocks))
+                if a.ndim >= 3)
+    head = cfg.d_model * cfg.vocab_size / max(block, 1.0)
+    return nnx.split(model.blocks)[0], nnx.split(model.norm_f)[0], head
+
+
+def shifted(batch_MBL: jax.Array) -> jax.Array:
+    """[M, B, L+1] token ids -> [M, B, 2, L]: each micro-batch's inputs and labels, shifted here,
+    outside the tick loop. Shifted inside a branch, a sequence-sharded layout (sequence
+    parallelism over `tensor`) made GSPMD shift the ids with halo collective-permutes inside
+    the tick's switch, which the devices of stages running another branch never join: the CPU
+    runtime's rendezvous deadlocks (collective-permutes rendezvous over every device)."""
+    return jnp.stack([batch_MBL[..., :-1], batch_MBL[..., 1:]], axis=2)

@@ -14,8 +14,6 @@ layout conversions are in `training.pipeline_layout`.
 
 from __future__ import annotations
 
-import functools
-import math
 import types
 from collections.abc import Sequence
 
@@ -35,12 +33,15 @@ from oases_jax.pipeline import executor, schedules
 from oases_jax.pipeline import remat as pipe_remat
 from oases_jax.rules import ShardingRules, outer_axes
 from oases_jax.stacks import Parallel, run_stack, use_parallel
+from training import pipeline_spmd
 from training.pipeline_layout import (
     STAGE,
     PipelineSpec,
+    _graphdefs,
     _is_var,
     _stacked,
     from_stages,
+    shifted,
     stage_shardings,
     to_stages,
 )
@@ -68,6 +69,10 @@ def pipeline_spec(cfg: ModelConfig, *, schedule: str, stages: int, microbatches:
     schedules.get(schedule)(stages, microbatches, *((chunks,) if schedule == "interleaved"
                                                      else ()))  # its own M/S checks
     layers = pipe_remat.parse_stage_layers(stage_layers, cfg.n_layers, stages, chunks)
+    if schedule == "gpipe_spmd" and len(set(layers)) > 1:
+        raise UserError(f"--pipeline gpipe_spmd runs one program on every stage: the model's "
+                        f"{cfg.n_layers} layers do not split into {stages} equal stages; use a "
+                        f"stage count dividing them, or --pipeline gpipe")
     ratios = None
     if remat_ratios:
         ratios = pipe_remat.parse_ratios(remat_ratios, stages, shifted=schedule == "merak")
@@ -77,17 +82,6 @@ def pipeline_spec(cfg: ModelConfig, *, schedule: str, stages: int, microbatches:
 
 
 # --- The stage program of the transformer -------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=16)
-def _graphdefs(cfg: ModelConfig):
-    """The graphdefs of the stacked blocks and of the final norm, and the head's matmul work
-    in blocks (built outside any mesh: `pipeline_spec` calls this first)."""
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-    block = sum(math.prod(a.shape[1:]) for a in jax.tree.leaves(nnx.state(model.blocks))
-                if a.ndim >= 3)
-    head = cfg.d_model * cfg.vocab_size / max(block, 1.0)
-    return nnx.split(model.blocks)[0], nnx.split(model.norm_f)[0], head
 
 
 # The key of the head's vocabulary table (tied: the embedding's) in the compute dtype, made once
@@ -269,15 +263,6 @@ def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruc
                                  parts=tuple(len(p) for p in parts), prepare=prepare)
 
 
-def shifted(batch_MBL: jax.Array) -> jax.Array:
-    """[M, B, L+1] token ids -> [M, B, 2, L]: each micro-batch's inputs and labels, shifted here,
-    outside the tick loop. Shifted inside a branch, a sequence-sharded layout (sequence
-    parallelism over `tensor`) made GSPMD shift the ids with halo collective-permutes inside
-    the tick's switch, which the devices of stages running another branch never join: the CPU
-    runtime's rendezvous deadlocks (collective-permutes rendezvous over every device)."""
-    return jnp.stack([batch_MBL[..., :-1], batch_MBL[..., 1:]], axis=2)
-
-
 def pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,
                    params, batch_MBL, groups: int, *, poison: bool = False):
     """(mean loss, mean gradients) of a batch of M micro-batches in the stage layout."""
@@ -349,8 +334,12 @@ def build_pipeline_step_fns(cfg: ModelConfig, tx: optax.GradientTransformation,
     groups = accumulation_groups(rules, mesh)
     batch_sh = NamedSharding(mesh, P(None, "data") if groups > 1 else P())
 
+    grads_fn = pipeline_grads
+    if pipe.schedule == pipeline_spmd.NAME:
+        grads_fn = pipeline_spmd.spmd_pipeline_grads
+
     def train_step(state, batch_MBL):
-        loss, grads = pipeline_grads(cfg, pipe, parallel, state["params"], batch_MBL, groups)
+        loss, grads = grads_fn(cfg, pipe, parallel, state["params"], batch_MBL, groups)
         return optimizer_update(tx, state, grads, {"loss": loss})
 
     def evaluate(params, tokens):

@@ -7,6 +7,7 @@ where. docs/parallelism.md ("Pipeline schedules") has each one's table and formu
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 from oases_jax.errors import UserError
@@ -80,6 +81,16 @@ def gpipe(stages: int, microbatches: int, *, recompute: bool | Sequence[bool] = 
     bwd = [("B", m, 0) for m in reversed(range(microbatches))]
     return _schedule("gpipe", stages, microbatches, 1,
                      [_expand(fwd + bwd, flags[s]) for s in range(stages)])
+
+
+def gpipe_spmd(stages: int, microbatches: int, *, recompute: bool | Sequence[bool] = False
+               ) -> Schedule:
+    """GPipe's table, run by `training.pipeline_spmd` rather than the tick executor: every
+    device runs the same program every tick (no switch), so a stage may hold collectives over
+    its tensor group of any kind (ring permutes included); bubble ticks compute on values
+    nobody reads. Same bubble and memory as GPipe."""
+    table = gpipe(stages, microbatches, recompute=recompute)
+    return dataclasses.replace(table, name="gpipe_spmd")
 
 
 def one_f_one_b(stages: int, microbatches: int, *, recompute: bool | Sequence[bool] = False
@@ -190,6 +201,7 @@ def zb_h1(stages: int, microbatches: int) -> Schedule:
 
 SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe,
+    "gpipe_spmd": gpipe_spmd,
     "1f1b": one_f_one_b,
     "interleaved": interleaved,
     "merak": merak,

@@ -217,3 +217,35 @@ def test_the_search_offers_fsdp_only_without_tensor():
     fsdp = [c for c in out if c.layout.fsdp > 1]
     assert fsdp and all(c.layout.tensor == 1 and c.rules() == "fsdp" for c in fsdp)
     assert all(c.layout.fsdp == 1 for c in megatron_3d(cfg, h, global_batch=32, seq_len=1024))
+
+
+def test_gpipe_spmd_is_offered_where_a_ring_wins():
+    """gpipe_spmd runs the rings inside the stages: the search offers it only with a layer
+    strategy the tick executor cannot run (oases-h4096-l16 on 3090-pcie-32 at tensor=2:
+    collective_matmul), on equal stages, every layer recomputed or none, priced as GPipe's
+    table; its plan runs gpipe_spmd with the model's remat and no per-stage flags."""
+    cfg = get_preset("oases-h4096-l16")
+    h = hw("3090-pcie-32")
+    cands = search_3d(cfg, h, global_batch=32, seq_len=1024, pipelines=("gpipe_spmd",),
+                      baseline=False)
+    assert cands
+    for c in cands:
+        sp = c.stage_plan
+        assert sp.schedule == "gpipe_spmd" and c.strategy.schedule == "collective_matmul"
+        assert len(set(sp.layers)) == 1 and set(sp.remat) in ({0}, {sp.layers[0]})
+        gpipe = fixed(stage_inputs(cfg, c.layout, h, c.strategy), schedule="gpipe",
+                      counts=sp.layers, remat=sp.remat, microbatches=sp.microbatches,
+                      p2p=c.p2p_s)
+        assert sp.makespan == pytest.approx(gpipe.makespan)
+    c = cands[0]
+    d = plans.pipeline_plan_json(c, model="oases-h4096-l16", cfg=cfg, cluster="3090-pcie-32",
+                                 cost_source="model", search_s=0.0)
+    p = plans.from_json(d)
+    par = p.parallel()
+    assert (par.pipeline, par.schedule, par.stage_layers, par.remat_ratios) == (
+        "gpipe_spmd", "collective_matmul", None, None)
+    full = c.stage_plan.remat[0] > 0
+    assert p.run_model(cfg).remat == ("full" if full else "none")
+    # Megatron-only searches and layouts where the tick executor's strategy wins never get it.
+    assert not search_3d(CFG, hw("h100-64"), global_batch=128, seq_len=1024,
+                         pipelines=("gpipe_spmd",), baseline=False)

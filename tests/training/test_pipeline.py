@@ -10,10 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from models import get_preset
-from models.sharding import init_sharded
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.mesh import make_mesh
 from oases_jax.rules import get_rules
@@ -21,16 +18,7 @@ from oases_jax.stacks import Parallel, use_parallel
 from training import pipeline_step as ps
 from training.state import accumulation_groups, loss_fn
 
-LAYERS = 8
 ROWS, SEQ = 4, 16  # rows per micro-batch, sequence length
-
-
-@pytest.fixture(scope="module")
-def model():
-    cfg = get_preset("tiny").replace(n_layers=LAYERS)
-    one = make_mesh("data=1", jax.devices()[:1])
-    graphdef, params = nnx.split(init_sharded(cfg, get_rules("dp"), one, 0))
-    return cfg, graphdef, params
 
 
 def _tokens(cfg, m: int) -> jax.Array:

@@ -75,15 +75,24 @@ def test_resume_is_exact_and_moves_between_stage_counts(reference, tmp_path):
     (dict(mesh="data=2,stage=4", pipeline="interleaved", microbatches=4), "split into v=2"),
     (dict(mesh="stage=2,tensor=4", pipeline="1f1b", schedule="collective_matmul"),
      "cannot run --schedule collective_matmul inside its stages"),
+    (dict(mesh="stage=2,tp_row=2,tp_col=2", pipeline="gpipe_spmd", schedule="primepar"),
+     "does not combine with --schedule primepar"),
+    (dict(mesh="data=2,stage=4", pipeline="gpipe_spmd", remat_ratios="0.5"),
+     "one program on every stage.*--remat-ratios"),
+    (dict(mesh="stage=4,tensor=2", pipeline="gpipe_spmd", stage_layers="1,1,1,1"),
+     "one program on every stage.*--stage-layers"),
+    (dict(mesh="stage=4,tensor=2", pipeline="gpipe_spmd", model_layers=5),
+     "gpipe_spmd.*5 layers do not split into 4 equal stages"),
 ])
 def test_bad_input_is_one_line(overrides, words):
     overrides = dict(overrides)
     m = overrides.pop("microbatches", 4)
     schedule = overrides.pop("schedule", "megatron")
+    layers = overrides.pop("model_layers", 4)
     par = dict(mesh=overrides.pop("mesh"), pipeline=overrides.pop("pipeline", None),
                rules=overrides.pop("rules", "tp"), **overrides)
     with pytest.raises(UserError, match=words) as err:
-        cfg = TrainConfig(model=get_preset("tiny").replace(n_layers=4),
+        cfg = TrainConfig(model=get_preset("tiny").replace(n_layers=layers),
                           parallel=ParallelConfig(schedule=schedule, **par), steps=2,
                           batch_size=16, seq_len=32, microbatches=m, progress=False)
         from oases_jax.mesh import make_mesh

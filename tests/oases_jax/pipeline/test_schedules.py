@@ -167,7 +167,8 @@ def one_line_error(fn, *args, **kwargs):
 
 def test_bad_input_is_one_line_naming_value_and_fix():
     assert "'pipedream'" in one_line_error(schedules.get, "pipedream")
-    assert "gpipe, 1f1b, interleaved, merak, zb_h1" in one_line_error(schedules.get, "x")
+    names = "gpipe, gpipe_spmd, 1f1b, interleaved, merak, zb_h1"
+    assert names in one_line_error(schedules.get, "x")
     for name in ("merak", "zb_h1", "interleaved"):
         msg = one_line_error(schedules.get(name), 4, 3)
         assert "M=3" in msg and "S=4" in msg and "M >= 4" in msg

@@ -1,0 +1,100 @@
+"""`--pipeline gpipe_spmd` (training/pipeline_spmd.py): GPipe with no per-stage control flow, so
+the ring schedules run inside the stages. Loss and every gradient equal the non-pipelined model
+on one device (the helpers of test_pipeline.py); the compiled program holds the ring's
+collective-permutes over `tensor` and no conditional; a train run agrees with the tick
+executor's GPipe."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from oases_jax.layer_plan import LayerSpec
+from oases_jax.mesh import make_mesh
+from oases_jax.rules import get_rules
+from oases_jax.stacks import Parallel, use_parallel
+from tests.training.test_pipeline import _assert_equal, _reference, _tokens
+from training import pipeline_spmd
+from training import pipeline_step as ps
+from training.state import accumulation_groups
+
+
+def _spmd(cfg, params, tokens, mesh_text, *, tp="megatron", rules="tp"):
+    mesh = make_mesh(mesh_text, jax.devices())
+    rules = get_rules(rules)
+    pipe = ps.pipeline_spec(cfg, schedule="gpipe_spmd", stages=mesh.shape["stage"],
+                            microbatches=tokens.shape[0])
+    parallel = Parallel(mesh, rules, LayerSpec(schedule=tp))
+    groups = accumulation_groups(rules, mesh)
+    staged = ps.to_stages(params, pipe)
+    staged = jax.device_put(staged, ps.stage_shardings(staged, rules, mesh))
+
+    def step(p, t):
+        with use_parallel(parallel):
+            return pipeline_spmd.spmd_pipeline_grads(cfg, pipe, parallel, p, t, groups)
+
+    with jax.set_mesh(mesh):
+        loss, grads = jax.jit(step)(staged, tokens)
+    return loss, ps.from_stages(grads, pipe)
+
+
+FAST = [  # (mesh, tensor-parallel schedule, rules, M)
+    ("stage=2,tensor=4", "collective_matmul", "tp", 2),
+    ("data=2,stage=2,tensor=2", "oases_cm", "tp", 3),
+    ("data=2,stage=2,tensor=2", "megatron", "tp", 3),
+]
+SLOW = [
+    ("stage=8", "megatron", "tp", 8),
+    ("data=2,stage=4", "megatron", "fsdp", 5),
+    ("stage=4,tensor=2", "oases", "tp", 4),
+    ("data=2,stage=2,tensor=2", "megatron_sp", "tp_sp", 2),
+    ("stage=4,tensor=2", "collective_matmul", "tp", 11),
+]
+
+
+@pytest.mark.parametrize(("mesh", "tp", "rules", "m"), FAST)
+def test_rings_inside_the_stages_equal_one_device(model, mesh, tp, rules, m):
+    cfg, graphdef, params = model
+    tokens = _tokens(cfg, m)
+    _assert_equal(_reference(cfg, graphdef, params, tokens),
+                  _spmd(cfg, params, tokens, mesh, tp=tp, rules=rules))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mesh", "tp", "rules", "m"), SLOW)
+def test_every_mesh_equals_one_device(model, mesh, tp, rules, m):
+    cfg, graphdef, params = model
+    tokens = _tokens(cfg, m)
+    _assert_equal(_reference(cfg, graphdef, params, tokens),
+                  _spmd(cfg, params, tokens, mesh, tp=tp, rules=rules))
+
+
+def test_compiled_ring_permutes_and_no_switch():
+    """The compiled step (CPU, through training/program.py) has no conditional, the ring's
+    collective-permutes over `tensor` inside the stages, and stage-to-stage transfers between
+    neighbours only: forward s -> s+1, their autodiff transposes s+1 -> s, never the
+    wrap-around edge between the first and the last stage."""
+    from models import get_preset
+    from oases_jax.analysis import hlo
+    from tests.training.test_pipeline_hlo import _walk
+    from training import ParallelConfig
+    from training.program import CompileSpec, lower
+
+    cfg = get_preset("tiny").replace(n_layers=4, d_model=128, d_ff=512)
+    mesh_text = "stage=4,tensor=2"  # device d: stage d // 2, tensor d % 2
+    spec = CompileSpec(model=cfg, parallel=ParallelConfig(
+        mesh=mesh_text, rules="tp", schedule="collective_matmul", pipeline="gpipe_spmd"),
+        batch_size=8, seq_len=64, microbatches=4)
+    module = hlo.parse_module(lower(spec, make_mesh(mesh_text, jax.devices())).compile()
+                              .as_text())
+    every = list(_walk(module, module.computations[module.entry]))
+    assert not [i for i in every if i.opcode == "conditional"]
+    permutes = [hlo.source_target_pairs(i) for i in every
+                if i.opcode.startswith("collective-permute") and not i.opcode.endswith("-done")]
+    within = [p for pairs in permutes for p in pairs if p[0] // 2 == p[1] // 2]
+    across = [pairs for pairs in permutes if any(a // 2 != b // 2 for a, b in pairs)]
+    assert within, "no ring collective-permute inside the stages"
+    assert across, "no stage-to-stage transfer"
+    for pairs in across:  # one direction per transfer, one stage apart
+        steps = {(b // 2) - (a // 2) for a, b in pairs}
+        assert steps in ({1}, {-1}), sorted(pairs)

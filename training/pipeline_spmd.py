@@ -1,0 +1,133 @@
+"""GPipe with no per-stage control flow (`--pipeline gpipe_spmd`): every device runs the same
+program every tick, so collectives of any tensor-parallel schedule may sit inside the stage.
+
+The tick executor (`oases_jax.pipeline.executor`) switches each device to its own action every
+tick; a collective inside a branch must then complete among the devices of one stage, which a
+collective-permute cannot (its pairs name every stage's devices, and the stages in other branches
+never arrive), so the ring schedules (`collective_matmul`, `oases_cm`) and PrimePar's rotations
+are refused there. This executor has no branch: for t in 0 .. M+S-2, stage s runs its layers on
+micro-batch t-s (stage 0 takes the embedding of micro-batch t, the others what their
+predecessor sent at t-1), the last stage keeps its outputs, and one `ppermute` over S-1 pairs
+(no wrap-around edge) moves the activations on. The ticks where t-s lies outside 0..M-1 (the
+(S-1)/(M+S-1) bubble) compute on values nobody reads, finite ones (zeros, or a repeated
+micro-batch), so the gradients they feed are exact zeros. The backward is the scan's own
+autodiff: GPipe's order (all forwards, then all backwards), its M micro-batches in flight, and
+the reverse permutes. After the loop every device applies the final norm, head and loss to the
+last stage's outputs (the others' are discarded: the step waits for the last stage anyway) one
+micro-batch at a time; the tied or shared tables' gradients are summed over `stage`.
+
+Restrictions, each checked in `training.config._check_pipeline` and `pipeline_spec`: equal
+stages (one program for all), one chunk, one remat policy (`--remat`, no per-stage ratios), one
+`--schedule` for every layer, and neither `--rules fsdp_tp` nor PrimePar: XLA's SPMD partitioner
+aborts on both inside a region manual over `stage` (spmd_partitioner_util.cc:498, "Check failed:
+partition_group_list.num_replica_groups() * ... == device_groups.num_devices_per_group()").
+"""
+
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from models.config import ModelConfig
+from models.layers import block_fns, compute_weights
+from models.transformer import Transformer, cross_entropy
+from oases_jax.rules import outer_axes
+from oases_jax.stacks import Parallel, run_stack, use_parallel
+from training.pipeline_layout import STAGE, PipelineSpec, _graphdefs, _is_var, _stacked, shifted
+
+__all__ = ["NAME", "spmd_pipeline_grads"]
+
+NAME = "gpipe_spmd"
+
+
+def _stage_fns(cfg: ModelConfig):
+    gd_blocks, gd_norm, _ = _graphdefs(cfg)
+    return block_fns(gd_blocks), gd_norm
+
+
+def spmd_pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,
+                        params, batch_MBL, groups: int):
+    """(mean loss, mean gradients) of a batch of M micro-batches in the stage layout, the
+    stages run in lockstep without control flow (module docstring)."""
+    mesh = parallel.mesh
+    manual = {STAGE} | ({"data"} if groups > 1 else set())
+    S, M = pipe.stages, pipe.microbatches
+    fns, gd_norm = _stage_fns(cfg)
+    dt = jnp.dtype(cfg.dtype)
+    head_key = "embed" if cfg.tied else "head"
+    p_specs = jax.tree.map(lambda var: P(STAGE) if _stacked(var) else P(), params,
+                           is_leaf=_is_var)
+    batch_spec = P(None, "data") if groups > 1 else P()
+    shift = [(i, i + 1) for i in range(S - 1)]
+
+    def loss_sum(local, tokens_M2BL, s):
+        """Sum over micro-batches of the loss: the last stage's; 0 on the others."""
+        blocks = jax.tree.map(lambda a: a[0], local["blocks"])  # this device's one chunk
+        blocks = compute_weights(blocks, dt)  # once per step, outside the tick loop
+        stand_in = types.SimpleNamespace(cfg=cfg, **{k: local[k] for k in ("embed", "pos")
+                                                     if k in local})
+        # Every micro-batch's embedding, [M, B, L, D], embedded as M x B rows: under vmap the
+        # sharding constraint inside would leave the M axis unconstrained, which a region with
+        # no auto axis (stage=8) refuses.
+        ids = tokens_M2BL[:, :, 0]
+        inputs = Transformer.embed_tokens(stand_in, ids.reshape(-1, ids.shape[-1]))
+        inputs = inputs.reshape(*ids.shape, -1)
+
+        def tick(carry, t):
+            recv, outs = carry
+            x = jnp.where(s == 0, inputs[jnp.minimum(t, M - 1)], recv)
+            y = run_stack(fns, blocks, x, scan=cfg.scan_layers, remat_default=cfg.remat)
+            m = t - (S - 1)
+            keep = (s == S - 1) & (m >= 0)
+            outs = outs.at[jnp.clip(m, 0, M - 1)].set(
+                jnp.where(keep, y, outs[jnp.clip(m, 0, M - 1)]))
+            recv = jax.lax.ppermute(y, STAGE, shift) if S > 1 else y
+            return (recv, outs), None
+
+        zeros = jnp.zeros_like(inputs[0])
+        (_, outs), _ = jax.lax.scan(tick, (zeros, jnp.zeros_like(inputs)),
+                                    jnp.arange(M + S - 1))
+        norm = nnx.merge(gd_norm, local["norm_f"])
+        head_in = types.SimpleNamespace(cfg=cfg, **{head_key: compute_weights(
+            local[head_key], dt, lead=0)})
+
+        @jax.checkpoint
+        def one(h_BLD, labels_BL):
+            logits = Transformer.logits(head_in, norm(h_BLD), None)
+            return cross_entropy(logits, labels_BL, cfg.vocab_size)
+
+        def head(total, m):
+            return total + one(outs[m], tokens_M2BL[m, :, 1]), None
+
+        total, _ = jax.lax.scan(head, jnp.zeros((), jnp.float32), jnp.arange(M))
+        # Only the last stage's outputs are the model's: elsewhere the head ran on zeros, and
+        # its loss (finite) must feed no gradient.
+        return jnp.where(s == S - 1, total, 0.0)
+
+    def local_fn(params_in, tokens):
+        tokens = shifted(tokens)
+        params = dict(params_in)
+        params["blocks"] = jax.tree.map(lambda a: a[0], params["blocks"])
+        s = jax.lax.axis_index(STAGE)
+        with outer_axes(*manual), use_parallel(parallel):
+            loss, acc = jax.value_and_grad(loss_sum)(params, tokens, s)
+        acc["blocks"] = jax.tree.map(lambda a: a[None], acc["blocks"])
+        # The embedding's gradient is stage 0's, the head's the last stage's (a tied table
+        # gets both); every other stage's is zero, so summing over `stage` takes them.
+        shared = {k: v for k, v in acc.items() if k != "blocks"}
+        acc.update(jax.lax.psum(shared, STAGE))
+        loss = jax.lax.psum(loss, STAGE)
+        if groups > 1:
+            loss, acc = jax.lax.psum((loss, acc), "data")
+        leaves = [leaf for key in params for leaf in jax.tree.leaves(acc[key])]
+        return loss, jax.tree.unflatten(jax.tree.structure(params_in), leaves)
+
+    loss, grads = jax.shard_map(local_fn, mesh=mesh, in_specs=(p_specs, batch_spec),
+                                out_specs=(P(), p_specs), axis_names=manual,
+                                check_vma=False)(params, batch_MBL)
+    scale = 1.0 / (M * groups)
+    return loss * scale, jax.tree.map(lambda g: g.astype(jnp.float32) * scale, grads)
