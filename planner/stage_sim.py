@@ -48,7 +48,11 @@ def _build(name: str, stages: int, microbatches: int, chunks: int,
 
 @functools.lru_cache(maxsize=512)
 def peak_inflight(name: str, stages: int, microbatches: int, chunks: int = 1) -> tuple[int, ...]:
-    """Most (micro-batch, chunk) inputs each stage holds at once under the schedule."""
+    """Most (micro-batch, chunk) inputs each stage holds at once under the schedule; under
+    gpipe_spmd every stage saves the residuals of all M+S-1 ticks (its bubble ticks' too: the
+    scan's autodiff keeps every iteration's)."""
+    if name == "gpipe_spmd":
+        return (microbatches + stages - 1,) * stages
     return inflight(build(name, stages, microbatches, chunks))[0]
 
 

@@ -37,8 +37,8 @@ def parse_args(argv=None):
     g.add_argument("--rules", default="tp", help="rule set for --schedules and --variant")
     g.add_argument("--pipeline", metavar="A,B,...",
                    help="one variant per pipeline schedule (gpipe, 1f1b, interleaved, merak, "
-                        "gpipe_spmd) on --mesh, which needs a stage axis; the tensor-parallel "
-                        "schedule is megatron, or the one --schedules names")
+                        "gpipe_spmd) on --mesh, which needs a stage axis, and per tensor-parallel "
+                        "schedule inside its stages: megatron, or each --schedules names")
     g.add_argument("--microbatches", type=int, default=1,
                    help="micro-batches per step, for every variant (pipelined ones run them "
                         "through the stages, the others accumulate gradients)")
@@ -96,12 +96,11 @@ def build_config(args):
     variants += [plan_variant(path, model, args) for path in args.plan]
     pipelines = [p.strip() for p in args.pipeline.split(",")] if args.pipeline else []
     if pipelines:
+        # Every pipeline schedule with every tensor-parallel schedule inside its stages
+        # (e.g. --pipeline gpipe_spmd --schedules megatron,collective_matmul).
         schedules = args.schedules.split(",") if args.schedules else ["megatron"]
-        if len(schedules) != 1:
-            raise UserError(f"--pipeline runs one tensor-parallel schedule inside the stages, "
-                            f"but --schedules {args.schedules} names {len(schedules)}; name one")
-        variants += [VariantSpec(mesh=args.mesh, rules=args.rules, schedule=schedules[0].strip(),
-                                 pipeline=p) for p in pipelines]
+        variants += [VariantSpec(mesh=args.mesh, rules=args.rules, schedule=s.strip(),
+                                 pipeline=p) for p in pipelines for s in schedules]
     elif args.schedules is not None or not variants:
         # primepar needs a tp_row x tp_col square: give it as a --variant with such a mesh.
         default = list(registry.names(square=False))

@@ -51,6 +51,7 @@ class Inspection:
             "mesh": self.mesh,
             "rules": self.spec.parallel.rules_name,
             "schedule": "plan" if par.layers else par.schedule,
+            "pipeline_schedule": par.pipeline,
             # A plan's per-layer strategies; None when every layer runs `schedule`.
             "layers": [dataclasses.asdict(s) for s in par.layers] if par.layers else None,
             "layer": self.spec.layer,

@@ -171,17 +171,33 @@ def schedules_table(reports: list[dict]) -> str:
     lines = [head]
     x0 = (first.get("xla_estimate") or {}).get("step_s")
     for r in reports:
+        if r["pipeline"] is None:  # gpipe_spmd: no tick switch, the whole program is the step
+            x = (r.get("xla_estimate") or {}).get("step_s")
+            xla = f"{x * ms:11.1f} {x / x0:6.2f}" if x and x0 else f"{'-':>11} {'-':>6}"
+            step = r["simulated_step_s"]
+            lines.append(
+                f"{r['pipeline_schedule']:<12} {'-':>5} {step * ms:11.1f} "
+                f"{step / _step(first):6.2f} {xla} {'-':>7} "
+                f"{r['exposed_comm_s'] / step:8.1%} {'-':>7} {'-':>9} "
+                f"{r['peak_memory_bytes'] / gib:8.2f}  -")
+            continue
         p, sh = r["pipeline"], shares(r)
         x = (r.get("xla_estimate") or {}).get("step_s")
         xla = f"{x * ms:11.1f} {x / x0:6.2f}" if x and x0 else f"{'-':>11} {'-':>6}"
         idle = ", ".join(f"{i:.1%}" for i in sh["idle_per_stage"])
         lines.append(
             f"{p['schedule']:<12} {p['ticks']:5d} {p['step_s'] * ms:11.1f} "
-            f"{p['step_s'] / first['pipeline']['step_s']:6.2f} {xla} {sh['bubble']:7.1%} "
+            f"{p['step_s'] / _step(first):6.2f} {xla} {sh['bubble']:7.1%} "
             f"{sh['exposed_comm']:8.1%} {sh['recompute']:7.1%} "
             f"{p['events']['makespan_s'] * ms + p['outside_s'] * ms:9.1f} "
             f"{r['peak_memory_bytes'] / gib:8.2f}  {idle}")
     lines.append("our step: outside the tick loop + every tick (its slowest stage's branch + the "
                  "permutes); event: the event simulator with the same branch costs (stages run "
-                 "ahead) + outside; bubble, exposed comm and recompute: shares of our step")
+                 "ahead) + outside; bubble, exposed comm and recompute: shares of our step "
+                 "(gpipe_spmd, no tick switch: the whole program's simulated step)")
     return "\n".join(lines)
+
+
+def _step(report: dict) -> float:
+    """A pipelined report's step: tick by tick, or (gpipe_spmd) the whole program's."""
+    return report["pipeline"]["step_s"] if report["pipeline"] else report["simulated_step_s"]

@@ -42,6 +42,24 @@ def test_bad_pipeline_is_one_line_before_compiling(overrides, needles):
     assert "\n" not in str(e.value) and all(n in str(e.value) for n in needles), str(e.value)
 
 
+def test_every_pipeline_with_every_schedule_named():
+    """`--pipeline A,B --schedules X,Y`: one variant per pair (the rings run under
+    gpipe_spmd); a pair the pipeline cannot run exits 2 naming it, before any compile."""
+    from scripts.bench import build_config, parse_args
+
+    args = ["--model", "tiny", "--mesh", "stage=2,tensor=4", "--microbatches", "4",
+            "--batch-size", "16", "--seq-len", "32", "--data", str(DATA)]
+    cfg = build_config(parse_args([*args, "--pipeline", "gpipe_spmd",
+                                   "--schedules", "megatron,collective_matmul"]))
+    assert [(v.pipeline, v.schedule) for v in cfg.variants] == [
+        ("gpipe_spmd", "megatron"), ("gpipe_spmd", "collective_matmul")]
+    cfg = build_config(parse_args([*args, "--pipeline", "gpipe,gpipe_spmd",
+                                   "--schedules", "collective_matmul"]))
+    with pytest.raises(UserError) as e:
+        resolve_variants(cfg.variants, 8, cfg)
+    assert "/gpipe" in str(e.value) and "collective_matmul" in str(e.value), str(e.value)
+
+
 def test_batch_must_split_into_microbatches():
     with pytest.raises(UserError, match="--microbatches 3"):
         piped("1f1b", microbatches=3)

@@ -16,10 +16,11 @@ STEPS = 20
 
 
 def _config(mesh: str, pipeline: str | None = None, *, ckpt: CheckpointConfig | None = None,
-            stop_after: int | None = None, **parallel) -> TrainConfig:
+            stop_after: int | None = None, schedule: str = "megatron",
+            **parallel) -> TrainConfig:
     return TrainConfig(
         model=get_preset("tiny").replace(n_layers=4),
-        parallel=ParallelConfig(mesh=mesh, rules="tp", schedule="megatron", pipeline=pipeline,
+        parallel=ParallelConfig(mesh=mesh, rules="tp", schedule=schedule, pipeline=pipeline,
                                 **parallel),
         steps=STEPS, batch_size=16, seq_len=32, microbatches=4, log_every=STEPS,
         eval_every=STEPS, eval_batches=1, progress=False, ckpt=ckpt or CheckpointConfig(),
@@ -36,6 +37,15 @@ def test_twenty_steps_agree(reference):
     got = train(_config("data=2,stage=2,tensor=2", "1f1b")).losses
     np.testing.assert_allclose([got[s] for s in reference], list(reference.values()), rtol=1e-4)
     assert reference[STEPS] < reference[1] - 0.3
+
+
+@pytest.mark.slow
+def test_gpipe_spmd_with_rings_trains_alike(reference):
+    """Twenty steps of gpipe_spmd with collective_matmul's rings inside the stages (its own
+    sequence-parallel rules) agree with the non-pipelined run."""
+    got = train(_config("stage=2,tensor=4", "gpipe_spmd", schedule="collective_matmul")
+                ).losses
+    np.testing.assert_allclose([got[s] for s in reference], list(reference.values()), rtol=1e-4)
 
 
 @pytest.mark.slow
