@@ -9,8 +9,8 @@ are refused there. This executor has no branch: for t in 0 .. M+S-2, stage s run
 micro-batch t-s (stage 0 takes the embedding of micro-batch t, the others what their
 predecessor sent at t-1), the last stage keeps its outputs, and one `ppermute` over S-1 pairs
 (no wrap-around edge) moves the activations on. The ticks where t-s lies outside 0..M-1 (the
-(S-1)/(M+S-1) bubble) compute on values nobody reads, finite ones (zeros, or a repeated
-micro-batch), so the gradients they feed are exact zeros. The backward is the scan's own
+(S-1)/(M+S-1) bubble) compute on zeros (whatever the stage received), so the gradients they
+feed are exact zeros. The backward is the scan's own
 autodiff: GPipe's order (all forwards, then all backwards), its M micro-batches in flight, and
 the reverse permutes. After the loop every device applies the final norm, head and loss to the
 last stage's outputs (the others' are discarded: the step waits for the last stage anyway) one
@@ -50,9 +50,10 @@ def _stage_fns(cfg: ModelConfig):
 
 
 def spmd_pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,
-                        params, batch_MBL, groups: int):
+                        params, batch_MBL, groups: int, *, poison: bool = False):
     """(mean loss, mean gradients) of a batch of M micro-batches in the stage layout, the
-    stages run in lockstep without control flow (module docstring)."""
+    stages run in lockstep without control flow (module docstring). `poison` starts the
+    received activation and the output buffer as NaN: a correct step never reads them."""
     mesh = parallel.mesh
     manual = {STAGE} | ({"data"} if groups > 1 else set())
     S, M = pipe.stages, pipe.microbatches
@@ -80,6 +81,9 @@ def spmd_pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel
         def tick(carry, t):
             recv, outs = carry
             x = jnp.where(s == 0, inputs[jnp.minimum(t, M - 1)], recv)
+            # A bubble tick (micro-batch t-s outside 0..M-1) runs on zeros whatever its input
+            # holds (NaN under `poison`), so nothing it computes reaches a gradient.
+            x = jnp.where((t >= s) & (t - s < M), x, jnp.zeros_like(x))
             y = run_stack(fns, blocks, x, scan=cfg.scan_layers, remat_default=cfg.remat)
             m = t - (S - 1)
             keep = (s == S - 1) & (m >= 0)
@@ -88,9 +92,10 @@ def spmd_pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel
             recv = jax.lax.ppermute(y, STAGE, shift) if S > 1 else y
             return (recv, outs), None
 
-        zeros = jnp.zeros_like(inputs[0])
-        (_, outs), _ = jax.lax.scan(tick, (zeros, jnp.zeros_like(inputs)),
-                                    jnp.arange(M + S - 1))
+        fill = jnp.full_like(inputs, jnp.nan if poison else 0.0)
+        (_, outs), _ = jax.lax.scan(tick, (fill[0], fill), jnp.arange(M + S - 1))
+        # Only the last stage's outputs are the model's; the others' (never written) are zeros.
+        outs = jnp.where(s == S - 1, outs, jnp.zeros_like(outs))
         norm = nnx.merge(gd_norm, local["norm_f"])
         head_in = types.SimpleNamespace(cfg=cfg, **{head_key: compute_weights(
             local[head_key], dt, lead=0)})
@@ -104,8 +109,7 @@ def spmd_pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel
             return total + one(outs[m], tokens_M2BL[m, :, 1]), None
 
         total, _ = jax.lax.scan(head, jnp.zeros((), jnp.float32), jnp.arange(M))
-        # Only the last stage's outputs are the model's: elsewhere the head ran on zeros, and
-        # its loss (finite) must feed no gradient.
+        # Elsewhere the head ran on zeros, and its loss must feed no gradient.
         return jnp.where(s == S - 1, total, 0.0)
 
     def local_fn(params_in, tokens):

@@ -1,6 +1,7 @@
 """`--pipeline gpipe_spmd` (training/pipeline_spmd.py): GPipe with no per-stage control flow, so
 the ring schedules run inside the stages. Loss and every gradient equal the non-pipelined model
-on one device (the helpers of test_pipeline.py); the compiled program holds the ring's
+on one device (the helpers of test_pipeline.py), NaN-filled receive and output buffers
+included; the compiled program holds the ring's
 collective-permutes over `tensor` and no conditional; a train run agrees with the tick
 executor's GPipe."""
 
@@ -19,7 +20,7 @@ from training import pipeline_step as ps
 from training.state import accumulation_groups
 
 
-def _spmd(cfg, params, tokens, mesh_text, *, tp="megatron", rules="tp"):
+def _spmd(cfg, params, tokens, mesh_text, *, tp="megatron", rules="tp", poison=False):
     mesh = make_mesh(mesh_text, jax.devices())
     rules = get_rules(rules)
     pipe = ps.pipeline_spec(cfg, schedule="gpipe_spmd", stages=mesh.shape["stage"],
@@ -31,42 +32,44 @@ def _spmd(cfg, params, tokens, mesh_text, *, tp="megatron", rules="tp"):
 
     def step(p, t):
         with use_parallel(parallel):
-            return pipeline_spmd.spmd_pipeline_grads(cfg, pipe, parallel, p, t, groups)
+            return pipeline_spmd.spmd_pipeline_grads(cfg, pipe, parallel, p, t, groups,
+                                                     poison=poison)
 
     with jax.set_mesh(mesh):
         loss, grads = jax.jit(step)(staged, tokens)
     return loss, ps.from_stages(grads, pipe)
 
 
-FAST = [  # (mesh, tensor-parallel schedule, rules, M)
-    ("stage=2,tensor=4", "collective_matmul", "tp", 2),
-    ("data=2,stage=2,tensor=2", "oases_cm", "tp", 3),
-    ("data=2,stage=2,tensor=2", "megatron", "tp", 3),
+FAST = [  # (mesh, tensor-parallel schedule, rules, M, NaN-filled buffers)
+    ("stage=2,tensor=4", "collective_matmul", "tp", 2, False),
+    ("data=2,stage=2,tensor=2", "oases_cm", "tp", 3, False),
+    ("stage=4,tensor=2", "megatron", "tp", 5, True),
 ]
 SLOW = [
-    ("stage=8", "megatron", "tp", 8),
-    ("data=2,stage=4", "megatron", "fsdp", 5),
-    ("stage=4,tensor=2", "oases", "tp", 4),
-    ("data=2,stage=2,tensor=2", "megatron_sp", "tp_sp", 2),
-    ("stage=4,tensor=2", "collective_matmul", "tp", 11),
+    ("stage=8", "megatron", "tp", 8, True),
+    ("data=2,stage=4", "megatron", "fsdp", 5, False),
+    ("stage=4,tensor=2", "oases", "tp", 4, False),
+    ("data=2,stage=2,tensor=2", "megatron_sp", "tp_sp", 2, False),
+    ("stage=4,tensor=2", "collective_matmul", "tp", 11, True),
+    ("data=2,stage=2,tensor=2", "megatron", "tp", 3, False),
 ]
 
 
-@pytest.mark.parametrize(("mesh", "tp", "rules", "m"), FAST)
-def test_rings_inside_the_stages_equal_one_device(model, mesh, tp, rules, m):
+@pytest.mark.parametrize(("mesh", "tp", "rules", "m", "poison"), FAST)
+def test_rings_inside_the_stages_equal_one_device(model, mesh, tp, rules, m, poison):
     cfg, graphdef, params = model
     tokens = _tokens(cfg, m)
     _assert_equal(_reference(cfg, graphdef, params, tokens),
-                  _spmd(cfg, params, tokens, mesh, tp=tp, rules=rules))
+                  _spmd(cfg, params, tokens, mesh, tp=tp, rules=rules, poison=poison))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("mesh", "tp", "rules", "m"), SLOW)
-def test_every_mesh_equals_one_device(model, mesh, tp, rules, m):
+@pytest.mark.parametrize(("mesh", "tp", "rules", "m", "poison"), SLOW)
+def test_every_mesh_equals_one_device(model, mesh, tp, rules, m, poison):
     cfg, graphdef, params = model
     tokens = _tokens(cfg, m)
     _assert_equal(_reference(cfg, graphdef, params, tokens),
-                  _spmd(cfg, params, tokens, mesh, tp=tp, rules=rules))
+                  _spmd(cfg, params, tokens, mesh, tp=tp, rules=rules, poison=poison))
 
 
 def test_compiled_ring_permutes_and_no_switch():
