@@ -242,7 +242,9 @@ def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int
         strategy = _strategy(cfg, layout, hw, megatron_only)
         if strategy is None:
             continue
-        x = {flat: stage_inputs(cfg, layout, hw, strategy, flat) for flat in (False, True)}
+        flats = {flat_pools(CHUNKS if sch == "interleaved" else 1, layout.tensor > 1)
+                 for sch in pipelines if sch != SPMD}
+        x = {flat: stage_inputs(cfg, layout, hw, strategy, flat) for flat in flats}
         p2p = transfer_s(cfg, layout, hw, strategy, S)
         for sch in pipelines:
             if sch == "interleaved" and (S < 2 or cfg.n_layers % (CHUNKS * S)):

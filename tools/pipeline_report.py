@@ -17,7 +17,7 @@ from oases_jax.pipeline import executor
 from oases_jax.rules import get_rules, outer_axes
 from oases_jax.stacks import Parallel, use_parallel
 from training import pipeline_step
-from training.pipeline_layout import STAGE, _is_var, _stacked, to_stages
+from training.pipeline_layout import STAGE, _is_var, _stacked, shifted, to_stages
 from training.program import CompileSpec
 from training.state import accumulation_groups
 
@@ -54,7 +54,7 @@ def stage_layouts(spec: CompileSpec, mesh: Mesh) -> tuple[dict, dict]:
     def local(params_in, tokens_MBL):
         local_params = dict(params_in)
         local_params["blocks"] = jax.tree.map(lambda a: a[0], local_params["blocks"])
-        data = pipeline_step.shifted(tokens_MBL)[0]  # as `pipeline_grads` feeds the executor
+        data = shifted(tokens_MBL)[0]  # as `over_stages` feeds the executor
         with outer_axes(*manual), use_parallel(parallel):
             layouts = executor.residual_layouts(prog, local_params, data)
         for j in range(pipe.virtual):
@@ -171,9 +171,9 @@ def schedules_table(reports: list[dict]) -> str:
     lines = [head]
     x0 = (first.get("xla_estimate") or {}).get("step_s")
     for r in reports:
+        x = (r.get("xla_estimate") or {}).get("step_s")
+        xla = f"{x * ms:11.1f} {x / x0:6.2f}" if x and x0 else f"{'-':>11} {'-':>6}"
         if r["pipeline"] is None:  # gpipe_spmd: no tick switch, the whole program is the step
-            x = (r.get("xla_estimate") or {}).get("step_s")
-            xla = f"{x * ms:11.1f} {x / x0:6.2f}" if x and x0 else f"{'-':>11} {'-':>6}"
             step = r["simulated_step_s"]
             lines.append(
                 f"{r['pipeline_schedule']:<12} {'-':>5} {step * ms:11.1f} "
@@ -182,8 +182,6 @@ def schedules_table(reports: list[dict]) -> str:
                 f"{r['peak_memory_bytes'] / gib:8.2f}  -")
             continue
         p, sh = r["pipeline"], shares(r)
-        x = (r.get("xla_estimate") or {}).get("step_s")
-        xla = f"{x * ms:11.1f} {x / x0:6.2f}" if x and x0 else f"{'-':>11} {'-':>6}"
         idle = ", ".join(f"{i:.1%}" for i in sh["idle_per_stage"])
         lines.append(
             f"{p['schedule']:<12} {p['ticks']:5d} {p['step_s'] * ms:11.1f} "

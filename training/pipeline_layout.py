@@ -24,7 +24,8 @@ from models.config import ModelConfig
 from models.transformer import Transformer
 from oases_jax.errors import UserError
 from oases_jax.pipeline import schedules
-from oases_jax.rules import ShardingRules, spec_divides
+from oases_jax.rules import ShardingRules, outer_axes, spec_divides
+from oases_jax.stacks import Parallel, use_parallel
 
 STAGE = "stage"
 
@@ -167,3 +168,38 @@ def shifted(batch_MBL: jax.Array) -> jax.Array:
     the tick's switch, which the devices of stages running another branch never join: the CPU
     runtime's rendezvous deadlocks (collective-permutes rendezvous over every device)."""
     return jnp.stack([batch_MBL[..., :-1], batch_MBL[..., 1:]], axis=2)
+
+
+def over_stages(parallel: Parallel, params, batch_MBL, groups: int, stage_grads):
+    """(mean loss, mean gradients) of a batch of M micro-batches in the stage layout, with
+    `stage_grads(local_params, tokens_M2BL) -> (loss summed over micro-batches, float32
+    gradients of local_params)` run on each device inside a `shard_map` manual over `stage`
+    (and `data` when gradient accumulation keeps the data groups apart): the shifted tokens,
+    this device's blocks, then the embedding/head gradients and the loss summed over `stage`
+    (each stage holds its own part, zeros elsewhere) and over `data`. Both executors run
+    through here (`pipeline_step.pipeline_grads`, `pipeline_spmd.spmd_pipeline_grads`)."""
+    manual = {STAGE} | ({"data"} if groups > 1 else set())
+    p_specs = jax.tree.map(lambda var: P(STAGE) if _stacked(var) else P(), params,
+                           is_leaf=_is_var)
+    batch_spec = P(None, "data") if groups > 1 else P()
+
+    def local(params_in, tokens):
+        params = dict(params_in)
+        params["blocks"] = jax.tree.map(lambda a: a[0], params["blocks"])
+        with outer_axes(*manual), use_parallel(parallel):
+            loss, acc = stage_grads(params, shifted(tokens))
+        acc["blocks"] = jax.tree.map(lambda a: a[None], acc["blocks"])
+        shared = {k: v for k, v in acc.items() if k != "blocks"}
+        acc.update(jax.lax.psum(shared, STAGE))
+        loss = jax.lax.psum(loss, STAGE)
+        if groups > 1:
+            loss, acc = jax.lax.psum((loss, acc), "data")
+        # Back to the parameters' own tree type (State and Variable nodes), key by key.
+        leaves = [leaf for key in params for leaf in jax.tree.leaves(acc[key])]
+        return loss, jax.tree.unflatten(jax.tree.structure(params_in), leaves)
+
+    loss, grads = jax.shard_map(local, mesh=parallel.mesh, in_specs=(p_specs, batch_spec),
+                                out_specs=(P(), p_specs), axis_names=manual,
+                                check_vma=False)(params, batch_MBL)
+    scale = 1.0 / (batch_MBL.shape[0] * groups)
+    return loss * scale, jax.tree.map(lambda g: g * scale, grads)

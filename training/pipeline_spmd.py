@@ -30,23 +30,16 @@ import types
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from models.config import ModelConfig
 from models.layers import block_fns, compute_weights
 from models.transformer import Transformer, cross_entropy
-from oases_jax.rules import outer_axes
-from oases_jax.stacks import Parallel, run_stack, use_parallel
-from training.pipeline_layout import STAGE, PipelineSpec, _graphdefs, _is_var, _stacked, shifted
+from oases_jax.stacks import Parallel, run_stack
+from training.pipeline_layout import STAGE, PipelineSpec, _graphdefs, over_stages
 
 __all__ = ["NAME", "spmd_pipeline_grads"]
 
 NAME = "gpipe_spmd"
-
-
-def _stage_fns(cfg: ModelConfig):
-    gd_blocks, gd_norm, _ = _graphdefs(cfg)
-    return block_fns(gd_blocks), gd_norm
 
 
 def spmd_pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,
@@ -54,15 +47,11 @@ def spmd_pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel
     """(mean loss, mean gradients) of a batch of M micro-batches in the stage layout, the
     stages run in lockstep without control flow (module docstring). `poison` starts the
     received activation and the output buffer as NaN: a correct step never reads them."""
-    mesh = parallel.mesh
-    manual = {STAGE} | ({"data"} if groups > 1 else set())
     S, M = pipe.stages, pipe.microbatches
-    fns, gd_norm = _stage_fns(cfg)
+    gd_blocks, gd_norm, _ = _graphdefs(cfg)
+    fns = block_fns(gd_blocks)
     dt = jnp.dtype(cfg.dtype)
     head_key = "embed" if cfg.tied else "head"
-    p_specs = jax.tree.map(lambda var: P(STAGE) if _stacked(var) else P(), params,
-                           is_leaf=_is_var)
-    batch_spec = P(None, "data") if groups > 1 else P()
     shift = [(i, i + 1) for i in range(S - 1)]
 
     def loss_sum(local, tokens_M2BL, s):
@@ -112,26 +101,7 @@ def spmd_pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel
         # Elsewhere the head ran on zeros, and its loss must feed no gradient.
         return jnp.where(s == S - 1, total, 0.0)
 
-    def local_fn(params_in, tokens):
-        tokens = shifted(tokens)
-        params = dict(params_in)
-        params["blocks"] = jax.tree.map(lambda a: a[0], params["blocks"])
-        s = jax.lax.axis_index(STAGE)
-        with outer_axes(*manual), use_parallel(parallel):
-            loss, acc = jax.value_and_grad(loss_sum)(params, tokens, s)
-        acc["blocks"] = jax.tree.map(lambda a: a[None], acc["blocks"])
-        # The embedding's gradient is stage 0's, the head's the last stage's (a tied table
-        # gets both); every other stage's is zero, so summing over `stage` takes them.
-        shared = {k: v for k, v in acc.items() if k != "blocks"}
-        acc.update(jax.lax.psum(shared, STAGE))
-        loss = jax.lax.psum(loss, STAGE)
-        if groups > 1:
-            loss, acc = jax.lax.psum((loss, acc), "data")
-        leaves = [leaf for key in params for leaf in jax.tree.leaves(acc[key])]
-        return loss, jax.tree.unflatten(jax.tree.structure(params_in), leaves)
+    def stage_grads(local, tokens_M2BL):
+        return jax.value_and_grad(loss_sum)(local, tokens_M2BL, jax.lax.axis_index(STAGE))
 
-    loss, grads = jax.shard_map(local_fn, mesh=mesh, in_specs=(p_specs, batch_spec),
-                                out_specs=(P(), p_specs), axis_names=manual,
-                                check_vma=False)(params, batch_MBL)
-    scale = 1.0 / (M * groups)
-    return loss * scale, jax.tree.map(lambda g: g.astype(jnp.float32) * scale, grads)
+    return over_stages(parallel, params, batch_MBL, groups, stage_grads)

@@ -31,8 +31,8 @@ from models.transformer import Transformer, cross_entropy
 from oases_jax.errors import UserError
 from oases_jax.pipeline import executor, schedules
 from oases_jax.pipeline import remat as pipe_remat
-from oases_jax.rules import ShardingRules, outer_axes
-from oases_jax.stacks import Parallel, run_stack, use_parallel
+from oases_jax.rules import ShardingRules
+from oases_jax.stacks import Parallel, run_stack
 from training import pipeline_spmd
 from training.pipeline_layout import (
     STAGE,
@@ -41,7 +41,7 @@ from training.pipeline_layout import (
     _is_var,
     _stacked,
     from_stages,
-    shifted,
+    over_stages,
     stage_shardings,
     to_stages,
 )
@@ -266,40 +266,12 @@ def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruc
 def pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,
                    params, batch_MBL, groups: int, *, poison: bool = False):
     """(mean loss, mean gradients) of a batch of M micro-batches in the stage layout."""
-    mesh = parallel.mesh
-    manual = {STAGE} | ({"data"} if groups > 1 else set())
-    M, B, L1 = batch_MBL.shape
-    rows = B // groups
-    act = jax.ShapeDtypeStruct((rows, L1 - 1, cfg.d_model), jnp.dtype(cfg.dtype))
+    _, B, L1 = batch_MBL.shape
+    act = jax.ShapeDtypeStruct((B // groups, L1 - 1, cfg.d_model), jnp.dtype(cfg.dtype))
     prog = stage_program(cfg, pipe, act)
     plan = step_plan(cfg, pipe)
-    p_specs = jax.tree.map(lambda var: P(STAGE) if _stacked(var) else P(), params,
-                           is_leaf=_is_var)
-    batch_spec = P(None, "data") if groups > 1 else P()
-
-    def local(params_in, tokens):
-        tokens = shifted(tokens)
-        params = dict(params_in)
-        params["blocks"] = jax.tree.map(lambda a: a[0], params["blocks"])
-        with outer_axes(*manual), use_parallel(parallel):
-            loss, acc = executor.run(plan, prog, params, tokens, stage_axis=STAGE,
-                                     poison=poison)
-        acc["blocks"] = jax.tree.map(lambda a: a[None], acc["blocks"])
-        shared = {k: v for k, v in acc.items() if k != "blocks"}
-        acc.update(jax.lax.psum(shared, STAGE))
-        loss = jax.lax.psum(loss, STAGE)
-        if groups > 1:
-            loss, acc = jax.lax.psum((loss, acc), "data")
-        # Back to the parameters' own tree type (State and Variable nodes), key by key.
-        leaves = [leaf for key in params for leaf in jax.tree.leaves(acc[key])]
-        return loss, jax.tree.unflatten(jax.tree.structure(params_in), leaves)
-
-    loss, grads = jax.shard_map(local, mesh=mesh, in_specs=(p_specs, batch_spec),
-                                out_specs=(P(), p_specs), axis_names=manual,
-                                check_vma=False)(params, batch_MBL)
-    scale = 1.0 / (M * groups)
-    return loss * scale, jax.tree.map(lambda g: g * scale, grads)
-
+    return over_stages(parallel, params, batch_MBL, groups, lambda p, tokens: executor.run(
+        plan, prog, p, tokens, stage_axis=STAGE, poison=poison))
 
 
 # --- The train step ------------------------------------------------------------------------------

@@ -8,5 +8,5 @@ recomputation ratios (`remat`)."""
 # rendezvous is the tensor group. A collective-permute's is every device (the CPU runtime; the
 # permutes run by no other stage never complete), so the ring schedules (collective_matmul,
 # oases_cm) and PrimePar's rotations are refused; megatron_sp runs since its token shift and
-# position rows are taken outside the loop (`training.pipeline_step.shifted`).
+# position rows are taken outside the loop (`training.pipeline_layout.shifted`).
 STAGE_SCHEDULES = ("megatron", "megatron_sp", "oases")

@@ -55,17 +55,9 @@ SLOW = [
 ]
 
 
-@pytest.mark.parametrize(("mesh", "tp", "rules", "m", "poison"), FAST)
-def test_rings_inside_the_stages_equal_one_device(model, mesh, tp, rules, m, poison):
-    cfg, graphdef, params = model
-    tokens = _tokens(cfg, m)
-    _assert_equal(_reference(cfg, graphdef, params, tokens),
-                  _spmd(cfg, params, tokens, mesh, tp=tp, rules=rules, poison=poison))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("mesh", "tp", "rules", "m", "poison"), SLOW)
-def test_every_mesh_equals_one_device(model, mesh, tp, rules, m, poison):
+@pytest.mark.parametrize(("mesh", "tp", "rules", "m", "poison"),
+                         FAST + [pytest.param(*c, marks=pytest.mark.slow) for c in SLOW])
+def test_equals_one_device(model, mesh, tp, rules, m, poison):
     cfg, graphdef, params = model
     tokens = _tokens(cfg, m)
     _assert_equal(_reference(cfg, graphdef, params, tokens),
