@@ -61,3 +61,52 @@ def cross_entropy(logits_BLV: jax.Array, targets_BL: jax.Array, vocab_size: int)
     float32) against integer targets [B, L]; padded vocabulary rows (index >= vocab_size) are
     masked out of the softmax."""
     return _cross_entropy(logits_BLV, targets_BL, vocab_size)
+
+
+def _split_forward(logits_BLV, targets_BL, ids_V, vocab_size, axis):
+    x_BLV = jnp.where(ids_V < vocab_size, logits_BLV.astype(jnp.float32),
+                      jnp.finfo(jnp.float32).min)
+    # The shift is a constant of the log-sum-exp (its gradient cancels), so no gradient is
+    # taken through the maximum.
+    max_BL = jax.lax.pmax(jnp.max(x_BLV, axis=-1), axis)
+    sum_BL = jax.lax.psum(jnp.sum(jnp.exp(x_BLV - max_BL[..., None]), axis=-1), axis)
+    logz_BL = jnp.log(sum_BL) + max_BL
+    hit_BLV = ids_V == targets_BL[..., None]
+    target_BL = jax.lax.psum(jnp.sum(jnp.where(hit_BLV, x_BLV, 0.0), axis=-1), axis)
+    return jnp.mean(logz_BL - target_BL), logz_BL
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _split_cross_entropy(logits_BLV, targets_BL, ids_V, vocab_size, axis):
+    return _split_forward(logits_BLV, targets_BL, ids_V, vocab_size, axis)[0]
+
+
+def _split_fwd(logits_BLV, targets_BL, ids_V, vocab_size, axis):
+    loss, logz_BL = _split_forward(logits_BLV, targets_BL, ids_V, vocab_size, axis)
+    return loss, (logits_BLV, targets_BL, ids_V, logz_BL)
+
+
+def _split_bwd(vocab_size, axis, res, g):
+    logits_BLV, targets_BL, ids_V, logz_BL = res
+    with jax.named_scope("loss"):
+        x_BLV = jnp.where(ids_V < vocab_size, logits_BLV.astype(jnp.float32),
+                          jnp.finfo(jnp.float32).min)
+        p_BLV = jnp.exp(x_BLV - logz_BL[..., None])
+        onehot_BLV = ids_V == targets_BL[..., None]
+        d_BLV = ((p_BLV - onehot_BLV) * (g / targets_BL.size)).astype(logits_BLV.dtype)
+    zeros = jnp.zeros(targets_BL.shape, jax.dtypes.float0)
+    return d_BLV, zeros, jnp.zeros(ids_V.shape, jax.dtypes.float0)
+
+
+_split_cross_entropy.defvjp(_split_fwd, _split_bwd)
+
+
+@jax.named_scope("loss")
+def split_cross_entropy(logits_BLV: jax.Array, targets_BL: jax.Array, ids_V: jax.Array,
+                        vocab_size: int, axis: str) -> jax.Array:
+    """`cross_entropy` with the vocabulary split over the devices of the manual mesh axis
+    `axis`: each device holds the logits [B, L, V/n] of the vocabulary ids `ids_V` [V/n] (any
+    subset; ids >= vocab_size are padding), and the log-partition and the target's logit are
+    summed over `axis` (a maximum, a sum and a sum of B x L floats). Every device gets the same
+    mean loss; the backward is local, (softmax - onehot) * g / N on the device's own ids."""
+    return _split_cross_entropy(logits_BLV, targets_BL, ids_V, vocab_size, axis)

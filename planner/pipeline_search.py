@@ -270,7 +270,8 @@ def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int
             break
         tried += 1
         if sch == SPMD:
-            sp = _uniform_stages(x, S, layout.microbatches, p2p, budget)
+            sp = _uniform_stages(x, S, layout.microbatches, p2p, budget,
+                                 spmd_head_s(cfg, layout, hw, strategy, S))
         else:
             sp = partition(x, schedule=sch, stages=S, microbatches=layout.microbatches,
                            chunks=CHUNKS if sch == "interleaved" else 1, p2p=p2p,
@@ -343,16 +344,46 @@ def _layouts(cfg: ModelConfig, hw: Hardware, n: int, global_batch: int, seq_len:
 
 
 def _uniform_stages(x: StageInputs, stages: int, microbatches: int, p2p: float,
-                    budget: float) -> StagePlan | None:
+                    budget: float, head_s: float = 0.0) -> StagePlan | None:
     """gpipe_spmd's stages: one program on every device, so equal stages, every layer
     recomputed or none (the model's `--remat`): none if it fits, else full."""
     n = x.n_layers // stages
     for k in (0, n):
-        sp = fixed(x, schedule=SPMD, counts=[n] * stages, remat=[k] * stages,
-                   microbatches=microbatches, p2p=p2p, budget=budget)
+        sp = spmd_fixed(x, [n] * stages, [k] * stages, microbatches, p2p, budget, head_s)
         if sp is not None:
             return sp
     return None
+
+
+def spmd_fixed(x: StageInputs, counts, remat, microbatches: int, p2p: float, budget: float,
+               head_s: float) -> StagePlan | None:
+    """`fixed` for gpipe_spmd, whose head is not in the ticks: `head_s` (`spmd_head_s`) runs
+    on every device between the forward and the backward ticks, so it adds to every stage's
+    finish."""
+    sp = fixed(dataclasses.replace(x, last_f=0.0, last_b=0.0), schedule=SPMD, counts=counts,
+               remat=remat, microbatches=microbatches, p2p=p2p, budget=budget)
+    if sp is None:
+        return None
+    return dataclasses.replace(sp, makespan=sp.makespan + head_s,
+                               finish=tuple(f + head_s for f in sp.finish))
+
+
+def spmd_head_s(cfg: ModelConfig, layout: Layout, hw: Hardware, strategy: LayerSpec,
+                stages: int) -> float:
+    """gpipe_spmd's head, after the forward ticks, on every device at once: the last stage's
+    outputs of all M micro-batches all-reduced over `stage` (and their gradients in the
+    backward), then per micro-batch the final norm, logits and loss over this stage's 1/S of
+    the vocabulary (`training.pipeline_spmd.vocab_part`; the whole vocabulary where the padded
+    vocabulary does not split into S x tensor pieces), forward, again in the backward (it is
+    checkpointed) and backward: M x 4/3 x `head_cost` / S, whose embedding part (every device
+    embeds all micro-batches) is counted in it."""
+    head, _ = head_cost(cfg, layout, hw)
+    split = stages if cfg.padded_vocab % (stages * layout.tensor) == 0 else 1
+    M = layout.microbatches
+    nbytes = M * layout.rows * layout.seq_len * cfg.d_model * elem_bytes(cfg) \
+        / sequence_split(strategy.schedule, layout.tensor)
+    group = [s * layout.replicas * layout.tensor for s in range(stages)]
+    return M * head * 4 / 3 / split + 2 * hw.comm_s("all-reduce", nbytes, group)
 
 
 def _strategy(cfg, layout, hw, megatron_only: bool, anywhere: bool = False

@@ -65,7 +65,15 @@ def predict_pipeline_step_s(cfg: ModelConfig, hw: Hardware, *, mesh: str, rules:
     policy, axes beyond stage x data x tensor, a schedule the stages do not run)."""
     from oases_jax.pipeline.lowering import flat_pools
     from oases_jax.pipeline.remat import parse_stage_layers
-    from planner.pipeline_search import CHUNKS, price, stage_inputs, transfer_s
+    from planner.pipeline_search import (
+        CHUNKS,
+        SPMD,
+        price,
+        spmd_fixed,
+        spmd_head_s,
+        stage_inputs,
+        transfer_s,
+    )
     from planner.stage_partition import fixed
 
     spec = parse_mesh(mesh)
@@ -81,8 +89,12 @@ def predict_pipeline_step_s(cfg: ModelConfig, hw: Hardware, *, mesh: str, rules:
     x = stage_inputs(cfg, layout, hw, strategy, flat=flat_pools(chunks, tensor > 1))
     p2p = transfer_s(cfg, layout, hw, strategy, stages)
     remat = list(counts) if cfg.remat == "full" else [0] * stages
-    sp = fixed(x, schedule=pipeline, counts=counts, remat=remat, microbatches=microbatches,
-               chunks=chunks, p2p=p2p)
+    if pipeline == SPMD:
+        sp = spmd_fixed(x, counts, remat, microbatches, p2p, float("inf"),
+                        spmd_head_s(cfg, layout, hw, strategy, stages))
+    else:
+        sp = fixed(x, schedule=pipeline, counts=counts, remat=remat,
+                   microbatches=microbatches, chunks=chunks, p2p=p2p)
     return price(cfg, hw, stages, layout, strategy, sp, x, p2p).step_s if sp else None
 
 

@@ -12,9 +12,13 @@ predecessor sent at t-1), the last stage keeps its outputs, and one `ppermute` o
 (S-1)/(M+S-1) bubble) compute on zeros (whatever the stage received), so the gradients they
 feed are exact zeros. The backward is the scan's own
 autodiff: GPipe's order (all forwards, then all backwards), its M micro-batches in flight, and
-the reverse permutes. After the loop every device applies the final norm, head and loss to the
-last stage's outputs (the others' are discarded: the step waits for the last stage anyway) one
-micro-batch at a time; the tied or shared tables' gradients are summed over `stage`.
+the reverse permutes. After the loop the last stage's outputs are all-reduced over `stage`
+(the others hold zeros), and every stage applies the final norm, the logits of its 1/S of the
+vocabulary (`vocab_part`) and the vocabulary-split loss (`models.loss.split_cross_entropy`),
+one micro-batch at a time: the head's work is spread over the stages instead of run whole on
+every device (or on the last stage alone, which every lockstep tick would wait for). Where
+the padded vocabulary does not split into S x (its blocks over tensor) pieces, every device
+runs the whole head. The tied or shared tables' gradients are summed over `stage`.
 
 Restrictions, each checked in `training.config._check_pipeline` and `pipeline_spec`: equal
 stages (one program for all), one chunk, one remat policy (`--remat`, no per-stage ratios), one
@@ -25,6 +29,7 @@ partition_group_list.num_replica_groups() * ... == device_groups.num_devices_per
 
 from __future__ import annotations
 
+import math
 import types
 
 import jax
@@ -33,13 +38,47 @@ from flax import nnx
 
 from models.config import ModelConfig
 from models.layers import block_fns, compute_weights
+from models.loss import split_cross_entropy
 from models.transformer import Transformer, cross_entropy
+from oases_jax.rules import constrain
 from oases_jax.stacks import Parallel, run_stack
 from training.pipeline_layout import STAGE, PipelineSpec, _graphdefs, over_stages
 
-__all__ = ["NAME", "spmd_pipeline_grads"]
+__all__ = ["NAME", "spmd_pipeline_grads", "vocab_part", "vocab_shards"]
 
 NAME = "gpipe_spmd"
+
+
+def vocab_shards(cfg: ModelConfig, parallel: Parallel, manual: set[str]) -> int:
+    """Into how many contiguous blocks the rules split the head table's vocabulary dimension
+    over the mesh axes left to GSPMD inside the stages (not `manual`)."""
+    names = ("vocab", "embed") if cfg.tied else ("embed", "vocab")
+    entry = parallel.rules.param_spec(names, parallel.mesh)[names.index("vocab")]
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return math.prod(parallel.mesh.shape[a] for a in axes if a not in manual)
+
+
+def vocab_part(table: jax.Array, tied: bool, s: jax.Array, stages: int, shards: int
+               ) -> tuple[jax.Array, jax.Array]:
+    """(stage s's 1/S of the head table, the vocabulary ids of its rows or columns). The
+    vocabulary is cut into `shards` contiguous blocks (the table's own split over tensor) and
+    each block into S pieces; stage s takes piece s of every block, so slicing it moves
+    nothing between the devices that share a block. `table`: [V, D] when `tied` (the
+    embedding), else [D, V]."""
+    v_axis = 0 if tied else 1
+    V = table.shape[v_axis]
+    piece = V // (shards * stages)
+    if tied:
+        blocks = table.reshape(shards, stages, piece, table.shape[1])
+        part = jax.lax.dynamic_index_in_dim(blocks, s, axis=1, keepdims=False)
+        part = part.reshape(V // stages, table.shape[1])
+    else:
+        blocks = table.reshape(table.shape[0], shards, stages, piece)
+        part = jax.lax.dynamic_index_in_dim(blocks, s, axis=2, keepdims=False)
+        part = part.reshape(table.shape[0], V // stages)
+    ids = (jnp.arange(shards)[:, None] * (V // shards) + s * piece
+           + jnp.arange(piece)[None, :]).reshape(-1)
+    return part, ids
 
 
 def spmd_pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,
@@ -52,10 +91,13 @@ def spmd_pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel
     fns = block_fns(gd_blocks)
     dt = jnp.dtype(cfg.dtype)
     head_key = "embed" if cfg.tied else "head"
+    shards = vocab_shards(cfg, parallel, {STAGE} | ({"data"} if groups > 1 else set()))
+    split = S > 1 and cfg.padded_vocab % (S * shards) == 0
     shift = [(i, i + 1) for i in range(S - 1)]
 
     def loss_sum(local, tokens_M2BL, s):
-        """Sum over micro-batches of the loss: the last stage's; 0 on the others."""
+        """(the loss summed over micro-batches that seeds this stage's gradient, the loss this
+        stage reports: the last stage's, 0 on the others)."""
         blocks = jax.tree.map(lambda a: a[0], local["blocks"])  # this device's one chunk
         blocks = compute_weights(blocks, dt)  # once per step, outside the tick loop
         stand_in = types.SimpleNamespace(cfg=cfg, **{k: local[k] for k in ("embed", "pos")
@@ -86,22 +128,47 @@ def spmd_pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel
         # Only the last stage's outputs are the model's; the others' (never written) are zeros.
         outs = jnp.where(s == S - 1, outs, jnp.zeros_like(outs))
         norm = nnx.merge(gd_norm, local["norm_f"])
-        head_in = types.SimpleNamespace(cfg=cfg, **{head_key: compute_weights(
-            local[head_key], dt, lead=0)})
+        table = compute_weights(local[head_key], dt, lead=0)
+        if split:
+            # Every stage takes the last stage's outputs (an all-reduce over `stage` whose
+            # backward sums the stages' gradients of them into the last stage's) and the
+            # logits and loss of its 1/S of the vocabulary.
+            outs = jax.lax.psum(outs, STAGE)
+            part, ids = vocab_part(table[...], cfg.tied, s, S, shards)
+
+            def logits_of(h_BLD):
+                eq = "bld,vd->blv" if cfg.tied else "bld,dv->blv"
+                return constrain(jnp.einsum(eq, h_BLD, part.astype(h_BLD.dtype)),
+                                 ("batch", None, "vocab"))
+
+            def loss_of(logits, labels_BL):
+                return split_cross_entropy(logits, labels_BL, ids, cfg.vocab_size, STAGE)
+        else:
+            head_in = types.SimpleNamespace(cfg=cfg, **{head_key: table})
+
+            def logits_of(h_BLD):
+                return Transformer.logits(head_in, h_BLD, None)
+
+            def loss_of(logits, labels_BL):
+                return cross_entropy(logits, labels_BL, cfg.vocab_size)
 
         @jax.checkpoint
         def one(h_BLD, labels_BL):
-            logits = Transformer.logits(head_in, norm(h_BLD), None)
-            return cross_entropy(logits, labels_BL, cfg.vocab_size)
+            return loss_of(logits_of(norm(h_BLD)), labels_BL)
 
         def head(total, m):
             return total + one(outs[m], tokens_M2BL[m, :, 1]), None
 
         total, _ = jax.lax.scan(head, jnp.zeros((), jnp.float32), jnp.arange(M))
-        # Elsewhere the head ran on zeros, and its loss must feed no gradient.
-        return jnp.where(s == S - 1, total, 0.0)
+        # One stage reports the loss (`over_stages` sums it over `stage`). Split, every stage
+        # holds it and seeds its gradient: each stage's loss backward is its own slice's.
+        # Otherwise the other stages ran the head on zeros, and their loss seeds nothing.
+        reported = jnp.where(s == S - 1, total, 0.0)
+        return (total if split else reported), reported
 
     def stage_grads(local, tokens_M2BL):
-        return jax.value_and_grad(loss_sum)(local, tokens_M2BL, jax.lax.axis_index(STAGE))
+        (_, reported), grads = jax.value_and_grad(loss_sum, has_aux=True)(
+            local, tokens_M2BL, jax.lax.axis_index(STAGE))
+        return reported, grads
 
     return over_stages(parallel, params, batch_MBL, groups, stage_grads)

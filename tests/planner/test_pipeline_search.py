@@ -16,12 +16,15 @@ from planner.pipeline_search import (
     megatron_3d,
     price,
     search_3d,
+    spmd_fixed,
+    spmd_head_s,
     stage_inputs,
     transfer_s,
 )
 from planner.prices import Hardware
 from planner.search import LayerSpec
 from planner.stage_partition import fixed, partition, simulate
+from planner.step_cost import head_cost
 
 CFG = get_preset("gpt2-1.5b")
 
@@ -88,6 +91,25 @@ def test_gpt2_partition_beats_the_uniform_split(stages):
     mean_layers = (48 + (x.last_f + x.last_b) / c) / stages
     assert max(sp.loads) <= (-(-mean_layers // 1) + 1) * c * (1 + 1e-9)
     assert sp.layers[-1] <= n
+
+
+def test_gpt2_spmd_stages_balanced_with_the_head_split():
+    """Under gpipe_spmd the head leaves the ticks (split over the stages by vocabulary, run
+    between the forward and backward ticks), so GPT-2 1.5B's equal stages at S=8 are balanced
+    exactly where whole layers with the head on the last stage allow only 1.09, and every
+    stage finishes the same head phase later than the tick table says."""
+    h = hw("h100-64")
+    lay = Layout(data=4, tensor=2, microbatches=16, global_batch=256, seq_len=1024)
+    spec = LayerSpec(schedule="megatron")
+    x = stage_inputs(CFG, lay, h, spec)
+    head = spmd_head_s(CFG, lay, h, spec, 8)
+    sp = spmd_fixed(x, [6] * 8, [0] * 8, 16, 0.0, float("inf"), head)
+    assert sp.balance == pytest.approx(1.0)
+    one = partition(x, schedule="1f1b", stages=8, microbatches=16, max_sims=24)
+    assert one.balance > 1.08
+    ticks = fixed(dataclasses.replace(x, last_f=0.0, last_b=0.0), schedule="gpipe_spmd",
+                  counts=[6] * 8, remat=[0] * 8, microbatches=16)
+    assert sp.finish == pytest.approx([f + head for f in ticks.finish])
 
 
 def test_search_and_plan_section_round_trip():
@@ -233,10 +255,22 @@ def test_gpipe_spmd_is_offered_where_a_ring_wins():
         sp = c.stage_plan
         assert sp.schedule == "gpipe_spmd" and c.strategy.schedule == "collective_matmul"
         assert len(set(sp.layers)) == 1 and set(sp.remat) in ({0}, {sp.layers[0]})
-        gpipe = fixed(stage_inputs(cfg, c.layout, h, c.strategy), schedule="gpipe",
-                      counts=sp.layers, remat=sp.remat, microbatches=sp.microbatches,
-                      p2p=c.p2p_s)
-        assert sp.makespan == pytest.approx(gpipe.makespan)
+        # GPipe's table without the head in its ticks, then the head on every device: all M
+        # micro-batches' outputs all-reduced over the S stages each way, and the head's
+        # forward, recompute and backward over 1/S of the vocabulary.
+        x = dataclasses.replace(stage_inputs(cfg, c.layout, h, c.strategy), last_f=0.0,
+                                last_b=0.0)
+        gpipe = fixed(x, schedule="gpipe", counts=sp.layers, remat=sp.remat,
+                      microbatches=sp.microbatches, p2p=c.p2p_s)
+        S, M, lay = len(sp.layers), sp.microbatches, c.layout
+        # fp32; collective_matmul keeps the residual stream split over tensor.
+        outs = M * lay.rows * 1024 * cfg.d_model * 4 / lay.tensor
+        span = lay.replicas * lay.tensor
+        head = M * head_cost(cfg, lay, h)[0] * 4 / 3 / S \
+            + 2 * h.comm_s("all-reduce", outs, [s * span for s in range(S)])
+        assert cfg.padded_vocab % (S * lay.tensor) == 0
+        assert sp.makespan == pytest.approx(gpipe.makespan + head)
+        assert sp.finish == pytest.approx([f + head for f in gpipe.finish])
     c = cands[0]
     d = plans.pipeline_plan_json(c, model="oases-h4096-l16", cfg=cfg, cluster="3090-pcie-32",
                                  cost_source="model", search_s=0.0)

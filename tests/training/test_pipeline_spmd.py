@@ -64,6 +64,78 @@ def test_equals_one_device(model, mesh, tp, rules, m, poison):
                   _spmd(cfg, params, tokens, mesh, tp=tp, rules=rules, poison=poison))
 
 
+def _variant(cfg, **changes):
+    """`cfg` changed, initialised on one device: (config, graphdef, parameters)."""
+    from flax import nnx
+
+    from models.sharding import init_sharded
+
+    cfg = cfg.replace(**changes)
+    one = make_mesh("data=1", jax.devices()[:1])
+    graphdef, params = nnx.split(init_sharded(cfg, get_rules("dp"), one, 0))
+    return cfg, graphdef, params
+
+
+@pytest.mark.parametrize(("changes", "mesh", "split"), [
+    # An untied [D, V] head, its vocabulary split over tensor=4 inside each block of 2 stages.
+    ({"tie_embeddings": False}, "stage=2,tensor=4", True),
+    # 100 rows do not split into 4 stages x 2 tensor blocks: every stage runs the whole head.
+    ({"vocab_size": 100, "vocab_multiple": 4}, "stage=4,tensor=2", False),
+])
+def test_head_vocabulary_over_stages(model, changes, mesh, split):
+    """The head and loss split over `stage` by vocabulary (or, where the padded vocabulary does
+    not divide, run whole on every stage) equal one device, tied and untied."""
+    from training.pipeline_spmd import vocab_shards
+
+    cfg, graphdef, params = _variant(model[0], **changes)
+    m = make_mesh(mesh, jax.devices())
+    shards = vocab_shards(cfg, Parallel(m, get_rules("tp")), {"stage"})
+    assert (cfg.padded_vocab % (m.shape["stage"] * shards) == 0) == split
+    tokens = _tokens(cfg, 3)
+    _assert_equal(_reference(cfg, graphdef, params, tokens),
+                  _spmd(cfg, params, tokens, mesh, poison=True))
+
+
+def test_vocab_part_and_split_loss_by_hand():
+    """`vocab_part` gives stage s piece s of every tensor block, with the ids of its rows; the
+    split loss over 4 devices equals `cross_entropy` on the whole vocabulary, value and
+    gradient."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from models.loss import cross_entropy, split_cross_entropy
+    from training.pipeline_spmd import vocab_part
+
+    V, D, S, shards = 16, 3, 2, 2  # blocks of 8 rows, pieces of 4
+    table = jnp.arange(V * D, dtype=jnp.float32).reshape(V, D)
+    part, ids = vocab_part(table, True, jnp.int32(1), S, shards)
+    np.testing.assert_array_equal(ids, [4, 5, 6, 7, 12, 13, 14, 15])
+    np.testing.assert_array_equal(part, table[ids])
+    part_t, ids_t = vocab_part(table.T, False, jnp.int32(0), S, shards)
+    np.testing.assert_array_equal(ids_t, [0, 1, 2, 3, 8, 9, 10, 11])
+    np.testing.assert_array_equal(part_t, table.T[:, ids_t])
+
+    n, vocab = 4, 14  # 2 padded rows
+    logits = jax.random.normal(jax.random.key(0), (2, 3, V))
+    targets = jax.random.randint(jax.random.key(1), (2, 3), 0, vocab)
+    mesh = make_mesh("data=4", jax.devices()[:n])
+    pieces = jnp.stack([jnp.arange(V)[j::n] for j in range(n)])  # device j: ids j, j+4, ...
+
+    def local(lg_, ids_):  # each device seeds its own copy of the loss
+        loss, g = jax.value_and_grad(split_cross_entropy)(lg_[:, :, 0], targets, ids_[0],
+                                                           vocab, "data")
+        return loss[None], g[:, :, None]
+
+    by_device = logits[:, :, pieces]  # [2, 3, n, V/n]
+    losses, g = jax.jit(jax.shard_map(
+        local, mesh=mesh, in_specs=(jax.P(None, None, "data"), jax.P("data")),
+        out_specs=(jax.P("data"), jax.P(None, None, "data"))))(by_device, pieces)
+    want, want_g = jax.value_and_grad(lambda lg: cross_entropy(lg, targets, vocab))(logits)
+    np.testing.assert_allclose(losses, np.full(n, want), rtol=1e-6)
+    got_g = jnp.zeros_like(logits).at[:, :, pieces].set(g)
+    np.testing.assert_allclose(got_g, want_g, atol=1e-7)
+
+
 def test_compiled_ring_permutes_and_no_switch():
     """The compiled step (CPU, through training/program.py) has no conditional, the ring's
     collective-permutes over `tensor` inside the stages, and stage-to-stage transfers between
