@@ -108,8 +108,12 @@ class LayerWork:
         hw, dt = self.hw, c.dtype
         gated = 3 if c.gated_mlp else 2
 
-        def gemm(m, kk, n):
-            return hw.gemm_s(2.0 * m * kk * n, e * (m * kk + kk * n + m * n), dt, chunks)
+        def gemm(m, kk, n, weights: bool = False):
+            # A projection split into `chunks` ring steps reads its [kk, n] weights once per
+            # step (each step multiplies one chunk of rows by all of them).
+            reads = chunks if weights else 1
+            return hw.gemm_s(2.0 * m * kk * n, e * (m * kk + reads * kk * n + m * n), dt,
+                             chunks)
 
         pre = hw.mem_s(5 * tok * d * e / s)
         if self.flash:
@@ -122,16 +126,16 @@ class LayerWork:
             core = gemm(rows * h / t * seq, k, seq) + gemm(rows * h / t * seq, seq, k) \
                 + hw.mem_s(tok * seq * h / t * (8 + e))
             core_bwd = 2 * core
-        attn = SubLayerWork(pre=pre, col=gemm(tok, d, (h + 2 * g) * k / t), core=core,
-                            row=gemm(tok, h * k / t, d), col_bytes=tok * d * e,
+        attn = SubLayerWork(pre=pre, col=gemm(tok, d, (h + 2 * g) * k / t, True), core=core,
+                            row=gemm(tok, h * k / t, d, True), col_bytes=tok * d * e,
                             core_bwd=core_bwd)
         act_f, act_b = ACTIVATION_PASSES[c.gated_mlp]
         hidden = tok * f / t * e
         mlp = SubLayerWork(
             pre=pre,
-            col=gemm(tok, d, f * (gated - 1) / t),
+            col=gemm(tok, d, f * (gated - 1) / t, True),
             core=hw.mem_s(act_f * hidden),
-            row=gemm(tok, f / t, d),
+            row=gemm(tok, f / t, d, True),
             col_bytes=tok * d * e,
             core_bwd=hw.mem_s((act_b + (1 if c.use_bias else 0)) * hidden),
         )

@@ -10,7 +10,7 @@ import time
 
 from models.config import ModelConfig
 from oases_jax.layer_plan import LayerSpec
-from oases_jax.pipeline import STAGE_SCHEDULES
+from oases_jax.pipeline import SPMD_PIPELINES, STAGE_SCHEDULES
 from oases_jax.pipeline.lowering import flat_pools
 from planner.layer_cost import LayerModel
 from planner.layer_work import elem_bytes, layer_matrices, sequence_split
@@ -22,8 +22,9 @@ from planner.step_cost import fsdp_collectives, head_cost, update_s
 
 # The schedules the runtime runs; gpipe_spmd (no per-stage control flow) is offered where it
 # runs a layer strategy the tick executor cannot (the rings).
-PIPELINES = ("gpipe", "1f1b", "interleaved", "merak", "gpipe_spmd")
+PIPELINES = ("gpipe", "1f1b", "interleaved", "merak", "gpipe_spmd", "1f1b_spmd")
 SPMD = "gpipe_spmd"
+SPMD_1F1B = "1f1b_spmd"
 CHUNKS = 2  # interleaved: chunks per stage
 MICROBATCH_FACTORS = (1, 2, 4, 8)  # M = S x factor
 REFINE = 12  # screened candidates whose stages are partitioned under the simulator
@@ -88,13 +89,15 @@ FSDP_BWD_HIDDEN = 0.28
 
 
 def stage_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware,
-                 strategy: LayerSpec, flat: bool = False) -> StageInputs:
+                 strategy: LayerSpec, flat: bool = False, pools: bool = True) -> StageInputs:
     """Per-layer costs and memory of one stage's device from the layer cost model: `strategy`
     (remat none) and its fully rematted twin; the head and loss (`head_cost`, one third forward)
     on the last stage. Static bytes per parameter: 16 (fp32 weight, gradient, AdamW moments),
     + 4 with an accumulator (M > 1), + e for the blocks' compute-dtype copy, over tensor.
     `flat`: the residual pools hold flattened leaves (`lowering.flat_pools`), whose stores and
-    loads pay FLAT_STORE_PASSES and FLAT_LOAD_PASSES more over what a layer keeps."""
+    loads pay FLAT_STORE_PASSES and FLAT_LOAD_PASSES more over what a layer keeps. `pools`:
+    the executor keeps residuals between ticks (not 1f1b_spmd, whose backward recomputes them
+    inside its own `vjp`: no store and load passes)."""
     lm = LayerModel(cfg, layout, hw)
     none, full = (dataclasses.replace(strategy, remat=r) for r in ("none", "full"))
     c0, c1 = lm.time(none), lm.time(full)
@@ -104,8 +107,8 @@ def stage_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware,
     act, act_remat = c0.act_bytes, c1.act_bytes
     flat_f = hw.mem_s(FLAT_STORE_PASSES * act) if flat else 0.0
     flat_b = hw.mem_s(FLAT_LOAD_PASSES * act) if flat else 0.0
-    store_s = hw.mem_s(RESIDUAL_STORE_PASSES * act) + flat_f
-    load_s = hw.mem_s(RESIDUAL_LOAD_PASSES * act) + flat_b
+    store_s = hw.mem_s(RESIDUAL_STORE_PASSES * act) + flat_f if pools else 0.0
+    load_s = hw.mem_s(RESIDUAL_LOAD_PASSES * act) + flat_b if pools else 0.0
     head_s, head_temp = head_cost(cfg, layout, hw)
     per_param = 16 + (4 if layout.microbatches > 1 else 0)
     e = elem_bytes(cfg)
@@ -243,17 +246,17 @@ def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int
         if strategy is None:
             continue
         flats = {flat_pools(CHUNKS if sch == "interleaved" else 1, layout.tensor > 1)
-                 for sch in pipelines if sch != SPMD}
+                 for sch in pipelines if sch not in SPMD_PIPELINES}
         x = {flat: stage_inputs(cfg, layout, hw, strategy, flat) for flat in flats}
         p2p = transfer_s(cfg, layout, hw, strategy, S)
         for sch in pipelines:
             if sch == "interleaved" and (S < 2 or cfg.n_layers % (CHUNKS * S)):
                 continue
-            if sch == SPMD:
+            if sch in SPMD_PIPELINES:
                 ring = _strategy(cfg, layout, hw, megatron_only, anywhere=True)
                 if ring is None or ring.schedule in STAGE_SCHEDULES or cfg.n_layers % S:
                     continue  # the tick executor's gpipe runs it already, or unequal stages
-                xs, p2p_ring = stage_inputs(cfg, layout, hw, ring), \
+                xs, p2p_ring = stage_inputs(cfg, layout, hw, ring, pools=sch != SPMD_1F1B), \
                     transfer_s(cfg, layout, hw, ring, S)
                 est = _screen(cfg, hw, S, layout, ring, xs, p2p_ring, sch)
                 screened.append((est, S, layout, ring, xs, p2p_ring, sch))
@@ -269,9 +272,9 @@ def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int
         if len(out) >= refine or tried >= 3 * refine:
             break
         tried += 1
-        if sch == SPMD:
+        if sch in SPMD_PIPELINES:
             sp = _uniform_stages(x, S, layout.microbatches, p2p, budget,
-                                 spmd_head_s(cfg, layout, hw, strategy, S))
+                                 spmd_head_s(cfg, layout, hw, strategy, S, sch), sch)
         else:
             sp = partition(x, schedule=sch, stages=S, microbatches=layout.microbatches,
                            chunks=CHUNKS if sch == "interleaved" else 1, p2p=p2p,
@@ -344,46 +347,67 @@ def _layouts(cfg: ModelConfig, hw: Hardware, n: int, global_batch: int, seq_len:
 
 
 def _uniform_stages(x: StageInputs, stages: int, microbatches: int, p2p: float,
-                    budget: float, head_s: float = 0.0) -> StagePlan | None:
-    """gpipe_spmd's stages: one program on every device, so equal stages, every layer
+                    budget: float, head_s: float = 0.0, schedule: str = SPMD
+                    ) -> StagePlan | None:
+    """An SPMD pipeline's stages: one program on every device, so equal stages, every layer
     recomputed or none (the model's `--remat`): none if it fits, else full."""
     n = x.n_layers // stages
     for k in (0, n):
-        sp = spmd_fixed(x, [n] * stages, [k] * stages, microbatches, p2p, budget, head_s)
+        sp = spmd_fixed(x, [n] * stages, [k] * stages, microbatches, p2p, budget, head_s,
+                        schedule)
         if sp is not None:
             return sp
     return None
 
 
 def spmd_fixed(x: StageInputs, counts, remat, microbatches: int, p2p: float, budget: float,
-               head_s: float) -> StagePlan | None:
-    """`fixed` for gpipe_spmd, whose head is not in the ticks: `head_s` (`spmd_head_s`) runs
-    on every device between the forward and the backward ticks, so it adds to every stage's
-    finish."""
-    sp = fixed(dataclasses.replace(x, last_f=0.0, last_b=0.0), schedule=SPMD, counts=counts,
-               remat=remat, microbatches=microbatches, p2p=p2p, budget=budget)
+               head_s: float, schedule: str = SPMD) -> StagePlan | None:
+    """`fixed` for the SPMD pipelines, whose head is not in the ticks (`spmd_head_s`, which
+    adds to every stage's finish: they run in lockstep).
+
+    gpipe_spmd: GPipe's table. 1f1b_spmd (`training.pipeline_spmd.spmd_1f1b_grads`): S-1
+    ticks of forwards, M ticks each of a forward, the head and a backward that recomputes the
+    stage's forward first, S-1 ticks of backwards, one permute each way per tick that moves
+    something; with per-stage F, B' = F + B (+ the layers' own recompute) at its slowest:
+
+        (S-1) (F + p2p) + M (F + B' + 2 p2p) + (S-1) (B' + p2p) + head
+
+    Its memory holds one micro-batch's residuals (in the backward's `vjp`) per stage
+    (`stage_sim.peak_inflight`); the 2S-1 stage inputs it keeps are left out."""
+    sp = fixed(dataclasses.replace(x, last_f=0.0, last_b=0.0), schedule=schedule,
+               counts=counts, remat=remat, microbatches=microbatches, p2p=p2p, budget=budget)
     if sp is None:
         return None
+    if schedule == SPMD_1F1B:
+        S, M = sp.stages, microbatches
+        f = max(sp.f)
+        b = max(ff + bb + rr for ff, bb, rr in zip(sp.f, sp.b, sp.r, strict=True))
+        span = (S - 1) * (f + p2p) + M * (f + b + 2 * p2p) + (S - 1) * (b + p2p)
+        sp = dataclasses.replace(sp, makespan=span, finish=(span,) * S)
     return dataclasses.replace(sp, makespan=sp.makespan + head_s,
                                finish=tuple(f + head_s for f in sp.finish))
 
 
 def spmd_head_s(cfg: ModelConfig, layout: Layout, hw: Hardware, strategy: LayerSpec,
-                stages: int) -> float:
-    """gpipe_spmd's head, after the forward ticks, on every device at once: the last stage's
-    outputs of all M micro-batches all-reduced over `stage` (and their gradients in the
-    backward), then per micro-batch the final norm, logits and loss over this stage's 1/S of
-    the vocabulary (`training.pipeline_spmd.vocab_part`; the whole vocabulary where the padded
-    vocabulary does not split into S x tensor pieces), forward, again in the backward (it is
-    checkpointed) and backward: M x 4/3 x `head_cost` / S, whose embedding part (every device
-    embeds all micro-batches) is counted in it."""
+                stages: int, schedule: str = SPMD) -> float:
+    """An SPMD pipeline's head over the step, on every device at once: the last stage's
+    outputs all-reduced over `stage` (and their gradients in the backward), then per
+    micro-batch the final norm, logits and loss over this stage's 1/S of the vocabulary
+    (`training.pipeline_spmd.vocab_part`; the whole vocabulary where the padded vocabulary
+    does not split into S x tensor pieces), forward and backward (`head_cost`, whose embedding
+    part, every device embedding all micro-batches, is counted in it). gpipe_spmd runs it
+    after the forward ticks, checkpointed (its forward again in the backward: x 4/3), its two
+    all-reduces over all M outputs; 1f1b_spmd inside each steady tick, two all-reduces of one
+    micro-batch each."""
     head, _ = head_cost(cfg, layout, hw)
     split = stages if cfg.padded_vocab % (stages * layout.tensor) == 0 else 1
     M = layout.microbatches
-    nbytes = M * layout.rows * layout.seq_len * cfg.d_model * elem_bytes(cfg) \
+    nbytes = layout.rows * layout.seq_len * cfg.d_model * elem_bytes(cfg) \
         / sequence_split(strategy.schedule, layout.tensor)
     group = [s * layout.replicas * layout.tensor for s in range(stages)]
-    return M * head * 4 / 3 / split + 2 * hw.comm_s("all-reduce", nbytes, group)
+    if schedule == SPMD_1F1B:
+        return M * (head / split + 2 * hw.comm_s("all-reduce", nbytes, group))
+    return M * head * 4 / 3 / split + 2 * hw.comm_s("all-reduce", M * nbytes, group)
 
 
 def _strategy(cfg, layout, hw, megatron_only: bool, anywhere: bool = False

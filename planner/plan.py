@@ -31,6 +31,7 @@ from oases_jax.cli import write_atomic
 from oases_jax.errors import UserError
 from oases_jax.files import read_json
 from oases_jax.layer_plan import LayerSpec
+from oases_jax.pipeline import SPMD_PIPELINES
 from oases_jax.schema import validate
 from planner.pipeline_search import PipelineCandidate
 from planner.plan_schema import FIX, FORMAT, VERSION, PlanFile, check
@@ -148,10 +149,11 @@ class Plan:
                 sub_batches=self.layers[0].sub_batches, moe_schedule=moe["schedule"],
                 moe_chunks=moe.get("chunks", 1) if moe["schedule"] == "parm_s2" else 0)
         pipe = self.raw.get("pipeline")
-        if pipe and pipe["schedule"] == "gpipe_spmd":  # equal stages; the model carries remat
+        if pipe and pipe["schedule"] in SPMD_PIPELINES:  # equal stages; the model's remat
             return ParallelConfig(mesh=self.mesh, rules=self.rules,
                                   schedule=self.layers[0].schedule,
-                                  sub_batches=self.layers[0].sub_batches, pipeline="gpipe_spmd")
+                                  sub_batches=self.layers[0].sub_batches,
+                                  pipeline=pipe["schedule"])
         if pipe:  # the runtime pipelines one layer strategy; the stages carry the remat
             return ParallelConfig(
                 mesh=self.mesh, rules=self.rules, schedule=self.layers[0].schedule,
@@ -170,7 +172,7 @@ class Plan:
         if self.raw.get("moe"):
             return model.replace(remat=self.layers[0].remat)
         pipe = self.raw.get("pipeline")
-        if pipe and pipe["schedule"] == "gpipe_spmd":  # one program: every stage or none
+        if pipe and pipe["schedule"] in SPMD_PIPELINES:  # one program: every stage or none
             full = any(Fraction(r) > 0 for r in pipe["remat_ratios"])
             return model.replace(remat="full" if full else "none")
         return model

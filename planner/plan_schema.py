@@ -66,7 +66,7 @@ class PipelineEntry(Strict):
     """The stage section of a 3D plan (`planner.pipeline_search`): the schedule over the mesh's
     `stage` axis, layers and recompute ratios (k/n) per stage, chunks per stage."""
 
-    schedule: one_of(("gpipe", "gpipe_spmd", "1f1b", "interleaved", "merak"),
+    schedule: one_of(("gpipe", "gpipe_spmd", "1f1b", "1f1b_spmd", "interleaved", "merak"),
                      "pipeline schedule")
     stages: at_most(MAX_DEVICES)
     stage_layers: Annotated[list[at_most(SIZE_CAPS["n_layers"])], Field(min_length=1)]

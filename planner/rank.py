@@ -68,6 +68,7 @@ def predict_pipeline_step_s(cfg: ModelConfig, hw: Hardware, *, mesh: str, rules:
     from planner.pipeline_search import (
         CHUNKS,
         SPMD,
+        SPMD_1F1B,
         price,
         spmd_fixed,
         spmd_head_s,
@@ -86,12 +87,13 @@ def predict_pipeline_step_s(cfg: ModelConfig, hw: Hardware, *, mesh: str, rules:
     chunks = (virtual_stages or CHUNKS) if pipeline == "interleaved" else 1
     counts = parse_stage_layers(stage_layers, cfg.n_layers, stages, chunks)
     strategy = LayerSpec(schedule=schedule if tensor > 1 else "megatron")
-    x = stage_inputs(cfg, layout, hw, strategy, flat=flat_pools(chunks, tensor > 1))
+    x = stage_inputs(cfg, layout, hw, strategy, flat=flat_pools(chunks, tensor > 1),
+                     pools=pipeline != SPMD_1F1B)
     p2p = transfer_s(cfg, layout, hw, strategy, stages)
     remat = list(counts) if cfg.remat == "full" else [0] * stages
-    if pipeline == SPMD:
+    if pipeline in (SPMD, SPMD_1F1B):
         sp = spmd_fixed(x, counts, remat, microbatches, p2p, float("inf"),
-                        spmd_head_s(cfg, layout, hw, strategy, stages))
+                        spmd_head_s(cfg, layout, hw, strategy, stages, pipeline), pipeline)
     else:
         sp = fixed(x, schedule=pipeline, counts=counts, remat=remat,
                    microbatches=microbatches, chunks=chunks, p2p=p2p)

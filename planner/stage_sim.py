@@ -50,9 +50,12 @@ def _build(name: str, stages: int, microbatches: int, chunks: int,
 def peak_inflight(name: str, stages: int, microbatches: int, chunks: int = 1) -> tuple[int, ...]:
     """Most (micro-batch, chunk) inputs each stage holds at once under the schedule; under
     gpipe_spmd every stage saves the residuals of all M+S-1 ticks (its bubble ticks' too: the
-    scan's autodiff keeps every iteration's)."""
+    scan's autodiff keeps every iteration's); under 1f1b_spmd one (the stage inputs it keeps
+    are not residuals)."""
     if name == "gpipe_spmd":
         return (microbatches + stages - 1,) * stages
+    if name == "1f1b_spmd":  # one micro-batch's residuals, in its backward's recompute
+        return (1,) * stages
     return inflight(build(name, stages, microbatches, chunks))[0]
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from models.config import ModelConfig
+from oases_jax.pipeline import SPMD_PIPELINES
 from planner import plan as plans
 from planner.pipeline_search import PipelineCandidate
 from planner.rank import spearman
@@ -65,7 +66,7 @@ def verify_3d(cfg: ModelConfig, candidates: list[PipelineCandidate], target: str
         except Exception as e:  # a compile or analysis failure is a finding, not a crash
             out.append(VerifiedStage(candidate=c, rank=rank, error=str(e)[:300]))
             continue
-        if ins.pipeline is None and c.stage_plan.schedule == "gpipe_spmd":
+        if ins.pipeline is None and c.stage_plan.schedule in SPMD_PIPELINES:
             # No tick switch: the whole-program simulation is the step.
             out.append(VerifiedStage(
                 candidate=c, rank=rank, simulated_step_s=ins.sim.step_s,

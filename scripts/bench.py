@@ -37,7 +37,8 @@ def parse_args(argv=None):
     g.add_argument("--rules", default="tp", help="rule set for --schedules and --variant")
     g.add_argument("--pipeline", metavar="A,B,...",
                    help="one variant per pipeline schedule (gpipe, 1f1b, interleaved, merak, "
-                        "gpipe_spmd) on --mesh, which needs a stage axis, and per tensor-parallel "
+                        "gpipe_spmd, 1f1b_spmd) on --mesh, which needs a stage axis, and per "
+                        "tensor-parallel "
                         "schedule inside its stages: megatron, or each --schedules names")
     g.add_argument("--microbatches", type=int, default=1,
                    help="micro-batches per step, for every variant (pipelined ones run them "

@@ -22,6 +22,7 @@ from oases_jax.analysis.targets import Target
 from oases_jax.analysis.xla_compile import compile_with_estimate
 from oases_jax.analysis.xla_estimate import XlaEstimate
 from oases_jax.mesh import make_mesh
+from oases_jax.pipeline import SPMD_PIPELINES
 from training.program import CompileSpec, lower
 
 MEMORY_REPORT_TOP = 50  # allocations a report's JSON keeps
@@ -158,8 +159,8 @@ def inspect_program(spec: CompileSpec, target: Target, *,
 def _pipeline(spec: CompileSpec, mesh, program: Program, target: Target,
               peak_bytes: int) -> dict | None:
     """A pipelined train step's tick loop timed by `analysis.pipeline_time` (None otherwise)."""
-    if not spec.parallel.pipeline or spec.layer or spec.parallel.pipeline == "gpipe_spmd":
-        return None  # gpipe_spmd has no tick switch: the whole-program simulation is its step
+    if not spec.parallel.pipeline or spec.layer or spec.parallel.pipeline in SPMD_PIPELINES:
+        return None  # no tick switch (gpipe_spmd, 1f1b_spmd): the whole program is the step
     from training.pipeline_step import spec_for, step_plan
 
     plan = step_plan(spec.model, spec_for(spec.model, spec.parallel, spec.microbatches, mesh))

@@ -173,7 +173,7 @@ def schedules_table(reports: list[dict]) -> str:
     for r in reports:
         x = (r.get("xla_estimate") or {}).get("step_s")
         xla = f"{x * ms:11.1f} {x / x0:6.2f}" if x and x0 else f"{'-':>11} {'-':>6}"
-        if r["pipeline"] is None:  # gpipe_spmd: no tick switch, the whole program is the step
+        if r["pipeline"] is None:  # gpipe_spmd, 1f1b_spmd: no tick switch, the whole program
             step = r["simulated_step_s"]
             lines.append(
                 f"{r['pipeline_schedule']:<12} {'-':>5} {step * ms:11.1f} "
@@ -192,10 +192,10 @@ def schedules_table(reports: list[dict]) -> str:
     lines.append("our step: outside the tick loop + every tick (its slowest stage's branch + the "
                  "permutes); event: the event simulator with the same branch costs (stages run "
                  "ahead) + outside; bubble, exposed comm and recompute: shares of our step "
-                 "(gpipe_spmd, no tick switch: the whole program's simulated step)")
+                 "(gpipe_spmd, 1f1b_spmd, no tick switch: the whole program's simulated step)")
     return "\n".join(lines)
 
 
 def _step(report: dict) -> float:
-    """A pipelined report's step: tick by tick, or (gpipe_spmd) the whole program's."""
+    """A pipelined report's step: tick by tick, or (the SPMD pipelines) the whole program's."""
     return report["pipeline"]["step_s"] if report["pipeline"] else report["simulated_step_s"]

@@ -12,7 +12,7 @@ from oases_jax.layer_plan import LayerSpec
 from oases_jax.mesh import parse_mesh
 from oases_jax.moe import MoESetup
 from oases_jax.moe import schedules as moe_schedules
-from oases_jax.pipeline import STAGE_SCHEDULES
+from oases_jax.pipeline import SPMD_PIPELINES, STAGE_SCHEDULES
 from oases_jax.primepar import square_size
 from oases_jax.rules import RULE_SETS
 from oases_jax.schema import MAX_GLOBAL_BATCH, MAX_SEQ_LEN, MAX_TOKENS_PER_STEP
@@ -171,8 +171,8 @@ def _check_pipeline(par: ParallelConfig) -> None:
     if par.pipeline is None:
         if stages != 1:
             raise UserError(f"--mesh {par.mesh} has a stage axis but no --pipeline schedule: pass "
-                            f"--pipeline 1f1b (or gpipe, interleaved, merak, gpipe_spmd), or "
-                            f"drop stage=")
+                            f"--pipeline 1f1b (or gpipe, interleaved, merak, gpipe_spmd, "
+                            f"1f1b_spmd), or drop stage=")
         for flag, value in (("--stage-layers", par.stage_layers),
                             ("--remat-ratios", par.remat_ratios),
                             ("--virtual-stages", par.virtual_stages or None),
@@ -190,7 +190,7 @@ def _check_pipeline(par: ParallelConfig) -> None:
         raise UserError(f"--pipeline {par.pipeline} needs a stage axis in --mesh (e.g. "
                         f"--mesh data=2,stage=2,tensor=2, or stage=1 for a one-stage "
                         f"pipeline), got --mesh {par.mesh}")
-    spmd = par.pipeline == "gpipe_spmd"  # no per-stage control flow: any collective inside
+    spmd = par.pipeline in SPMD_PIPELINES  # no per-stage control flow: any collective inside
     if par.rules in ("fsdp_tp", "primepar") or par.schedule == "primepar":
         what = f"--rules {par.rules}" if par.rules in ("fsdp_tp", "primepar") \
             else "--schedule primepar"
@@ -199,15 +199,16 @@ def _check_pipeline(par: ParallelConfig) -> None:
     if par.schedule not in STAGE_SCHEDULES and not spmd:
         raise UserError(f"--pipeline {par.pipeline} cannot run --schedule {par.schedule} inside "
                         f"its stages (its collective-permutes inside the tick's switch would "
-                        f"wait for stages running other branches): use --pipeline gpipe_spmd, "
+                        f"wait for stages running other branches): use --pipeline gpipe_spmd "
+                        f"or 1f1b_spmd, "
                         f"or --schedule {', '.join(STAGE_SCHEDULES)}")
     if spmd:
         for flag, value in (("--stage-layers", par.stage_layers),
                             ("--remat-ratios", par.remat_ratios),
                             ("--backward-ticks", par.backward_ticks or None)):
             if value is not None:
-                raise UserError(f"--pipeline gpipe_spmd runs one program on every stage: equal "
-                                f"stages under --remat, one backward; drop {flag} {value}")
+                raise UserError(f"--pipeline {par.pipeline} runs one program on every stage: "
+                                f"equal stages under --remat, one backward; drop {flag} {value}")
     if par.layers is not None:
         raise UserError("--pipeline runs every layer under one --schedule; a plan's per-layer "
                         "strategies are not pipelined yet: drop --plan or --pipeline")

@@ -44,7 +44,8 @@ from oases_jax.rules import constrain
 from oases_jax.stacks import Parallel, run_stack
 from training.pipeline_layout import STAGE, PipelineSpec, _graphdefs, over_stages
 
-__all__ = ["NAME", "spmd_pipeline_grads", "vocab_part", "vocab_shards"]
+__all__ = ["NAME", "NAME_1F1B", "spmd_1f1b_grads", "spmd_pipeline_grads", "vocab_part",
+           "vocab_shards"]
 
 NAME = "gpipe_spmd"
 
@@ -170,5 +171,161 @@ def spmd_pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel
         (_, reported), grads = jax.value_and_grad(loss_sum, has_aux=True)(
             local, tokens_M2BL, jax.lax.axis_index(STAGE))
         return reported, grads
+
+    return over_stages(parallel, params, batch_MBL, groups, stage_grads)
+
+
+NAME_1F1B = "1f1b_spmd"
+
+
+def spmd_1f1b_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,
+                    params, batch_MBL, groups: int, *, poison: bool = False):
+    """(mean loss, mean gradients) of M micro-batches under 1F1B with no per-stage control
+    flow (`--pipeline 1f1b_spmd`). In tick t every stage s runs the forward of micro-batch
+    t-s and the backward of micro-batch t-(2S-2-s), each masked to zeros outside 0..M-1, so
+    the last stage runs a micro-batch's forward, loss and backward in the same tick and every
+    gradient reaches the stage before it one tick later. Ticks 0..S-2 hold forwards only and
+    the last S-1 backwards only: three loops, each one program on every device, so any
+    collective may sit inside a stage. A stage keeps the inputs of at most 2(S-1-s)+1
+    micro-batches (a ring of min(M, 2S-1) slots) and recomputes its forward inside each
+    backward (`jax.vjp`, under the model's `--remat`); its weight gradients accumulate in
+    float32 in one buffer. Step time (S-1) F + M (F + head + F + B) + (S-1) (F + B): 1F1B's
+    bubble with the whole stage recomputed. `poison` starts the received activation and
+    gradient and the input slots as NaN: a correct step never reads them."""
+    S, M = pipe.stages, pipe.microbatches
+    gd_blocks, gd_norm, _ = _graphdefs(cfg)
+    fns = block_fns(gd_blocks)
+    dt = jnp.dtype(cfg.dtype)
+    head_key = "embed" if cfg.tied else "head"
+    shards = vocab_shards(cfg, parallel, {STAGE} | ({"data"} if groups > 1 else set()))
+    split = S > 1 and cfg.padded_vocab % (S * shards) == 0
+    K = min(M, 2 * S - 1)  # input slots: micro-batch m's F to its B spans 2(S-1-s)+1 ticks
+    f32 = jnp.float32
+
+    def send(x, up: bool):
+        if S == 1:
+            return x
+        pairs = [(i, i + 1) for i in range(S - 1)] if up else [(i + 1, i) for i in range(S - 1)]
+        return jax.lax.ppermute(x, STAGE, pairs)
+
+    def stage_grads(local, tokens_M2BL):
+        s = jax.lax.axis_index(STAGE)
+        last = s == S - 1
+        blocks = jax.tree.map(lambda a: a[0], local["blocks"])  # this device's one chunk
+        wc = compute_weights(blocks, dt)  # cast once; its gradient accumulates in float32
+
+        def stage_fn(w, x):
+            return run_stack(fns, w, x, scan=cfg.scan_layers, remat_default=cfg.remat)
+
+        emb_keys = [k for k in ("embed", "pos") if k in local]
+
+        def embed(ep):
+            stand_in = types.SimpleNamespace(cfg=cfg, **ep)
+            ids = tokens_M2BL[:, :, 0]
+            x = Transformer.embed_tokens(stand_in, ids.reshape(-1, ids.shape[-1]))
+            return x.reshape(*ids.shape, -1)
+
+        inputs, embed_vjp = jax.vjp(embed, {k: local[k] for k in emb_keys})
+        hp = {"norm_f": local["norm_f"], "table": compute_weights(local[head_key], dt, lead=0)}
+
+        def head_loss(hp, h_BLD, labels_BL):
+            h_BLD = nnx.merge(gd_norm, hp["norm_f"])(h_BLD)
+            if split:
+                part, ids = vocab_part(hp["table"][...], cfg.tied, s, S, shards)
+                eq = "bld,vd->blv" if cfg.tied else "bld,dv->blv"
+                logits = constrain(jnp.einsum(eq, h_BLD, part.astype(h_BLD.dtype)),
+                                   ("batch", None, "vocab"))
+                return split_cross_entropy(logits, labels_BL, ids, cfg.vocab_size, STAGE)
+            head_in = types.SimpleNamespace(cfg=cfg, **{head_key: hp["table"]})
+            return cross_entropy(Transformer.logits(head_in, h_BLD, None), labels_BL,
+                                 cfg.vocab_size)
+
+        def valid(m):
+            return (m >= 0) & (m < M)
+
+        def forward(carry, t):
+            m = t - s
+            x = jnp.where(s == 0, inputs[jnp.clip(m, 0, M - 1)], carry["recv_f"])
+            x = jnp.where(valid(m), x, jnp.zeros_like(x))
+            slot = jnp.mod(m, K)
+            carry["slots"] = carry["slots"].at[slot].set(
+                jnp.where(valid(m), x, carry["slots"][slot]))
+            return carry, stage_fn(wc, x)
+
+        def head(carry, t, y):
+            """The loss of micro-batch t-(S-1), which the last stage finished this tick, and
+            the gradient of its output: every stage's share of the vocabulary (split) or the
+            last stage's head alone."""
+            m = t - (S - 1)
+            h = jnp.where(last, y, jnp.zeros_like(y))
+            if split:
+                h = jax.lax.psum(h, STAGE)
+            labels = tokens_M2BL[jnp.clip(m, 0, M - 1), :, 1]
+            loss, head_vjp = jax.vjp(lambda p, h: head_loss(p, h, labels), hp, h)
+            seed = jnp.where(valid(m) & (last | split), 1.0, 0.0).astype(loss.dtype)
+            d_hp, d_h = head_vjp(seed)
+            if split:
+                d_h = jax.lax.psum(d_h, STAGE)
+            carry["acc_head"] = jax.tree.map(lambda a, d: a + d.astype(f32), carry["acc_head"],
+                                             d_hp)
+            carry["loss"] = carry["loss"] + jnp.where(valid(m) & last, loss, 0.0)
+            return carry, d_h
+
+        def backward(carry, t, d_h):
+            m = t - (2 * S - 2 - s)
+            x = carry["slots"][jnp.mod(m, K)]
+            x = jnp.where(valid(m), x, jnp.zeros_like(x))
+            g = carry["recv_b"] if d_h is None else jnp.where(last, d_h, carry["recv_b"])
+            g = jnp.where(valid(m), g, jnp.zeros_like(g))
+            _, stage_vjp = jax.vjp(stage_fn, wc, x)
+            d_w, d_x = stage_vjp(g.astype(x.dtype))
+            carry["acc_w"] = jax.tree.map(lambda a, d: a + d.astype(f32), carry["acc_w"], d_w)
+            keep = valid(m) & (s == 0)
+            mm = jnp.clip(m, 0, M - 1)
+            carry["d_inputs"] = carry["d_inputs"].at[mm].set(
+                jnp.where(keep, d_x, carry["d_inputs"][mm]))
+            carry["recv_b"] = send(d_x, up=False)
+            return carry
+
+        def warm(carry, t):
+            carry, y = forward(carry, t)
+            carry["recv_f"] = send(y, up=True)
+            return carry, None
+
+        def steady(carry, t):
+            carry, y = forward(carry, t)
+            carry, d_h = head(carry, t, y)
+            carry = backward(carry, t, d_h)
+            carry["recv_f"] = send(y, up=True)
+            return carry, None
+
+        def cool(carry, t):
+            return backward(carry, t, None), None
+
+        x0 = inputs[0]
+        fill = jnp.nan if poison else 0.0
+        carry = {
+            "recv_f": jnp.full_like(x0, fill), "recv_b": jnp.full_like(x0, fill),
+            "slots": jnp.full((K, *x0.shape), fill, x0.dtype),
+            "acc_w": jax.tree.map(lambda a: jnp.zeros(a.shape, f32), wc),
+            "acc_head": jax.tree.map(lambda a: jnp.zeros(a.shape, f32), hp),
+            "d_inputs": jnp.zeros_like(inputs), "loss": jnp.zeros((), f32),
+        }
+        for body, start, stop in ((warm, 0, S - 1), (steady, S - 1, M + S - 1),
+                                  (cool, M + S - 1, M + 2 * S - 2)):
+            if stop > start:
+                carry, _ = jax.lax.scan(body, carry, jnp.arange(start, stop))
+        # Stage 0's input gradients are the embedding's; elsewhere they are zeros.
+        (d_emb,) = embed_vjp(carry["d_inputs"])
+        grads = {k: jax.tree.map(jnp.zeros_like, v) for k, v in local.items()}
+        grads["blocks"] = jax.tree.map(lambda a, p: a.astype(p.dtype)[None], carry["acc_w"],
+                                       blocks)
+        grads.update(d_emb)
+        grads["norm_f"] = jax.tree.map(lambda a, p: a.astype(p.dtype),
+                                       carry["acc_head"]["norm_f"], local["norm_f"])
+        table = jax.tree.map(lambda a, p: a.astype(p.dtype), carry["acc_head"]["table"],
+                             local[head_key])
+        grads[head_key] = jax.tree.map(jnp.add, grads[head_key], table)
+        return jnp.where(last, carry["loss"], 0.0), grads
 
     return over_stages(parallel, params, batch_MBL, groups, stage_grads)

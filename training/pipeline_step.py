@@ -29,7 +29,7 @@ from models.layers import block_fns, compute_weights
 from models.sharding import abstract_model
 from models.transformer import Transformer, cross_entropy
 from oases_jax.errors import UserError
-from oases_jax.pipeline import executor, schedules
+from oases_jax.pipeline import SPMD_PIPELINES, executor, schedules
 from oases_jax.pipeline import remat as pipe_remat
 from oases_jax.rules import ShardingRules
 from oases_jax.stacks import Parallel, run_stack
@@ -69,10 +69,11 @@ def pipeline_spec(cfg: ModelConfig, *, schedule: str, stages: int, microbatches:
     schedules.get(schedule)(stages, microbatches, *((chunks,) if schedule == "interleaved"
                                                      else ()))  # its own M/S checks
     layers = pipe_remat.parse_stage_layers(stage_layers, cfg.n_layers, stages, chunks)
-    if schedule == "gpipe_spmd" and len(set(layers)) > 1:
-        raise UserError(f"--pipeline gpipe_spmd runs one program on every stage: the model's "
+    if schedule in SPMD_PIPELINES and len(set(layers)) > 1:
+        raise UserError(f"--pipeline {schedule} runs one program on every stage: the model's "
                         f"{cfg.n_layers} layers do not split into {stages} equal stages; use a "
-                        f"stage count dividing them, or --pipeline gpipe")
+                        f"stage count dividing them, or --pipeline "
+                        f"{schedule.removesuffix('_spmd')}")
     ratios = None
     if remat_ratios:
         ratios = pipe_remat.parse_ratios(remat_ratios, stages, shifted=schedule == "merak")
@@ -306,9 +307,9 @@ def build_pipeline_step_fns(cfg: ModelConfig, tx: optax.GradientTransformation,
     groups = accumulation_groups(rules, mesh)
     batch_sh = NamedSharding(mesh, P(None, "data") if groups > 1 else P())
 
-    grads_fn = pipeline_grads
-    if pipe.schedule == pipeline_spmd.NAME:
-        grads_fn = pipeline_spmd.spmd_pipeline_grads
+    grads_fn = {pipeline_spmd.NAME: pipeline_spmd.spmd_pipeline_grads,
+                pipeline_spmd.NAME_1F1B: pipeline_spmd.spmd_1f1b_grads}.get(pipe.schedule,
+                                                                           pipeline_grads)
 
     def train_step(state, batch_MBL):
         loss, grads = grads_fn(cfg, pipe, parallel, state["params"], batch_MBL, groups)

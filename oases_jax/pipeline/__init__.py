@@ -10,3 +10,7 @@ recomputation ratios (`remat`)."""
 # oases_cm) and PrimePar's rotations are refused; megatron_sp runs since its token shift and
 # position rows are taken outside the loop (`training.pipeline_layout.shifted`).
 STAGE_SCHEDULES = ("megatron", "megatron_sp", "oases")
+# The pipelines with no per-stage control flow (`training.pipeline_spmd`): every device runs the
+# same program every tick, so any tensor-parallel schedule runs inside their stages, the rings
+# included; one program means equal stages under the model's --remat.
+SPMD_PIPELINES = ("gpipe_spmd", "1f1b_spmd")

@@ -93,6 +93,28 @@ def gpipe_spmd(stages: int, microbatches: int, *, recompute: bool | Sequence[boo
     return dataclasses.replace(table, name="gpipe_spmd")
 
 
+def one_f_one_b_spmd(stages: int, microbatches: int, *,
+                     recompute: bool | Sequence[bool] = True) -> Schedule:
+    """1F1B run by `training.pipeline_spmd.spmd_1f1b_grads` with no per-stage control flow: in
+    lockstep tick t stage s runs F of micro-batch t-s, then B of micro-batch t-(2S-2-s), so
+    the last stage alternates F and B from its first tick and stage s runs 2(S-1-s)+1
+    forwards before its first backward (about twice 1F1B's warm-up: its B waits for the
+    gradient's walk back down), at most 2(S-1-s)+1 micro-batches in flight. Every B recomputes its stage's forward first (R): the
+    executor keeps only the stage's inputs. Any M >= 1."""
+    _check("1f1b_spmd", stages, microbatches, False)
+    flags = _flags(recompute, stages)
+    orders = []
+    for s in range(stages):
+        order = []
+        for t in range(microbatches + 2 * stages - 2):
+            if 0 <= t - s < microbatches:
+                order.append(("F", t - s, 0))
+            if 0 <= t - (2 * stages - 2 - s) < microbatches:
+                order.append(("B", t - (2 * stages - 2 - s), 0))
+        orders.append(_expand(order, flags[s]))
+    return _schedule("1f1b_spmd", stages, microbatches, 1, orders)
+
+
 def one_f_one_b(stages: int, microbatches: int, *, recompute: bool | Sequence[bool] = False
                 ) -> Schedule:
     """1F1B (PipeDream-flush, Megatron's default): GPipe's bubble (S-1)/(M+S-1) with at most
@@ -203,6 +225,7 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "gpipe": gpipe,
     "gpipe_spmd": gpipe_spmd,
     "1f1b": one_f_one_b,
+    "1f1b_spmd": one_f_one_b_spmd,
     "interleaved": interleaved,
     "merak": merak,
     "zb_h1": zb_h1,

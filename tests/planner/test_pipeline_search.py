@@ -283,3 +283,41 @@ def test_gpipe_spmd_is_offered_where_a_ring_wins():
     # Megatron-only searches and layouts where the tick executor's strategy wins never get it.
     assert not search_3d(CFG, hw("h100-64"), global_batch=128, seq_len=1024,
                          pipelines=("gpipe_spmd",), baseline=False)
+
+
+def test_1f1b_spmd_priced_by_hand_and_planned():
+    """1f1b_spmd (rings inside 1F1B's stages, no per-stage control flow) is offered where
+    gpipe_spmd is; its step by hand: S-1 forward ticks, M ticks of a forward and a backward
+    that recomputes the stage, S-1 backward ticks, a permute each way per tick that moves
+    something, then M heads (each 1/S of the vocabulary, two all-reduces of one micro-batch's
+    output); its memory holds one micro-batch's residuals, below gpipe_spmd's M+S-1. Its plan
+    runs --pipeline 1f1b_spmd."""
+    cfg = get_preset("oases-h4096-l16")
+    h = hw("3090-pcie-32")
+    cands = search_3d(cfg, h, global_batch=32, seq_len=1024, pipelines=("1f1b_spmd",),
+                      baseline=False)
+    assert cands
+    for c in cands:
+        sp, lay = c.stage_plan, c.layout
+        S, M, n = len(sp.layers), sp.microbatches, sp.layers[0]
+        assert sp.schedule == "1f1b_spmd" and c.strategy.schedule == "collective_matmul"
+        x = stage_inputs(cfg, lay, h, c.strategy, pools=False)
+        k = sp.remat[0]
+        f = n * x.f[0]
+        b = f + n * x.b[0] + k * x.r[0]
+        p = c.p2p_s
+        outs = lay.rows * 1024 * cfg.d_model * 4 / lay.tensor
+        span = lay.replicas * lay.tensor
+        head = M * (head_cost(cfg, lay, h)[0] / S
+                    + 2 * h.comm_s("all-reduce", outs, [s * span for s in range(S)]))
+        want = (S - 1) * (f + p) + M * (f + b + 2 * p) + (S - 1) * (b + p) + head
+        assert sp.makespan == pytest.approx(want)
+        assert sp.finish == pytest.approx([want] * S)
+        gp = fixed(stage_inputs(cfg, lay, h, c.strategy), schedule="gpipe_spmd",
+                   counts=sp.layers, remat=sp.remat, microbatches=M)
+        assert max(sp.memory) < max(gp.memory)
+    d = plans.pipeline_plan_json(cands[0], model="oases-h4096-l16", cfg=cfg,
+                                 cluster="3090-pcie-32", cost_source="model", search_s=0.0)
+    par = plans.from_json(d).parallel()
+    assert (par.pipeline, par.schedule, par.stage_layers) == (
+        "1f1b_spmd", "collective_matmul", None)

@@ -83,6 +83,27 @@ def test_one_f_one_b_memory_is_flat_in_m_gpipe_grows():
     assert temp[("gpipe", 16)] > 1.5 * temp[("gpipe", 8)], temp
 
 
+@pytest.mark.slow
+def test_spmd_one_f_one_b_memory_flat_but_for_the_embeddings():
+    """1f1b_spmd keeps min(M, 2S-1) stage inputs and one micro-batch's residuals: from M=8 to
+    16 its temporary memory grows by at most its two [M, B, L, D] float32 buffers (the
+    micro-batches' embeddings and their gradients, 2 x 8 x 4 x 64 x 128 x 4 bytes more), where
+    gpipe_spmd's grows with every micro-batch's residuals; it also has no conditional."""
+    temp = {(s, m): _compile(s, m).memory_analysis().temp_size_in_bytes
+            for s in ("1f1b_spmd", "gpipe_spmd") for m in (8, 16)}
+    embeddings = 2 * 8 * 4 * 64 * CFG.d_model * 4
+    assert temp[("1f1b_spmd", 16)] <= 1.05 * temp[("1f1b_spmd", 8)] + embeddings, temp
+    assert temp[("gpipe_spmd", 16)] > 1.5 * temp[("gpipe_spmd", 8)], temp
+    assert temp[("1f1b_spmd", 16)] < temp[("gpipe_spmd", 8)] / 2, temp
+    module = hlo.parse_module(_compile("1f1b_spmd", 8).as_text())
+    every = list(_walk(module, module.computations[module.entry]))
+    assert not [i for i in every if i.opcode == "conditional"]
+    for ins in every:
+        if ins.opcode.startswith("collective-permute") and not ins.opcode.endswith("-done"):
+            for src, dst in hlo.source_target_pairs(ins):
+                assert src // 4 == dst // 4 and abs(src % 4 - dst % 4) == 1, (src, dst)
+
+
 def _inside_the_switch(mesh: str, rules: str, schedule: str, m: int) -> list:
     """Every instruction inside the branches of the tick's conditional of the compiled 1F1B
     step (and what they call)."""

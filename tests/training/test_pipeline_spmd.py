@@ -20,10 +20,11 @@ from training import pipeline_step as ps
 from training.state import accumulation_groups
 
 
-def _spmd(cfg, params, tokens, mesh_text, *, tp="megatron", rules="tp", poison=False):
+def _spmd(cfg, params, tokens, mesh_text, *, tp="megatron", rules="tp", poison=False,
+          pipeline="gpipe_spmd"):
     mesh = make_mesh(mesh_text, jax.devices())
     rules = get_rules(rules)
-    pipe = ps.pipeline_spec(cfg, schedule="gpipe_spmd", stages=mesh.shape["stage"],
+    pipe = ps.pipeline_spec(cfg, schedule=pipeline, stages=mesh.shape["stage"],
                             microbatches=tokens.shape[0])
     parallel = Parallel(mesh, rules, LayerSpec(schedule=tp))
     groups = accumulation_groups(rules, mesh)
@@ -32,8 +33,9 @@ def _spmd(cfg, params, tokens, mesh_text, *, tp="megatron", rules="tp", poison=F
 
     def step(p, t):
         with use_parallel(parallel):
-            return pipeline_spmd.spmd_pipeline_grads(cfg, pipe, parallel, p, t, groups,
-                                                     poison=poison)
+            fn = (pipeline_spmd.spmd_1f1b_grads if pipeline == "1f1b_spmd"
+                  else pipeline_spmd.spmd_pipeline_grads)
+            return fn(cfg, pipe, parallel, p, t, groups, poison=poison)
 
     with jax.set_mesh(mesh):
         loss, grads = jax.jit(step)(staged, tokens)
@@ -62,6 +64,32 @@ def test_equals_one_device(model, mesh, tp, rules, m, poison):
     tokens = _tokens(cfg, m)
     _assert_equal(_reference(cfg, graphdef, params, tokens),
                   _spmd(cfg, params, tokens, mesh, tp=tp, rules=rules, poison=poison))
+
+
+FAST_1F1B = [  # (mesh, tensor-parallel schedule, rules, M, NaN-filled buffers)
+    ("stage=2,tensor=4", "collective_matmul", "tp", 2, True),
+    ("stage=4,tensor=2", "megatron", "tp", 5, True),
+]
+SLOW_1F1B = [
+    ("stage=8", "megatron", "tp", 8, True),
+    ("stage=4,tensor=2", "megatron", "tp", 3, True),  # M < S: no steady 1F1B on stage 0
+    ("data=2,stage=4", "megatron", "fsdp", 11, False),
+    ("data=2,stage=2,tensor=2", "oases_cm", "tp", 7, False),
+    ("data=2,stage=2,tensor=2", "megatron_sp", "tp_sp", 2, False),
+]
+
+
+@pytest.mark.parametrize(("mesh", "tp", "rules", "m", "poison"),
+                         FAST_1F1B + [pytest.param(*c, marks=pytest.mark.slow)
+                                      for c in SLOW_1F1B])
+def test_1f1b_equals_one_device(model, mesh, tp, rules, m, poison):
+    """1F1B with no per-stage control flow (the rings inside its stages): loss and every
+    gradient equal one device, NaN-filled receive buffers and input slots included."""
+    cfg, graphdef, params = model
+    tokens = _tokens(cfg, m)
+    _assert_equal(_reference(cfg, graphdef, params, tokens),
+                  _spmd(cfg, params, tokens, mesh, tp=tp, rules=rules, poison=poison,
+                        pipeline="1f1b_spmd"))
 
 
 def _variant(cfg, **changes):

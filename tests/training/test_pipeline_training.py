@@ -40,11 +40,11 @@ def test_twenty_steps_agree(reference):
 
 
 @pytest.mark.slow
-def test_gpipe_spmd_with_rings_trains_alike(reference):
-    """Twenty steps of gpipe_spmd with collective_matmul's rings inside the stages (its own
-    sequence-parallel rules) agree with the non-pipelined run."""
-    got = train(_config("stage=2,tensor=4", "gpipe_spmd", schedule="collective_matmul")
-                ).losses
+@pytest.mark.parametrize("pipeline", ["gpipe_spmd", "1f1b_spmd"])
+def test_spmd_pipelines_with_rings_train_alike(reference, pipeline):
+    """Twenty steps of gpipe_spmd and 1f1b_spmd with collective_matmul's rings inside the
+    stages (its own sequence-parallel rules) agree with the non-pipelined run."""
+    got = train(_config("stage=2,tensor=4", pipeline, schedule="collective_matmul")).losses
     np.testing.assert_allclose([got[s] for s in reference], list(reference.values()), rtol=1e-4)
 
 
@@ -93,6 +93,12 @@ def test_resume_is_exact_and_moves_between_stage_counts(reference, tmp_path):
      "one program on every stage.*--stage-layers"),
     (dict(mesh="stage=4,tensor=2", pipeline="gpipe_spmd", model_layers=5),
      "gpipe_spmd.*5 layers do not split into 4 equal stages"),
+    (dict(mesh="stage=4,tensor=2", pipeline="1f1b_spmd", model_layers=6),
+     "1f1b_spmd.*6 layers do not split into 4 equal stages.*--pipeline 1f1b$"),
+    (dict(mesh="stage=2,tensor=4", pipeline="1f1b_spmd", backward_ticks=2),
+     "1f1b_spmd runs one program on every stage.*--backward-ticks"),
+    (dict(mesh="data=2,stage=2,tensor=2", pipeline="1f1b_spmd", rules="fsdp_tp"),
+     "--rules fsdp_tp"),
 ])
 def test_bad_input_is_one_line(overrides, words):
     overrides = dict(overrides)

@@ -19,7 +19,7 @@ def order(schedule, stage):
 @pytest.mark.parametrize("S,M", GRID)
 @pytest.mark.parametrize("name,options", [
     ("gpipe", {}), ("gpipe", {"recompute": True}), ("1f1b", {}), ("1f1b", {"recompute": True}),
-    ("merak", {}), ("zb_h1", {}), ("interleaved", {"v": 2}),
+    ("merak", {}), ("zb_h1", {}), ("interleaved", {"v": 2}), ("1f1b_spmd", {}),
     ("interleaved", {"v": 2, "recompute": True}),
 ])
 def test_every_schedule_validates_over_the_grid(name, options, S, M):
@@ -49,6 +49,20 @@ def test_1f1b_table_reads_as_written():
         "stage 0 F0 F1  . B0 F2 B1  . B2",
         "stage 1  . F0 B0 F1 B1 F2 B2  .",
     ])
+
+
+def test_1f1b_spmd_table_and_in_flight():
+    """1f1b_spmd by hand, S=2, M=3: in lockstep tick t stage s runs F(t-s) and B(t-(2S-2-s)),
+    each tick's F before its B, so stage 1 turns each forward around in its own tick and stage
+    0 runs three forwards before its first backward; every B recomputes its stage first. Stage s holds at most
+    2(S-1-s)+1 micro-batches (the executor's slots), one live set of activations."""
+    sch = schedules.one_f_one_b_spmd(2, 3)
+    assert order(sch, 0) == "F0 F1 F2 R0 B0 R1 B1 R2 B2"
+    assert order(sch, 1) == "F0 R0 B0 F1 R1 B1 F2 R2 B2"
+    for S, M in [(2, 3), (4, 8), (4, 3), (8, 16)]:
+        r = validate(schedules.one_f_one_b_spmd(S, M))
+        assert r.peak_inflight == tuple(min(2 * (S - 1 - s) + 1, M) for s in range(S))
+        assert r.peak_live == (1,) * S
 
 
 def test_interleaved_labels_carry_the_chunk():
@@ -117,7 +131,7 @@ def test_interleaved_in_flight_is_megatrons_warm_up(S, M, v):
     assert validate(schedules.interleaved(S, M, v)).peak_inflight == want
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "merak", "zb_h1"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "merak", "zb_h1", "1f1b_spmd"])
 def test_non_circular_schedules_have_no_wrap_around_edge(name):
     table = schedules.get(name)(4, 8).ticks()
     assert not table.wraps()
@@ -167,7 +181,7 @@ def one_line_error(fn, *args, **kwargs):
 
 def test_bad_input_is_one_line_naming_value_and_fix():
     assert "'pipedream'" in one_line_error(schedules.get, "pipedream")
-    names = "gpipe, gpipe_spmd, 1f1b, interleaved, merak, zb_h1"
+    names = "gpipe, gpipe_spmd, 1f1b, 1f1b_spmd, interleaved, merak, zb_h1"
     assert names in one_line_error(schedules.get, "x")
     for name in ("merak", "zb_h1", "interleaved"):
         msg = one_line_error(schedules.get(name), 4, 3)
