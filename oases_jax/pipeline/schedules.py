@@ -99,8 +99,9 @@ def one_f_one_b_spmd(stages: int, microbatches: int, *,
     lockstep tick t stage s runs F of micro-batch t-s, then B of micro-batch t-(2S-2-s), so
     the last stage alternates F and B from its first tick and stage s runs 2(S-1-s)+1
     forwards before its first backward (about twice 1F1B's warm-up: its B waits for the
-    gradient's walk back down), at most 2(S-1-s)+1 micro-batches in flight. Every B recomputes its stage's forward first (R): the
-    executor keeps only the stage's inputs. Any M >= 1."""
+    gradient's walk back down), at most 2(S-1-s)+1 micro-batches in flight. Every B
+    recomputes its stage's forward first (R): the executor keeps only the stage's inputs.
+    Any M >= 1."""
     _check("1f1b_spmd", stages, microbatches, False)
     flags = _flags(recompute, stages)
     orders = []

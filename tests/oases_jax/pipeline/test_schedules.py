@@ -54,8 +54,9 @@ def test_1f1b_table_reads_as_written():
 def test_1f1b_spmd_table_and_in_flight():
     """1f1b_spmd by hand, S=2, M=3: in lockstep tick t stage s runs F(t-s) and B(t-(2S-2-s)),
     each tick's F before its B, so stage 1 turns each forward around in its own tick and stage
-    0 runs three forwards before its first backward; every B recomputes its stage first. Stage s holds at most
-    2(S-1-s)+1 micro-batches (the executor's slots), one live set of activations."""
+    0 runs three forwards before its first backward; every B recomputes its stage first.
+    Stage s holds at most 2(S-1-s)+1 micro-batches (the executor's slots), one live set of
+    activations."""
     sch = schedules.one_f_one_b_spmd(2, 3)
     assert order(sch, 0) == "F0 F1 F2 R0 B0 R1 B1 R2 B2"
     assert order(sch, 1) == "F0 R0 B0 F1 R1 B1 F2 R2 B2"
