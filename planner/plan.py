@@ -154,10 +154,12 @@ class Plan:
                                   schedule=self.layers[0].schedule,
                                   sub_batches=self.layers[0].sub_batches,
                                   pipeline=pipe["schedule"])
-        if pipe:  # the runtime pipelines one layer strategy; the stages carry the remat
+        if pipe:  # the stages carry the remat; per-layer strategies where the layers differ
+            mixed = len(set(self.layers)) > 1
             return ParallelConfig(
                 mesh=self.mesh, rules=self.rules, schedule=self.layers[0].schedule,
                 sub_batches=self.layers[0].sub_batches, pipeline=pipe["schedule"],
+                layers=tuple(self.layers) if mixed else None,
                 stage_layers=",".join(map(str, pipe["stage_layers"])),
                 virtual_stages=pipe.get("virtual_stages", 1) if pipe["schedule"] ==
                 "interleaved" else 0, remat_ratios=",".join(pipe["remat_ratios"]),

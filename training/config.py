@@ -210,8 +210,15 @@ def _check_pipeline(par: ParallelConfig) -> None:
                 raise UserError(f"--pipeline {par.pipeline} runs one program on every stage: "
                                 f"equal stages under --remat, one backward; drop {flag} {value}")
     if par.layers is not None:
-        raise UserError("--pipeline runs every layer under one --schedule; a plan's per-layer "
-                        "strategies are not pipelined yet: drop --plan or --pipeline")
+        if spmd:
+            raise UserError(f"--pipeline {par.pipeline} runs one program on every stage, so one "
+                            f"--schedule for every layer; run a per-layer plan under --pipeline "
+                            f"gpipe, 1f1b, interleaved or merak, or drop --plan")
+        bad = sorted({spec.schedule for spec in par.layers} - set(STAGE_SCHEDULES))
+        if bad:
+            raise UserError(f"--pipeline {par.pipeline} cannot run the plan's {', '.join(bad)} "
+                            f"layers inside its stages; plan with --schedules "
+                            f"{','.join(STAGE_SCHEDULES)}, or drop --pipeline")
     if par.virtual_stages < 0 or (par.virtual_stages and par.pipeline != "interleaved"
                                   and par.virtual_stages != 1):
         raise UserError(f"--virtual-stages {par.virtual_stages} needs --pipeline interleaved "

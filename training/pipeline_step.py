@@ -14,6 +14,8 @@ layout conversions are in `training.pipeline_layout`.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import types
 from collections.abc import Sequence
 
@@ -32,7 +34,8 @@ from oases_jax.errors import UserError
 from oases_jax.pipeline import SPMD_PIPELINES, executor, schedules
 from oases_jax.pipeline import remat as pipe_remat
 from oases_jax.rules import ShardingRules
-from oases_jax.stacks import Parallel, run_stack
+from oases_jax.stacks import Parallel, run_stack, use_parallel
+from oases_jax.stacks import active as active_parallel
 from training import pipeline_spmd
 from training.pipeline_layout import (
     STAGE,
@@ -156,6 +159,8 @@ def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruc
     dt = jnp.dtype(cfg.dtype)
     head_key = "embed" if cfg.tied else "head"
 
+    starts = pipe.starts()
+
     def layers(j, q):
         """[lo, hi) of the stage's layers part q runs, and whether it ends with the head."""
         first, end = parts[j][q]
@@ -249,9 +254,11 @@ def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruc
                 x = Transformer.embed_tokens(stand_in, pair_B2L[:, 0])
             fns = block_fns(gd_blocks)
             # Layers below k are recomputed in the backward (stage-aware remat).
-            for key, _, _ in ranges(j, q):
-                x = run_stack(fns, pj["blocks"][key], x, scan=cfg.scan_layers,
-                              remat_default="full" if key == "remat" else cfg.remat)
+            for key, first, end in ranges(j, q):
+                remat = "full" if key == "remat" else None
+                with _layer_plan(starts[j] + first, end - first, remat):
+                    x = run_stack(fns, pj["blocks"][key], x, scan=cfg.scan_layers,
+                                  remat_default=remat or cfg.remat)
             if with_head:
                 h = nnx.merge(gd_norm, sh["norm_f"])(x)
                 head_in = types.SimpleNamespace(cfg=cfg, **{head_key: sh[HEAD_TABLE]})
@@ -262,6 +269,23 @@ def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruc
 
     return executor.StageProgram(forward=forward, params=params, add_grads=add_grads, act=act,
                                  parts=tuple(len(p) for p in parts), prepare=prepare)
+
+
+@contextlib.contextmanager
+def _layer_plan(first: int, n: int, remat: str | None):
+    """Under a per-layer plan (`Parallel.layers`), the active parallel narrowed to the model's
+    layers [first, first + n), which one range of a stage runs; `remat` ("full": the range the
+    stage-aware ratios recompute) overrides each layer's own policy. Without one, nothing
+    changes (the range runs the default strategy under `remat_default`)."""
+    parallel = active_parallel()
+    if parallel is None or parallel.layers is None:
+        yield
+        return
+    specs = parallel.layers[first:first + n]
+    if remat is not None:
+        specs = tuple(dataclasses.replace(s, remat=remat) for s in specs)
+    with use_parallel(dataclasses.replace(parallel, layers=tuple(specs))):
+        yield
 
 
 def pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,

@@ -134,6 +134,14 @@ def test_search_and_plan_section_round_trip():
     assert par.backward_ticks == sp.backward_ticks == d["pipeline"]["backward_ticks"] >= 1
     assert sp.makespan == pytest.approx(simulate(sp.schedule, sp.microbatches, sp.chunks, sp.f,
                                                  sp.b, sp.r, sp.p2p, k=sp.backward_ticks)[0])
+    assert par.layers is None  # one strategy: the runtime's default for every layer
+    # A plan whose layers differ runs each layer's own strategy inside the stages.
+    mixed = dict(d, layers=[{"schedule": "oases", "sub_batches": 2, "remat": "none"}]
+                 + d["layers"][1:])
+    got = plans.from_json(mixed).parallel()
+    assert got.layers is not None and got.layers[0] == LayerSpec(schedule="oases",
+                                                                 sub_batches=2)
+    assert got.layers[1:] == tuple(p.layers[1:]) and got.pipeline == par.pipeline
     split = dict(d, pipeline=dict(d["pipeline"], backward_ticks=3))
     assert plans.from_json(split).parallel().backward_ticks == 3
     legacy = dict(d, pipeline={k: v for k, v in d["pipeline"].items() if k != "backward_ticks"})

@@ -36,13 +36,13 @@ def _reference(cfg, graphdef, params, tokens):
 
 
 def _pipelined(cfg, params, tokens, mesh_text, schedule, *, tp="megatron", layers=None,
-               ratios=None, poison=False, backward_ticks=0, rules="tp"):
+               ratios=None, poison=False, backward_ticks=0, rules="tp", plan=None):
     mesh = make_mesh(mesh_text, jax.devices())
     rules = get_rules(rules)
     pipe = ps.pipeline_spec(cfg, schedule=schedule, stages=mesh.shape["stage"],
                             microbatches=tokens.shape[0], stage_layers=layers,
                             remat_ratios=ratios, backward_ticks=backward_ticks)
-    parallel = Parallel(mesh, rules, LayerSpec(schedule=tp))
+    parallel = Parallel(mesh, rules, LayerSpec(schedule=tp), plan)
     groups = accumulation_groups(rules, mesh)
     staged = jax.device_put(ps.to_stages(params, pipe),
                             ps.stage_shardings(ps.to_stages(params, pipe), rules, mesh))
@@ -144,6 +144,36 @@ def test_fsdp_inside_the_stages(model, schedule):
     tokens = _tokens(cfg, 4)
     _assert_equal(_reference(cfg, graphdef, params, tokens),
                   _pipelined(cfg, params, tokens, "data=2,stage=4", schedule, rules="fsdp"))
+
+
+@pytest.mark.parametrize(("schedule", "layers", "ratios"), [
+    ("1f1b", "3,5", None),
+    pytest.param("interleaved", None, None, marks=pytest.mark.slow),
+    pytest.param("merak", "5,3", "0.5", marks=pytest.mark.slow),
+])
+def test_per_layer_plan_inside_the_stages(model, schedule, layers, ratios, monkeypatch):
+    """A per-layer plan (megatron, oases with 2 sub-batches, megatron_sp-free mixes, each
+    layer its own remat) pipelined: each stage runs its own layers' strategies (a stage
+    boundary inside a run of oases layers too), the stage-aware ratios recomputing their first
+    layers whatever those layers' own policy, and the same loss and gradients."""
+    cfg, graphdef, params = model
+    plan = tuple(LayerSpec(schedule=s, sub_batches=k, remat=r) for s, k, r in [
+        ("megatron", 1, "none"), ("oases", 2, "none"), ("oases", 2, "full"),
+        ("megatron", 1, "full"), ("oases", 2, "save_proj"), ("megatron", 1, "none"),
+        ("megatron", 1, "none"), ("oases", 2, "none")])
+    assert len(plan) == cfg.n_layers
+    seen = []  # the (schedule, sub-batches, remat) of every segment the stages trace
+    segment = Parallel.segment
+    monkeypatch.setattr(Parallel, "segment", lambda self, layer: (
+        seen.append((layer.schedule, layer.sub_batches, layer.remat)), segment(self, layer))[1])
+    tokens = _tokens(cfg, 4)
+    ref = _reference(cfg, graphdef, params, tokens)
+    seen.clear()
+    _assert_equal(ref, _pipelined(cfg, params, tokens, "data=2,stage=2,tensor=2", schedule,
+                                  layers=layers, ratios=ratios, plan=plan, poison=True))
+    assert {("oases", 2, "save_proj"), ("megatron", 1, "full")} <= set(seen), seen
+    if ratios is None:
+        assert set(seen) == {(s.schedule, s.sub_batches, s.remat) for s in plan}
 
 
 def test_nan_bubbles_uneven_stages_and_stage_aware_remat(model):

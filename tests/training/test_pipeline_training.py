@@ -10,6 +10,7 @@ import pytest
 
 from models import get_preset
 from oases_jax.errors import UserError
+from oases_jax.layer_plan import LayerSpec
 from training import CheckpointConfig, ParallelConfig, TrainConfig, train
 
 STEPS = 20
@@ -99,6 +100,12 @@ def test_resume_is_exact_and_moves_between_stage_counts(reference, tmp_path):
      "1f1b_spmd runs one program on every stage.*--backward-ticks"),
     (dict(mesh="data=2,stage=2,tensor=2", pipeline="1f1b_spmd", rules="fsdp_tp"),
      "--rules fsdp_tp"),
+    (dict(mesh="stage=2,tensor=4", pipeline="1f1b_spmd", layers=(
+        LayerSpec(schedule="megatron"), LayerSpec(schedule="oases", sub_batches=2)) * 2),
+     "one --schedule for every layer"),
+    (dict(mesh="stage=2,tensor=4", pipeline="1f1b", layers=(
+        LayerSpec(schedule="megatron"), LayerSpec(schedule="collective_matmul")) * 2),
+     "cannot run the plan's collective_matmul layers inside its stages"),
 ])
 def test_bad_input_is_one_line(overrides, words):
     overrides = dict(overrides)
