@@ -16,6 +16,7 @@ import sys
 
 from oases_jax import registry
 from oases_jax.cli import Parser, add_runtime_flags, init_runtime, run_main, write_atomic
+from oases_jax.pipeline import SPMD_PIPELINES
 from training.flags import add_layout_flags, add_model_flags, layout_kwargs, model_from_flags
 
 DEFAULTS = {"mesh": "tensor=-1", "rules": "tp", "schedule": "megatron", "sub_batches": 2,
@@ -55,7 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--op-trace-steps", type=int, default=1, metavar="N",
                    help="steps the --op-trace holds (bench.py's --op-times STEPS; default 1)")
     p.add_argument("--timeline", metavar="OUT.png", help="draw the timeline (a pipelined step: "
-                   "one row per stage, tick by tick)")
+                   "one row per stage, tick by tick; gpipe_spmd and 1f1b_spmd, with no tick "
+                   "switch: the whole program's two streams)")
     p.add_argument("--timeline-source", choices=("sim", "xla"), default="sim",
                    help="whose timeline --timeline draws: our simulator's or XLA's estimate "
                         "(GPU targets)")
@@ -151,8 +153,10 @@ def main() -> int:
         png = timeline_path(pipeline or schedule, first)
         xla_png = png if args.timeline_source == "xla" else None
         # A pipelined step's picture is one row per stage, tick by tick (`pipeline_plot`): the
-        # two-stream replay takes each tick's conditional by its first branch.
-        stage_png = png if spec.parallel.pipeline and not spec.layer and not xla_png else None
+        # two-stream replay takes each tick's conditional by its first branch. The SPMD
+        # pipelines have no conditional: the whole program's two-stream replay is their step.
+        ticked = spec.parallel.pipeline not in (None, *SPMD_PIPELINES)
+        stage_png = png if ticked and not spec.layer and not xla_png else None
         png = None if stage_png else png
         if target.is_gpu_aot and may_abort(spec):
             r = inspect_isolated(spec, args.target, None if xla_png else png)

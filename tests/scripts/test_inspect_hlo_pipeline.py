@@ -26,6 +26,22 @@ def test_timeline_png_and_per_stage_report(tmp_path):
     assert "activations per stage (MiB)" in proc.stdout
 
 
+def test_spmd_pipeline_timeline_is_the_whole_program(tmp_path):
+    """1f1b_spmd has no tick switch: --timeline draws the whole program's two streams (the
+    replay is its step) and the report has no tick table."""
+    pytest.importorskip("matplotlib")
+    png, out = tmp_path / "spmd.png", tmp_path / "report.json"
+    proc = run_script("inspect_hlo.py", "--model", "tiny", "--mesh", "stage=2,tensor=4",
+                      "--pipeline", "1f1b_spmd", "--schedule", "collective_matmul",
+                      "--microbatches", "4", "--batch-size", "16", "--seq-len", "32",
+                      "--timeline", str(png), "--json", str(out), "--cpu-devices", "8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    r = json.loads(out.read_text())
+    assert r["pipeline"] is None and r["simulated_step_s"] > 0
+    assert "no per-stage timeline" not in proc.stderr
+
+
 def test_shares_of_the_step_by_hand():
     """S=2, five ticks F0 | F1 | B1 | R0 | B0 (costs 1, 1, 2, 1, 3; one stage busy each):
     switch time 8, stage 0 busy 5 and stage 1 busy 3, so the stages wait 3 and 5 (mean 4) of a
