@@ -20,8 +20,10 @@ from planner.search import divisors, strategies
 from planner.stage_partition import StageInputs, StagePlan, fixed, partition
 from planner.step_cost import fsdp_collectives, head_cost, update_s
 
-# The schedules the runtime runs; gpipe_spmd (no per-stage control flow) is offered where it
-# runs a layer strategy the tick executor cannot (the rings).
+# The schedules the runtime runs; gpipe_spmd and 1f1b_spmd (no per-stage control flow) are
+# offered where they run a layer strategy the tick executor cannot (the rings): offered on
+# every layout, 1f1b_spmd ranked first on plans it runs 13% slower than priced
+# (benchmarks/results/verify_3d_spmd_everywhere_gpt2-1.5b_h100x16.txt).
 PIPELINES = ("gpipe", "1f1b", "interleaved", "merak", "gpipe_spmd", "1f1b_spmd")
 SPMD = "gpipe_spmd"
 SPMD_1F1B = "1f1b_spmd"
@@ -259,6 +261,8 @@ def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int
                 xs, p2p_ring = stage_inputs(cfg, layout, hw, ring, pools=sch != SPMD_1F1B), \
                     transfer_s(cfg, layout, hw, ring, S)
                 est = _screen(cfg, hw, S, layout, ring, xs, p2p_ring, sch)
+                if sch == SPMD_1F1B:  # each backward recomputes its stage
+                    est += (layout.microbatches + S - 1) * sum(xs.f[:cfg.n_layers // S])
                 screened.append((est, S, layout, ring, xs, p2p_ring, sch))
                 continue
             # No mesh axis is left to GSPMD inside the stages when tensor = 1.
