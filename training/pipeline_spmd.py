@@ -82,6 +82,33 @@ def vocab_part(table: jax.Array, tied: bool, s: jax.Array, stages: int, shards: 
     return part, ids
 
 
+def _head_part(cfg: ModelConfig, table, s, stages: int, shards: int, split: bool):
+    """(what of the head table this stage computes logits with, the vocabulary ids of its rows
+    or columns): its 1/S (`vocab_part`) when `split`, else the whole table and None."""
+    if not split:
+        return table, None
+    return vocab_part(table[...], cfg.tied, s, stages, shards)
+
+
+def _head_loss(cfg: ModelConfig, gd_norm, split: bool):
+    """One micro-batch's final norm, logits and loss, `loss(norm_f, part, ids, h_BLD,
+    labels_BL)`, over the vocabulary part `_head_part` gave: split over `stage`
+    (`split_cross_entropy`) or whole."""
+    head_key = "embed" if cfg.tied else "head"
+
+    def loss(norm_f, part, ids, h_BLD, labels_BL):
+        h_BLD = nnx.merge(gd_norm, norm_f)(h_BLD)
+        if split:
+            eq = "bld,vd->blv" if cfg.tied else "bld,dv->blv"
+            logits = constrain(jnp.einsum(eq, h_BLD, part.astype(h_BLD.dtype)),
+                               ("batch", None, "vocab"))
+            return split_cross_entropy(logits, labels_BL, ids, cfg.vocab_size, STAGE)
+        head_in = types.SimpleNamespace(cfg=cfg, **{head_key: part})
+        return cross_entropy(Transformer.logits(head_in, h_BLD, None), labels_BL,
+                             cfg.vocab_size)
+    return loss
+
+
 def spmd_pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,
                         params, batch_MBL, groups: int, *, poison: bool = False):
     """(mean loss, mean gradients) of a batch of M micro-batches in the stage layout, the
@@ -94,6 +121,7 @@ def spmd_pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel
     head_key = "embed" if cfg.tied else "head"
     shards = vocab_shards(cfg, parallel, {STAGE} | ({"data"} if groups > 1 else set()))
     split = S > 1 and cfg.padded_vocab % (S * shards) == 0
+    head_loss = _head_loss(cfg, gd_norm, split)
     shift = [(i, i + 1) for i in range(S - 1)]
 
     def loss_sum(local, tokens_M2BL, s):
@@ -128,34 +156,17 @@ def spmd_pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel
         (_, outs), _ = jax.lax.scan(tick, (fill[0], fill), jnp.arange(M + S - 1))
         # Only the last stage's outputs are the model's; the others' (never written) are zeros.
         outs = jnp.where(s == S - 1, outs, jnp.zeros_like(outs))
-        norm = nnx.merge(gd_norm, local["norm_f"])
-        table = compute_weights(local[head_key], dt, lead=0)
+        # Split, every stage takes the last stage's outputs (an all-reduce over `stage` whose
+        # backward sums the stages' gradients of them into the last stage's) and computes the
+        # logits and loss of its 1/S of the vocabulary, sliced once here.
         if split:
-            # Every stage takes the last stage's outputs (an all-reduce over `stage` whose
-            # backward sums the stages' gradients of them into the last stage's) and the
-            # logits and loss of its 1/S of the vocabulary.
             outs = jax.lax.psum(outs, STAGE)
-            part, ids = vocab_part(table[...], cfg.tied, s, S, shards)
-
-            def logits_of(h_BLD):
-                eq = "bld,vd->blv" if cfg.tied else "bld,dv->blv"
-                return constrain(jnp.einsum(eq, h_BLD, part.astype(h_BLD.dtype)),
-                                 ("batch", None, "vocab"))
-
-            def loss_of(logits, labels_BL):
-                return split_cross_entropy(logits, labels_BL, ids, cfg.vocab_size, STAGE)
-        else:
-            head_in = types.SimpleNamespace(cfg=cfg, **{head_key: table})
-
-            def logits_of(h_BLD):
-                return Transformer.logits(head_in, h_BLD, None)
-
-            def loss_of(logits, labels_BL):
-                return cross_entropy(logits, labels_BL, cfg.vocab_size)
+        part, ids = _head_part(cfg, compute_weights(local[head_key], dt, lead=0), s, S, shards,
+                               split)
 
         @jax.checkpoint
         def one(h_BLD, labels_BL):
-            return loss_of(logits_of(norm(h_BLD)), labels_BL)
+            return head_loss(local["norm_f"], part, ids, h_BLD, labels_BL)
 
         def head(total, m):
             return total + one(outs[m], tokens_M2BL[m, :, 1]), None
@@ -199,6 +210,7 @@ def spmd_1f1b_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,
     head_key = "embed" if cfg.tied else "head"
     shards = vocab_shards(cfg, parallel, {STAGE} | ({"data"} if groups > 1 else set()))
     split = S > 1 and cfg.padded_vocab % (S * shards) == 0
+    head_loss = _head_loss(cfg, gd_norm, split)
     K = min(M, 2 * S - 1)  # input slots: micro-batch m's F to its B spans 2(S-1-s)+1 ticks
     f32 = jnp.float32
 
@@ -226,19 +238,11 @@ def spmd_1f1b_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,
             return x.reshape(*ids.shape, -1)
 
         inputs, embed_vjp = jax.vjp(embed, {k: local[k] for k in emb_keys})
-        hp = {"norm_f": local["norm_f"], "table": compute_weights(local[head_key], dt, lead=0)}
-
-        def head_loss(hp, h_BLD, labels_BL):
-            h_BLD = nnx.merge(gd_norm, hp["norm_f"])(h_BLD)
-            if split:
-                part, ids = vocab_part(hp["table"][...], cfg.tied, s, S, shards)
-                eq = "bld,vd->blv" if cfg.tied else "bld,dv->blv"
-                logits = constrain(jnp.einsum(eq, h_BLD, part.astype(h_BLD.dtype)),
-                                   ("batch", None, "vocab"))
-                return split_cross_entropy(logits, labels_BL, ids, cfg.vocab_size, STAGE)
-            head_in = types.SimpleNamespace(cfg=cfg, **{head_key: hp["table"]})
-            return cross_entropy(Transformer.logits(head_in, h_BLD, None), labels_BL,
-                                 cfg.vocab_size)
+        # The head's vocabulary part, sliced once (its gradient accumulates over the ticks in
+        # float32 at the part's size and goes back into the table once, after the loops).
+        part, ids = _head_part(cfg, compute_weights(local[head_key], dt, lead=0), s, S, shards,
+                               split)
+        hp = {"norm_f": local["norm_f"], "part": part}
 
         def valid(m):
             return (m >= 0) & (m < M)
@@ -261,7 +265,8 @@ def spmd_1f1b_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,
             if split:
                 h = jax.lax.psum(h, STAGE)
             labels = tokens_M2BL[jnp.clip(m, 0, M - 1), :, 1]
-            loss, head_vjp = jax.vjp(lambda p, h: head_loss(p, h, labels), hp, h)
+            loss, head_vjp = jax.vjp(
+                lambda p, h: head_loss(p["norm_f"], p["part"], ids, h, labels), hp, h)
             seed = jnp.where(valid(m) & (last | split), 1.0, 0.0).astype(loss.dtype)
             d_hp, d_h = head_vjp(seed)
             if split:
@@ -323,8 +328,10 @@ def spmd_1f1b_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,
         grads.update(d_emb)
         grads["norm_f"] = jax.tree.map(lambda a, p: a.astype(p.dtype),
                                        carry["acc_head"]["norm_f"], local["norm_f"])
-        table = jax.tree.map(lambda a, p: a.astype(p.dtype), carry["acc_head"]["table"],
-                             local[head_key])
+        # The part's gradient back into the table: the transpose of the slice, in float32.
+        _, into_table = jax.vjp(lambda t: _head_part(cfg, t, s, S, shards, split)[0],
+                                local[head_key])
+        (table,) = into_table(carry["acc_head"]["part"])
         grads[head_key] = jax.tree.map(jnp.add, grads[head_key], table)
         return jnp.where(last, carry["loss"], 0.0), grads
 
