@@ -17,6 +17,7 @@ from planner.layer_work import elem_bytes, layer_matrices, sequence_split
 from planner.layout import Layout
 from planner.prices import Hardware
 from planner.search import divisors, strategies
+from planner.spmd_stages import SPMD_1F1B, spmd_head_s, uniform_stages
 from planner.stage_partition import StageInputs, StagePlan, fixed, partition
 from planner.step_cost import fsdp_collectives, head_cost, update_s
 
@@ -25,8 +26,6 @@ from planner.step_cost import fsdp_collectives, head_cost, update_s
 # every layout, 1f1b_spmd ranked first on plans it runs 13% slower than priced
 # (benchmarks/results/verify_3d_spmd_everywhere_gpt2-1.5b_h100x16.txt).
 PIPELINES = ("gpipe", "1f1b", "interleaved", "merak", "gpipe_spmd", "1f1b_spmd")
-SPMD = "gpipe_spmd"
-SPMD_1F1B = "1f1b_spmd"
 CHUNKS = 2  # interleaved: chunks per stage
 MICROBATCH_FACTORS = (1, 2, 4, 8)  # M = S x factor
 REFINE = 12  # screened candidates whose stages are partitioned under the simulator
@@ -277,8 +276,8 @@ def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int
             break
         tried += 1
         if sch in SPMD_PIPELINES:
-            sp = _uniform_stages(x, S, layout.microbatches, p2p, budget,
-                                 spmd_head_s(cfg, layout, hw, strategy, S, sch), sch)
+            sp = uniform_stages(x, S, layout.microbatches, p2p, budget,
+                                spmd_head_s(cfg, layout, hw, strategy, S, sch), sch)
         else:
             sp = partition(x, schedule=sch, stages=S, microbatches=layout.microbatches,
                            chunks=CHUNKS if sch == "interleaved" else 1, p2p=p2p,
@@ -348,70 +347,6 @@ def _layouts(cfg: ModelConfig, hw: Hardware, n: int, global_batch: int, seq_len:
                     # fsdp_tp, which the runtime refuses there.
                     yield S, Layout(fsdp=d, microbatches=M, global_batch=global_batch,
                                     seq_len=seq_len), t
-
-
-def _uniform_stages(x: StageInputs, stages: int, microbatches: int, p2p: float,
-                    budget: float, head_s: float = 0.0, schedule: str = SPMD
-                    ) -> StagePlan | None:
-    """An SPMD pipeline's stages: one program on every device, so equal stages, every layer
-    recomputed or none (the model's `--remat`): none if it fits, else full."""
-    n = x.n_layers // stages
-    for k in (0, n):
-        sp = spmd_fixed(x, [n] * stages, [k] * stages, microbatches, p2p, budget, head_s,
-                        schedule)
-        if sp is not None:
-            return sp
-    return None
-
-
-def spmd_fixed(x: StageInputs, counts, remat, microbatches: int, p2p: float, budget: float,
-               head_s: float, schedule: str = SPMD) -> StagePlan | None:
-    """`fixed` for the SPMD pipelines, whose head is not in the ticks (`spmd_head_s`, which
-    adds to every stage's finish: they run in lockstep).
-
-    gpipe_spmd: GPipe's table. 1f1b_spmd (`training.pipeline_spmd.spmd_1f1b_grads`): S-1
-    ticks of forwards, M ticks each of a forward, the head and a backward that recomputes the
-    stage's forward first, S-1 ticks of backwards, one permute each way per tick that moves
-    something; with per-stage F, B' = F + B (+ the layers' own recompute) at its slowest:
-
-        (S-1) (F + p2p) + M (F + B' + 2 p2p) + (S-1) (B' + p2p) + head
-
-    Its memory holds one micro-batch's residuals (in the backward's `vjp`) per stage
-    (`stage_sim.peak_inflight`); the 2S-1 stage inputs it keeps are left out."""
-    sp = fixed(dataclasses.replace(x, last_f=0.0, last_b=0.0), schedule=schedule,
-               counts=counts, remat=remat, microbatches=microbatches, p2p=p2p, budget=budget)
-    if sp is None:
-        return None
-    if schedule == SPMD_1F1B:
-        S, M = sp.stages, microbatches
-        f = max(sp.f)
-        b = max(ff + bb + rr for ff, bb, rr in zip(sp.f, sp.b, sp.r, strict=True))
-        span = (S - 1) * (f + p2p) + M * (f + b + 2 * p2p) + (S - 1) * (b + p2p)
-        sp = dataclasses.replace(sp, makespan=span, finish=(span,) * S)
-    return dataclasses.replace(sp, makespan=sp.makespan + head_s,
-                               finish=tuple(f + head_s for f in sp.finish))
-
-
-def spmd_head_s(cfg: ModelConfig, layout: Layout, hw: Hardware, strategy: LayerSpec,
-                stages: int, schedule: str = SPMD) -> float:
-    """An SPMD pipeline's head over the step, on every device at once: the last stage's
-    outputs all-reduced over `stage` (and their gradients in the backward), then per
-    micro-batch the final norm, logits and loss over this stage's 1/S of the vocabulary
-    (`training.pipeline_spmd.vocab_part`; the whole vocabulary where the padded vocabulary
-    does not split into S x tensor pieces), forward and backward (`head_cost`, whose embedding
-    part, every device embedding all micro-batches, is counted in it). gpipe_spmd runs it
-    after the forward ticks, checkpointed (its forward again in the backward: x 4/3), its two
-    all-reduces over all M outputs; 1f1b_spmd inside each steady tick, two all-reduces of one
-    micro-batch each."""
-    head, _ = head_cost(cfg, layout, hw)
-    split = stages if cfg.padded_vocab % (stages * layout.tensor) == 0 else 1
-    M = layout.microbatches
-    nbytes = layout.rows * layout.seq_len * cfg.d_model * elem_bytes(cfg) \
-        / sequence_split(strategy.schedule, layout.tensor)
-    group = [s * layout.replicas * layout.tensor for s in range(stages)]
-    if schedule == SPMD_1F1B:
-        return M * (head / split + 2 * hw.comm_s("all-reduce", nbytes, group))
-    return M * head * 4 / 3 / split + 2 * hw.comm_s("all-reduce", M * nbytes, group)
 
 
 def _strategy(cfg, layout, hw, megatron_only: bool, anywhere: bool = False

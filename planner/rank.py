@@ -65,16 +65,8 @@ def predict_pipeline_step_s(cfg: ModelConfig, hw: Hardware, *, mesh: str, rules:
     policy, axes beyond stage x data x tensor, a schedule the stages do not run)."""
     from oases_jax.pipeline.lowering import flat_pools
     from oases_jax.pipeline.remat import parse_stage_layers
-    from planner.pipeline_search import (
-        CHUNKS,
-        SPMD,
-        SPMD_1F1B,
-        price,
-        spmd_fixed,
-        spmd_head_s,
-        stage_inputs,
-        transfer_s,
-    )
+    from planner.pipeline_search import CHUNKS, price, stage_inputs, transfer_s
+    from planner.spmd_stages import SPMD, SPMD_1F1B, spmd_fixed, spmd_head_s
     from planner.stage_partition import fixed
 
     spec = parse_mesh(mesh)

@@ -16,13 +16,12 @@ from planner.pipeline_search import (
     megatron_3d,
     price,
     search_3d,
-    spmd_fixed,
-    spmd_head_s,
     stage_inputs,
     transfer_s,
 )
 from planner.prices import Hardware
 from planner.search import LayerSpec
+from planner.spmd_stages import spmd_fixed, spmd_head_s
 from planner.stage_partition import fixed, partition, simulate
 from planner.step_cost import head_cost
 
