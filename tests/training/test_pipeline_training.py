@@ -75,6 +75,21 @@ def test_resume_is_exact_and_moves_between_stage_counts(reference, tmp_path):
                                [full[s] for s in range(11, STEPS + 1)], rtol=1e-4)
 
 
+@pytest.mark.slow
+def test_spmd_checkpoint_resumes_under_the_tick_executor(reference, tmp_path):
+    """1f1b_spmd's checkpoint holds the standard layout too: ten steps with the rings inside
+    its two stages, then a tick executor's GPipe on four stages continues them as the
+    non-pipelined run would."""
+    ckpt = CheckpointConfig(dir=str(tmp_path / "ckpt"), every=10)
+    first = train(_config("stage=2,tensor=4", "1f1b_spmd", schedule="collective_matmul",
+                          ckpt=ckpt, stop_after=10))
+    assert first.final_step == 10
+    resumed = CheckpointConfig(dir=str(tmp_path / "ckpt"), every=10, resume=True)
+    other = train(_config("data=2,stage=4", "gpipe", ckpt=resumed)).losses
+    np.testing.assert_allclose([other[s] for s in range(11, STEPS + 1)],
+                               [reference[s] for s in range(11, STEPS + 1)], rtol=1e-4)
+
+
 @pytest.mark.parametrize(("overrides", "words"), [
     (dict(mesh="data=2,stage=4", microbatches=2, pipeline="merak"),
      "at least as many micro-batches as stages"),
