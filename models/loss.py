@@ -18,14 +18,25 @@ import jax
 import jax.numpy as jnp
 
 
-def _masked(logits_BLV: jax.Array, vocab_size: int) -> jax.Array:
-    """float32 logits with the padded vocabulary rows at the float32 minimum."""
-    valid_V = jnp.arange(logits_BLV.shape[-1]) < vocab_size
-    return jnp.where(valid_V, logits_BLV.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+def _masked(logits_BLV: jax.Array, ids_V: jax.Array, vocab_size: int) -> jax.Array:
+    """float32 logits with the padded vocabulary rows (ids >= vocab_size) at the float32
+    minimum; `ids_V` are the vocabulary ids of the logits' last axis."""
+    return jnp.where(ids_V < vocab_size, logits_BLV.astype(jnp.float32),
+                     jnp.finfo(jnp.float32).min)
+
+
+def _logits_grad(logits_BLV, targets_BL, ids_V, vocab_size, logz_BL, g):
+    """The loss's gradient on logits of the ids `ids_V`: (softmax - onehot) * g / N, in the
+    logits' dtype, from the saved log-partition."""
+    with jax.named_scope("loss"):
+        p_BLV = jnp.exp(_masked(logits_BLV, ids_V, vocab_size) - logz_BL[..., None])
+        onehot_BLV = ids_V == targets_BL[..., None]
+        scale = g / targets_BL.size
+        return ((p_BLV - onehot_BLV) * scale).astype(logits_BLV.dtype)
 
 
 def _forward(logits_BLV, targets_BL, vocab_size):
-    x_BLV = _masked(logits_BLV, vocab_size)
+    x_BLV = _masked(logits_BLV, jnp.arange(logits_BLV.shape[-1]), vocab_size)
     logz_BL = jax.nn.logsumexp(x_BLV, axis=-1)
     target_BL = jnp.take_along_axis(x_BLV, targets_BL[..., None], axis=-1)[..., 0]
     return jnp.mean(logz_BL - target_BL), logz_BL
@@ -43,11 +54,8 @@ def _fwd(logits_BLV, targets_BL, vocab_size):
 
 def _bwd(vocab_size, res, g):
     logits_BLV, targets_BL, logz_BL = res
-    with jax.named_scope("loss"):
-        p_BLV = jnp.exp(_masked(logits_BLV, vocab_size) - logz_BL[..., None])
-        onehot_BLV = jnp.arange(logits_BLV.shape[-1]) == targets_BL[..., None]
-        scale = g / targets_BL.size
-        d_BLV = ((p_BLV - onehot_BLV) * scale).astype(logits_BLV.dtype)
+    d_BLV = _logits_grad(logits_BLV, targets_BL, jnp.arange(logits_BLV.shape[-1]), vocab_size,
+                         logz_BL, g)
     targets_ct = jnp.zeros(targets_BL.shape, jax.dtypes.float0)
     return d_BLV, targets_ct
 
@@ -64,8 +72,7 @@ def cross_entropy(logits_BLV: jax.Array, targets_BL: jax.Array, vocab_size: int)
 
 
 def _split_forward(logits_BLV, targets_BL, ids_V, vocab_size, axis):
-    x_BLV = jnp.where(ids_V < vocab_size, logits_BLV.astype(jnp.float32),
-                      jnp.finfo(jnp.float32).min)
+    x_BLV = _masked(logits_BLV, ids_V, vocab_size)
     # The shift is a constant of the log-sum-exp (its gradient cancels), so no gradient is
     # taken through the maximum.
     max_BL = jax.lax.pmax(jnp.max(x_BLV, axis=-1), axis)
@@ -88,12 +95,7 @@ def _split_fwd(logits_BLV, targets_BL, ids_V, vocab_size, axis):
 
 def _split_bwd(vocab_size, axis, res, g):
     logits_BLV, targets_BL, ids_V, logz_BL = res
-    with jax.named_scope("loss"):
-        x_BLV = jnp.where(ids_V < vocab_size, logits_BLV.astype(jnp.float32),
-                          jnp.finfo(jnp.float32).min)
-        p_BLV = jnp.exp(x_BLV - logz_BL[..., None])
-        onehot_BLV = ids_V == targets_BL[..., None]
-        d_BLV = ((p_BLV - onehot_BLV) * (g / targets_BL.size)).astype(logits_BLV.dtype)
+    d_BLV = _logits_grad(logits_BLV, targets_BL, ids_V, vocab_size, logz_BL, g)
     zeros = jnp.zeros(targets_BL.shape, jax.dtypes.float0)
     return d_BLV, zeros, jnp.zeros(ids_V.shape, jax.dtypes.float0)
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import types
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -109,19 +110,49 @@ def _head_loss(cfg: ModelConfig, gd_norm, split: bool):
     return loss
 
 
+class _Setup(NamedTuple):
+    """What both SPMD executors derive from the model and the pipeline once."""
+
+    S: int
+    M: int
+    fns: object  # the blocks' layer functions (`block_fns`)
+    dt: jnp.dtype  # the compute dtype
+    head_key: str  # the head's table: the embedding when tied
+    shards: int  # the table's vocabulary blocks over the auto axes (`vocab_shards`)
+    split: bool  # the head's vocabulary split over `stage`
+    head_loss: object  # `_head_loss`
+
+
+def _setup(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel, groups: int) -> _Setup:
+    S = pipe.stages
+    gd_blocks, gd_norm, _ = _graphdefs(cfg)
+    shards = vocab_shards(cfg, parallel, {STAGE} | ({"data"} if groups > 1 else set()))
+    split = S > 1 and cfg.padded_vocab % (S * shards) == 0
+    return _Setup(S, pipe.microbatches, block_fns(gd_blocks), jnp.dtype(cfg.dtype),
+                  "embed" if cfg.tied else "head", shards, split,
+                  _head_loss(cfg, gd_norm, split))
+
+
+def _embed_all(cfg: ModelConfig, tables: dict, tokens_M2BL: jax.Array) -> jax.Array:
+    """Every micro-batch's embedding, [M, B, L, D], from `tables` (`embed`, and `pos` where
+    the model has it), embedded as M x B rows: under vmap the sharding constraint inside would
+    leave the M axis unconstrained, which a region with no auto axis (stage=8) refuses."""
+    stand_in = types.SimpleNamespace(cfg=cfg, **tables)
+    ids = tokens_M2BL[:, :, 0]
+    x = Transformer.embed_tokens(stand_in, ids.reshape(-1, ids.shape[-1]))
+    return x.reshape(*ids.shape, -1)
+
+
+def _embedding_tables(local: dict) -> dict:
+    return {k: local[k] for k in ("embed", "pos") if k in local}
+
+
 def spmd_pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,
                         params, batch_MBL, groups: int, *, poison: bool = False):
     """(mean loss, mean gradients) of a batch of M micro-batches in the stage layout, the
     stages run in lockstep without control flow (module docstring). `poison` starts the
     received activation and the output buffer as NaN: a correct step never reads them."""
-    S, M = pipe.stages, pipe.microbatches
-    gd_blocks, gd_norm, _ = _graphdefs(cfg)
-    fns = block_fns(gd_blocks)
-    dt = jnp.dtype(cfg.dtype)
-    head_key = "embed" if cfg.tied else "head"
-    shards = vocab_shards(cfg, parallel, {STAGE} | ({"data"} if groups > 1 else set()))
-    split = S > 1 and cfg.padded_vocab % (S * shards) == 0
-    head_loss = _head_loss(cfg, gd_norm, split)
+    S, M, fns, dt, head_key, shards, split, head_loss = _setup(cfg, pipe, parallel, groups)
     shift = [(i, i + 1) for i in range(S - 1)]
 
     def loss_sum(local, tokens_M2BL, s):
@@ -129,14 +160,7 @@ def spmd_pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel
         stage reports: the last stage's, 0 on the others)."""
         blocks = jax.tree.map(lambda a: a[0], local["blocks"])  # this device's one chunk
         blocks = compute_weights(blocks, dt)  # once per step, outside the tick loop
-        stand_in = types.SimpleNamespace(cfg=cfg, **{k: local[k] for k in ("embed", "pos")
-                                                     if k in local})
-        # Every micro-batch's embedding, [M, B, L, D], embedded as M x B rows: under vmap the
-        # sharding constraint inside would leave the M axis unconstrained, which a region with
-        # no auto axis (stage=8) refuses.
-        ids = tokens_M2BL[:, :, 0]
-        inputs = Transformer.embed_tokens(stand_in, ids.reshape(-1, ids.shape[-1]))
-        inputs = inputs.reshape(*ids.shape, -1)
+        inputs = _embed_all(cfg, _embedding_tables(local), tokens_M2BL)
 
         def tick(carry, t):
             recv, outs = carry
@@ -203,14 +227,7 @@ def spmd_1f1b_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,
     float32 in one buffer. Step time (S-1) F + M (F + head + F + B) + (S-1) (F + B): 1F1B's
     bubble with the whole stage recomputed. `poison` starts the received activation and
     gradient and the input slots as NaN: a correct step never reads them."""
-    S, M = pipe.stages, pipe.microbatches
-    gd_blocks, gd_norm, _ = _graphdefs(cfg)
-    fns = block_fns(gd_blocks)
-    dt = jnp.dtype(cfg.dtype)
-    head_key = "embed" if cfg.tied else "head"
-    shards = vocab_shards(cfg, parallel, {STAGE} | ({"data"} if groups > 1 else set()))
-    split = S > 1 and cfg.padded_vocab % (S * shards) == 0
-    head_loss = _head_loss(cfg, gd_norm, split)
+    S, M, fns, dt, head_key, shards, split, head_loss = _setup(cfg, pipe, parallel, groups)
     K = min(M, 2 * S - 1)  # input slots: micro-batch m's F to its B spans 2(S-1-s)+1 ticks
     f32 = jnp.float32
 
@@ -229,15 +246,8 @@ def spmd_1f1b_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,
         def stage_fn(w, x):
             return run_stack(fns, w, x, scan=cfg.scan_layers, remat_default=cfg.remat)
 
-        emb_keys = [k for k in ("embed", "pos") if k in local]
-
-        def embed(ep):
-            stand_in = types.SimpleNamespace(cfg=cfg, **ep)
-            ids = tokens_M2BL[:, :, 0]
-            x = Transformer.embed_tokens(stand_in, ids.reshape(-1, ids.shape[-1]))
-            return x.reshape(*ids.shape, -1)
-
-        inputs, embed_vjp = jax.vjp(embed, {k: local[k] for k in emb_keys})
+        inputs, embed_vjp = jax.vjp(lambda tables: _embed_all(cfg, tables, tokens_M2BL),
+                                    _embedding_tables(local))
         # The head's vocabulary part, sliced once (its gradient accumulates over the ticks in
         # float32 at the part's size and goes back into the table once, after the loops).
         part, ids = _head_part(cfg, compute_weights(local[head_key], dt, lead=0), s, S, shards,

@@ -248,20 +248,28 @@ def test_the_search_offers_fsdp_only_without_tensor():
     assert all(c.layout.fsdp == 1 for c in megatron_3d(cfg, h, global_batch=32, seq_len=1024))
 
 
+def _ring_plans(pipeline: str):
+    """(model, hardware, the 3D search's plans under `pipeline` alone): `oases-h4096-l16` on
+    `3090-pcie-32`, where `collective_matmul` at tensor=2 wins."""
+    cfg, h = get_preset("oases-h4096-l16"), hw("3090-pcie-32")
+    cands = search_3d(cfg, h, global_batch=32, seq_len=1024, pipelines=(pipeline,),
+                      baseline=False)
+    assert cands
+    for c in cands:
+        sp = c.stage_plan
+        assert sp.schedule == pipeline and c.strategy.schedule == "collective_matmul"
+        assert len(set(sp.layers)) == 1 and set(sp.remat) in ({0}, {sp.layers[0]})
+    return cfg, h, cands
+
+
 def test_gpipe_spmd_is_offered_where_a_ring_wins():
     """gpipe_spmd runs the rings inside the stages: the search offers it only with a layer
     strategy the tick executor cannot run (oases-h4096-l16 on 3090-pcie-32 at tensor=2:
     collective_matmul), on equal stages, every layer recomputed or none, priced as GPipe's
     table; its plan runs gpipe_spmd with the model's remat and no per-stage flags."""
-    cfg = get_preset("oases-h4096-l16")
-    h = hw("3090-pcie-32")
-    cands = search_3d(cfg, h, global_batch=32, seq_len=1024, pipelines=("gpipe_spmd",),
-                      baseline=False)
-    assert cands
+    cfg, h, cands = _ring_plans("gpipe_spmd")
     for c in cands:
         sp = c.stage_plan
-        assert sp.schedule == "gpipe_spmd" and c.strategy.schedule == "collective_matmul"
-        assert len(set(sp.layers)) == 1 and set(sp.remat) in ({0}, {sp.layers[0]})
         # GPipe's table without the head in its ticks, then the head on every device: all M
         # micro-batches' outputs all-reduced over the S stages each way, and the head's
         # forward, recompute and backward over 1/S of the vocabulary.
@@ -299,15 +307,10 @@ def test_1f1b_spmd_priced_by_hand_and_planned():
     something, then M heads (each 1/S of the vocabulary, two all-reduces of one micro-batch's
     output); its memory holds one micro-batch's residuals, below gpipe_spmd's M+S-1. Its plan
     runs --pipeline 1f1b_spmd."""
-    cfg = get_preset("oases-h4096-l16")
-    h = hw("3090-pcie-32")
-    cands = search_3d(cfg, h, global_batch=32, seq_len=1024, pipelines=("1f1b_spmd",),
-                      baseline=False)
-    assert cands
+    cfg, h, cands = _ring_plans("1f1b_spmd")
     for c in cands:
         sp, lay = c.stage_plan, c.layout
         S, M, n = len(sp.layers), sp.microbatches, sp.layers[0]
-        assert sp.schedule == "1f1b_spmd" and c.strategy.schedule == "collective_matmul"
         x = stage_inputs(cfg, lay, h, c.strategy, pools=False)
         k = sp.remat[0]
         f = n * x.f[0]
