@@ -17,6 +17,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from oases_jax import compat
+
 
 def _masked(logits_BLV: jax.Array, ids_V: jax.Array, vocab_size: int) -> jax.Array:
     """float32 logits with the padded vocabulary rows (ids >= vocab_size) at the float32
@@ -36,9 +38,16 @@ def _logits_grad(logits_BLV, targets_BL, ids_V, vocab_size, logz_BL, g):
 
 
 def _forward(logits_BLV, targets_BL, vocab_size):
-    x_BLV = _masked(logits_BLV, jnp.arange(logits_BLV.shape[-1]), vocab_size)
+    ids_V = jnp.arange(logits_BLV.shape[-1])
+    x_BLV = _masked(logits_BLV, ids_V, vocab_size)
     logz_BL = jax.nn.logsumexp(x_BLV, axis=-1)
-    target_BL = jnp.take_along_axis(x_BLV, targets_BL[..., None], axis=-1)[..., 0]
+    if compat.manual_axes():
+        # Inside a region manual over some mesh axes (a pipeline's stage loop), XLA's SPMD
+        # partitioner aborts on the gather below when the logits are split over the
+        # vocabulary beside other axes (spmd_partitioner_util.cc:498): a masked sum instead.
+        target_BL = jnp.sum(jnp.where(ids_V == targets_BL[..., None], x_BLV, 0.0), axis=-1)
+    else:
+        target_BL = jnp.take_along_axis(x_BLV, targets_BL[..., None], axis=-1)[..., 0]
     return jnp.mean(logz_BL - target_BL), logz_BL
 
 

@@ -15,6 +15,7 @@ from models.config import ModelConfig
 from models.layers import Block, block_fns, compute_weights, param
 from models.loss import cross_entropy
 from models.moe import MoEGroup, group_fns
+from oases_jax.embedding import lookup
 from oases_jax.moe.stack import run_groups
 from oases_jax.rules import constrain
 from oases_jax.stacks import run_stack
@@ -48,7 +49,7 @@ class Transformer(nnx.Module):
     @jax.named_scope("embed")
     def embed_tokens(self, tokens_BL: jax.Array) -> jax.Array:
         dt = jnp.dtype(self.cfg.dtype)
-        x_BLD = jnp.take(self.embed[...], tokens_BL, axis=0).astype(dt)
+        x_BLD = lookup(self.embed[...], tokens_BL).astype(dt)
         if self.cfg.learned_positions:
             x_BLD = x_BLD + self.pos[: tokens_BL.shape[1]].astype(dt)
         return constrain(x_BLD, ("batch", "seq", "embed"))

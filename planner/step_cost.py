@@ -220,7 +220,7 @@ def step_cost(cfg: ModelConfig, layout: Layout, strategies: Sequence[LayerSpec],
 
     Data-parallel reduction (all-reduce of the local fp32 gradients over data x fsdp; for
     fsdp a reduce-scatter plus the parameter all-gathers of forward and backward) runs once
-    per step after the micro-batch loop (per micro-batch for primepar), so only the
+    per step after the micro-batch loop, so only the
     embedding/head backward hides it:
         exposed = max(0, reduce - head backward)
     Optimizer: `update_s`.
@@ -247,11 +247,6 @@ def step_cost(cfg: ModelConfig, layout: Layout, strategies: Sequence[LayerSpec],
         fsdp_s = m * exposed_micro
     else:
         reduce = hw.comm_s("all-reduce", grad_bytes, rgroup)
-        if layout.primepar:
-            # Its batch is split over data x tp_row, so gradient accumulation cannot keep the
-            # data groups apart (training/state.py: accumulation_groups): every micro-batch
-            # all-reduces its gradients.
-            reduce *= m
         fsdp_s = 0.0
     hidden = min(reduce, 0.5 * head_s) if hw.async_collectives else 0.0
     exposed_reduce = reduce - hidden

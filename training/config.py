@@ -191,11 +191,13 @@ def _check_pipeline(par: ParallelConfig) -> None:
                         f"--mesh data=2,stage=2,tensor=2, or stage=1 for a one-stage "
                         f"pipeline), got --mesh {par.mesh}")
     spmd = par.pipeline in SPMD_PIPELINES  # no per-stage control flow: any collective inside
-    if par.rules in ("fsdp_tp", "primepar") or par.schedule == "primepar":
-        what = f"--rules {par.rules}" if par.rules in ("fsdp_tp", "primepar") \
-            else "--schedule primepar"
-        raise UserError(f"--pipeline does not combine with {what} yet (XLA's partitioner aborts "
-                        f"on it inside the stage loop): use --rules dp, fsdp, tp or tp_sp")
+    if (par.rules == "primepar" or par.schedule == "primepar") and not spmd:
+        # The square's layout changes (batch over tp_row, features over tp_col) are
+        # collective-permutes, which inside the tick's per-stage switch would wait forever.
+        what = "--schedule primepar" if par.schedule == "primepar" else "--rules primepar"
+        raise UserError(f"--pipeline {par.pipeline} cannot run {what} inside its stages (the "
+                        f"square's collective-permutes inside the tick's switch would wait for "
+                        f"stages running other branches): use --pipeline gpipe_spmd or 1f1b_spmd")
     if par.schedule not in STAGE_SCHEDULES and not spmd:
         raise UserError(f"--pipeline {par.pipeline} cannot run --schedule {par.schedule} inside "
                         f"its stages (its collective-permutes inside the tick's switch would "

@@ -124,7 +124,10 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
     restore_as = fns.abstract_state
     if cfg.parallel.pipeline:  # stage layout in the step, standard in checkpoints
         pipe = pipeline_step.spec_for(cfg.model, cfg.parallel, cfg.microbatches, mesh)
-        to_stored, to_standard, restore_as = pipeline_step.layout(pipe, fns, rules, mesh)
+        weights_in, weights_out = to_stored, to_standard  # primepar's block permutation
+        to_stages, from_stages, restore_as = pipeline_step.layout(pipe, fns, rules, mesh)
+        to_stored = lambda tree: to_stages(weights_in(tree))  # noqa: E731
+        to_standard = lambda tree: weights_out(from_stages(tree))  # noqa: E731
     with _output_lock(cfg):  # before anything is written or read there
         ckpt = (
             Checkpointer(cfg.ckpt.dir, keep=cfg.ckpt.keep, create=not cfg.ckpt.resume,

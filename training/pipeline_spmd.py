@@ -143,6 +143,14 @@ def _embed_all(cfg: ModelConfig, tables: dict, tokens_M2BL: jax.Array) -> jax.Ar
     return x.reshape(*ids.shape, -1)
 
 
+def _put(buf_MX: jax.Array, i: jax.Array, keep: jax.Array, x: jax.Array) -> jax.Array:
+    """`buf_MX` with row i set to x where `keep` (kept as it was elsewhere): a dynamic update
+    slice, not the scatter `.at[i].set` lowers to, which XLA's partitioner aborts on inside the
+    stage loop when the rows are split over two axes (PrimePar's batch over data and tp_row)."""
+    row = jax.lax.dynamic_index_in_dim(buf_MX, i, keepdims=False)
+    return jax.lax.dynamic_update_index_in_dim(buf_MX, jnp.where(keep, x, row), i, 0)
+
+
 def _embedding_tables(local: dict) -> dict:
     return {k: local[k] for k in ("embed", "pos") if k in local}
 
@@ -171,8 +179,7 @@ def spmd_pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel
             y = run_stack(fns, blocks, x, scan=cfg.scan_layers, remat_default=cfg.remat)
             m = t - (S - 1)
             keep = (s == S - 1) & (m >= 0)
-            outs = outs.at[jnp.clip(m, 0, M - 1)].set(
-                jnp.where(keep, y, outs[jnp.clip(m, 0, M - 1)]))
+            outs = _put(outs, jnp.clip(m, 0, M - 1), keep, y)
             recv = jax.lax.ppermute(y, STAGE, shift) if S > 1 else y
             return (recv, outs), None
 
@@ -262,8 +269,7 @@ def spmd_1f1b_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,
             x = jnp.where(s == 0, inputs[jnp.clip(m, 0, M - 1)], carry["recv_f"])
             x = jnp.where(valid(m), x, jnp.zeros_like(x))
             slot = jnp.mod(m, K)
-            carry["slots"] = carry["slots"].at[slot].set(
-                jnp.where(valid(m), x, carry["slots"][slot]))
+            carry["slots"] = _put(carry["slots"], slot, valid(m), x)
             return carry, stage_fn(wc, x)
 
         def head(carry, t, y):
@@ -297,8 +303,7 @@ def spmd_1f1b_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,
             carry["acc_w"] = jax.tree.map(lambda a, d: a + d.astype(f32), carry["acc_w"], d_w)
             keep = valid(m) & (s == 0)
             mm = jnp.clip(m, 0, M - 1)
-            carry["d_inputs"] = carry["d_inputs"].at[mm].set(
-                jnp.where(keep, d_x, carry["d_inputs"][mm]))
+            carry["d_inputs"] = _put(carry["d_inputs"], mm, keep, d_x)
             carry["recv_b"] = send(d_x, up=False)
             return carry
 

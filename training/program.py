@@ -150,6 +150,14 @@ def lower(spec: CompileSpec, mesh: Mesh, tx: optax.GradientTransformation | None
     tx = tx or make_optimizer(OptimConfig(), total_steps=1000)
     check_moe(spec.model, par, mesh)
     parallel = Parallel(mesh, rules, par.default_layer, par.layers, moe=par.moe_setup)
+    if (par.pipeline == "gpipe_spmd" and "primepar" in par.schedules
+            and platform_of(mesh) == "cpu"):
+        # The head's backward all-reduces do not depend on the stage loop's backward, and
+        # XLA:CPU runs them beside it in a different order on different devices: the
+        # in-process rendezvous then waits forever. 1f1b_spmd keeps the head inside its loop.
+        raise UserError("--pipeline gpipe_spmd with --schedule primepar deadlocks XLA:CPU's "
+                        "collectives; on CPU devices use --pipeline 1f1b_spmd (gpipe_spmd "
+                        "compiles for GPU targets)")
     if par.pipeline:  # the stages' own step (training.pipeline_step), same StepFns
         pipe = pipeline_step.spec_for(spec.model, par, spec.microbatches, mesh)
         fns = pipeline_step.build_pipeline_step_fns(spec.model, tx, parallel, pipe)

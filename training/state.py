@@ -166,16 +166,16 @@ def accumulation_groups(rules: ShardingRules, mesh: Mesh, data: str = "data") ->
     summing its own gradients over the micro-batches before one reduction per step: the size
     of the data axis, or 1 where parameters are sharded over it (FSDP reduce-scatters every
     micro-batch's gradients, as ZeRO-3 does, since no device holds a whole gradient) or where
-    the batch is split over more than `data` (below)."""
+    the batch is not split over `data` first, or over an expert axis too (below)."""
     def names(axes) -> tuple[str, ...]:
         return (axes,) if isinstance(axes, str) else tuple(axes or ())
 
     size = mesh.shape.get(data, 1)
     batch = rules.act_spec(("batch",), mesh)
-    if size == 1 or names(batch[0] if len(batch) else None) != (data,):
-        # Only a batch split over `data` alone: with primepar's (data, tp_row) XLA's partitioner
-        # aborts on the embedding gather in a region manual over `data` only
-        # (spmd_partitioner_util.cc:498, jax 0.12), so primepar reduces every micro-batch.
+    split = names(batch[0] if len(batch) else None)
+    if size == 1 or split[:1] != (data,) or "expert" in split:
+        # A batch split over `data` first: primepar's (data, tp_row) keeps tp_row inside each
+        # group. An MoE batch split over data x expert reduces every micro-batch.
         return 1
     if any(data in names(axes) for _, axes in rules.params):
         return 1

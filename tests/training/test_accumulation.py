@@ -19,7 +19,7 @@ CASES = {  # name: (mesh, rules, schedule, micro-batches, data groups reduced on
     "megatron": ("data=2,tensor=4", "tp", "megatron", 2, True),
     "oases": ("data=2,tensor=4", "tp", "oases", 2, True),
     "collective_matmul": ("data=2,tensor=4", "tp_sp", "collective_matmul", 2, True),
-    "primepar": ("data=2,tp_row=2,tp_col=2", "primepar", "primepar", 2, False),
+    "primepar": ("data=2,tp_row=2,tp_col=2", "primepar", "primepar", 2, True),
     "fsdp": ("data=8,tensor=1", "fsdp", "megatron", 2, False),
 }
 
@@ -63,7 +63,7 @@ def _data_reductions(module: hlo.HloModule, comp: hlo.Computation, data_of, n: i
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["dp", "megatron", "oases", "fsdp"])
+@pytest.mark.parametrize("case", ["dp", "megatron", "oases", "fsdp", "primepar"])
 def test_data_reduction_once_per_step(case):
     """The micro-batch loop (the entry's outermost while) holds no reduction over `data`
     where the gradients accumulate in groups; after it the step reduces them."""
@@ -100,7 +100,7 @@ def test_groups_follow_the_rules():
     assert accumulation_groups(get_rules("tp"), mesh) == 2
     assert accumulation_groups(get_rules("fsdp_tp"), mesh) == 1
     square = make_mesh("data=2,tp_row=2,tp_col=2", jax.devices())
-    assert accumulation_groups(get_rules("primepar"), square) == 1
+    assert accumulation_groups(get_rules("primepar"), square) == 2  # (data, tp_row): data off
     assert accumulation_groups(get_rules("tp"), make_mesh("data=1,tensor=8", jax.devices())) == 1
 
 

@@ -110,6 +110,18 @@ def test_every_schedule_mesh_and_m(model, mesh, schedule, m):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("schedule", "m"), [("1f1b", "S+1"), ("merak", "2S+3")])
+def test_fsdp_tp_inside_stages(model, schedule, m):
+    """FSDP beside Megatron inside the tick executor's stages (`--rules fsdp_tp`): its
+    embedding lookup runs per device inside the stage loop (oases_jax.embedding)."""
+    cfg, graphdef, params = model
+    tokens = _tokens(cfg, _m(m, 2))
+    _assert_equal(_reference(cfg, graphdef, params, tokens),
+                  _pipelined(cfg, params, tokens, "data=2,stage=2,tensor=2", schedule,
+                             rules="fsdp_tp", poison=True))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["1f1b", "merak"])
 def test_oases_inside_the_stages(model, schedule):
     cfg, graphdef, params = model

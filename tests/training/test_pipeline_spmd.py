@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import pytest
 
+from models.layout import layout_fns
+from models.sharding import param_shardings
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.mesh import make_mesh
 from oases_jax.rules import get_rules
@@ -28,7 +30,11 @@ def _spmd(cfg, params, tokens, mesh_text, *, tp="megatron", rules="tp", poison=F
                             microbatches=tokens.shape[0])
     parallel = Parallel(mesh, rules, LayerSpec(schedule=tp))
     groups = accumulation_groups(rules, mesh)
-    staged = ps.to_stages(params, pipe)
+    # PrimePar's square stores each projection weight block-permuted (models.layout), its
+    # gradients too: the stages get the stored layout, the gradients go back to the standard.
+    to_stored, to_standard = layout_fns(tp, rules, mesh)
+    staged = ps.to_stages(to_stored(jax.device_put(params, param_shardings(params, rules, mesh))),
+                          pipe)
     staged = jax.device_put(staged, ps.stage_shardings(staged, rules, mesh))
 
     def step(p, t):
@@ -39,7 +45,8 @@ def _spmd(cfg, params, tokens, mesh_text, *, tp="megatron", rules="tp", poison=F
 
     with jax.set_mesh(mesh):
         loss, grads = jax.jit(step)(staged, tokens)
-    return loss, ps.from_stages(grads, pipe)
+    grads = ps.from_stages(grads, pipe)
+    return loss, to_standard(jax.device_put(grads, param_shardings(grads, rules, mesh)))
 
 
 FAST = [  # (mesh, tensor-parallel schedule, rules, M, NaN-filled buffers)
@@ -54,6 +61,7 @@ SLOW = [
     ("data=2,stage=2,tensor=2", "megatron_sp", "tp_sp", 2, False),
     ("stage=4,tensor=2", "collective_matmul", "tp", 11, True),
     ("data=2,stage=2,tensor=2", "megatron", "tp", 3, False),
+    ("data=2,stage=2,tensor=2", "megatron", "fsdp_tp", 2, True),
 ]
 
 
@@ -69,8 +77,12 @@ def test_equals_one_device(model, mesh, tp, rules, m, poison):
 FAST_1F1B = [  # (mesh, tensor-parallel schedule, rules, M, NaN-filled buffers)
     ("stage=2,tensor=4", "collective_matmul", "tp", 2, True),
     ("stage=4,tensor=2", "megatron", "tp", 5, True),
+    # PrimePar's square inside the stages (its embedding lookup and loss written so that
+    # XLA's partitioner can run them inside the stage loop: oases_jax.embedding, models.loss).
+    ("stage=2,tp_row=2,tp_col=2", "primepar", "primepar", 5, True),
 ]
 SLOW_1F1B = [
+    ("data=2,stage=2,tensor=2", "megatron", "fsdp_tp", 3, False),
     ("stage=8", "megatron", "tp", 8, True),
     ("stage=4,tensor=2", "megatron", "tp", 3, True),  # M < S: no steady 1F1B on stage 0
     ("data=2,stage=4", "megatron", "fsdp", 11, False),
