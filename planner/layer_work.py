@@ -60,6 +60,12 @@ def sequence_split(schedule: str, tensor: int) -> int:
     return tensor if registry.get(schedule).sequence_parallel else 1
 
 
+def stream_split(schedule: str, tensor: int, square: bool = False) -> int:
+    """How many ways one device's rows x D of the residual stream are split inside a replica:
+    `sequence_split`, or on primepar's q x q square (`square`) the rows over q and D over q."""
+    return tensor if square else sequence_split(schedule, tensor)
+
+
 @dataclasses.dataclass(frozen=True)
 class SubLayerWork:
     """Seconds of the parts of one residual sub-layer (attention or MLP) for `rows` rows."""

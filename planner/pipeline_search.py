@@ -13,9 +13,10 @@ from oases_jax.layer_plan import LayerSpec
 from oases_jax.pipeline import SPMD_PIPELINES, STAGE_SCHEDULES
 from oases_jax.pipeline.lowering import flat_pools
 from planner.layer_cost import LayerModel
-from planner.layer_work import elem_bytes, layer_matrices, sequence_split
+from planner.layer_work import elem_bytes, layer_matrices, stream_split
 from planner.layout import Layout
 from planner.prices import Hardware
+from planner.primepar_cost import square_layouts
 from planner.search import divisors, strategies
 from planner.spmd_stages import SPMD_1F1B, spmd_head_s, uniform_stages
 from planner.stage_partition import StageInputs, StagePlan, fixed, partition
@@ -47,8 +48,8 @@ class PipelineCandidate:
     peak_memory_bytes: float
 
     def mesh(self) -> dict[str, int]:
-        axes = {"stage": self.stages, "data": self.layout.replicas, "tensor": self.layout.tensor}
-        return {k: v for k, v in axes.items() if v > 1 or k == "stage"}
+        """stage, then the layout's own axes (data, tensor or primepar's tp_row x tp_col)."""
+        return {"stage": self.stages} | {k: v for k, v in self.layout.mesh().items() if v > 1}
 
     def rules(self) -> str:
         """The rule set inside the stages (`Layout.rules`: fsdp, tp or dp here)."""
@@ -170,7 +171,7 @@ def transfer_s(cfg: ModelConfig, layout: Layout, hw: Hardware, strategy: LayerSp
     if stages == 1:
         return 0.0
     nbytes = layout.rows * layout.seq_len * cfg.d_model * elem_bytes(cfg) \
-        / sequence_split(strategy.schedule, layout.tensor)
+        / stream_split(strategy.schedule, layout.tensor, layout.primepar)
     span = layout.replicas * layout.tensor
     return hw.comm_s("collective-permute", nbytes, [s * span for s in range(stages)])
 
@@ -242,14 +243,15 @@ def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int
     n = n_devices or hw.cluster.n_devices
     budget = hw.memory_budget(memory_fraction)
     screened = []
-    for S, layout, _ in _layouts(cfg, hw, n, global_batch, seq_len, fsdp=not megatron_only):
-        strategy = _strategy(cfg, layout, hw, megatron_only)
-        if strategy is None:
+    for S, layout, _ in _layouts(cfg, hw, n, global_batch, seq_len, fsdp=not megatron_only,
+                                 square=not megatron_only):
+        strategy = _strategy(cfg, layout, hw, megatron_only)  # None on a primepar square
+        if strategy is None and not layout.primepar:
             continue
         flats = {flat_pools(CHUNKS if sch == "interleaved" else 1, layout.tensor > 1)
-                 for sch in pipelines if sch not in SPMD_PIPELINES}
+                 for sch in pipelines if sch not in SPMD_PIPELINES and strategy is not None}
         x = {flat: stage_inputs(cfg, layout, hw, strategy, flat) for flat in flats}
-        p2p = transfer_s(cfg, layout, hw, strategy, S)
+        p2p = transfer_s(cfg, layout, hw, strategy, S) if strategy is not None else 0.0
         for sch in pipelines:
             if sch == "interleaved" and (S < 2 or cfg.n_layers % (CHUNKS * S)):
                 continue
@@ -264,6 +266,8 @@ def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int
                     est += (layout.microbatches + S - 1) * sum(xs.f[:cfg.n_layers // S])
                 screened.append((est, S, layout, ring, xs, p2p_ring, sch))
                 continue
+            if strategy is None:
+                continue  # the square's permutes cannot sit in the tick executor's switch
             # No mesh axis is left to GSPMD inside the stages when tensor = 1.
             xs = x[flat_pools(CHUNKS if sch == "interleaved" else 1, layout.tensor > 1)]
             est = _screen(cfg, hw, S, layout, strategy, xs, p2p, sch)
@@ -321,14 +325,20 @@ def megatron_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: i
 
 
 def _layouts(cfg: ModelConfig, hw: Hardware, n: int, global_batch: int, seq_len: int,
-             fsdp: bool = False):
+             fsdp: bool = False, square: bool = False):
     """(S, layout, t) of every S >= 2, tensor degree inside a node dividing the model's heads,
     KV heads, MLP and vocabulary, data the rest, M = S x {1, 2, 4, 8} dividing the per-replica
-    batch; with `fsdp`, where tensor = 1, also FSDP over the replicas."""
+    batch; with `fsdp`, where tensor = 1, also FSDP over the replicas; with `square`,
+    PrimePar's q x q squares inside a node (`square_layouts`)."""
     node = hw.cluster.devices_per_node
     for S in divisors(n):
         if S < 2 or S > cfg.n_layers:
             continue
+        if square:
+            for lay in square_layouts(cfg, n // S, global_batch, seq_len, 8 * S):
+                if lay.tensor <= node and lay.microbatches in (S * f for f in
+                                                               MICROBATCH_FACTORS):
+                    yield S, lay, lay.tensor
         for t in divisors(n // S):
             if t > node or cfg.n_heads % t or cfg.kv_heads % t or cfg.ff_dim % t \
                     or cfg.padded_vocab % t:
@@ -343,8 +353,8 @@ def _layouts(cfg: ModelConfig, hw: Hardware, n: int, global_batch: int, seq_len:
                 yield S, Layout(data=d, tensor=t, microbatches=M, global_batch=global_batch,
                                 seq_len=seq_len), t
                 if fsdp and d > 1 and t == 1:
-                    # FSDP inside the stages (`--rules fsdp`); with tensor > 1 it would be
-                    # fsdp_tp, which the runtime refuses there.
+                    # FSDP inside the stages (`--rules fsdp`); fsdp_tp runs there too but its
+                    # pricing inside stages is not checked against a compiled program yet.
                     yield S, Layout(fsdp=d, microbatches=M, global_batch=global_batch,
                                     seq_len=seq_len), t
 
@@ -352,11 +362,10 @@ def _layouts(cfg: ModelConfig, hw: Hardware, n: int, global_batch: int, seq_len:
 def _strategy(cfg, layout, hw, megatron_only: bool, anywhere: bool = False
               ) -> LayerSpec | None:
     """The fastest layer strategy without remat (the partitioner adds recompute per stage)
-    that the tick executor runs inside its stages (`anywhere`: any but PrimePar's, which no
-    pipeline runs: gpipe_spmd's)."""
+    that the tick executor runs inside its stages (`anywhere`: any, as the SPMD pipelines
+    do; on a primepar square that is PrimePar alone)."""
     opts = [s for s in strategies(layout, remats=("none",))
-            if (s.schedule in STAGE_SCHEDULES or (anywhere and s.schedule != "primepar"
-                                                  and not s.spec.square))
+            if (s.schedule in STAGE_SCHEDULES or anywhere)
             and (not megatron_only or s.schedule == "megatron")]
     if not opts:
         return None

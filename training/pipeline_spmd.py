@@ -22,9 +22,10 @@ runs the whole head. The tied or shared tables' gradients are summed over `stage
 
 Restrictions, each checked in `training.config._check_pipeline` and `pipeline_spec`: equal
 stages (one program for all), one chunk, one remat policy (`--remat`, no per-stage ratios), one
-`--schedule` for every layer, and neither `--rules fsdp_tp` nor PrimePar: XLA's SPMD partitioner
-aborts on both inside a region manual over `stage` (spmd_partitioner_util.cc:498, "Check failed:
-partition_group_list.num_replica_groups() * ... == device_groups.num_devices_per_group()").
+`--schedule` for every layer. PrimePar's square and `--rules fsdp_tp` run inside the stages:
+nothing here hands XLA's partitioner a gather or scatter over a doubly split operand, which it
+aborts on inside a region manual over `stage` (spmd_partitioner_util.cc:498; the embedding
+lookup is `oases_jax.embedding.lookup`, buffer writes are dynamic update slices, `_put`).
 """
 
 from __future__ import annotations
