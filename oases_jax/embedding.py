@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from oases_jax import compat
-from oases_jax.rules import _OUTER, active_rules, spec_divides
+from oases_jax.rules import active_rules, spec_divides
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -36,7 +36,7 @@ def lookup(table_VD: jax.Array, ids_BL: jax.Array) -> jax.Array:
     if active is None or not compat.manual_axes():
         return jnp.take(table_VD, ids_BL, axis=0)
     rules, mesh = active
-    outer = _OUTER.get() | compat.manual_axes()
+    outer = compat.manual_axes()  # the specs below already leave `outer_axes` out
     t_spec = rules.param_spec(("vocab", "embed"), mesh)
     vocab, embed = (tuple(a for a in _axes(e) if a not in outer) for e in t_spec)
     if not vocab:
