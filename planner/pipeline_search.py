@@ -377,25 +377,3 @@ def timed_search(cfg: ModelConfig, hw: Hardware, **kw) -> tuple[list[PipelineCan
     t0 = time.perf_counter()
     out = search_3d(cfg, hw, **kw)
     return out, time.perf_counter() - t0
-
-
-def report_3d(cands: list[PipelineCandidate], megatron: list[PipelineCandidate],
-              best_2d_s: float, search_s: float, top: int) -> str:
-    """`plan.py --pipeline`'s lines: the ranked 3D plans, Megatron-LM's plan, the best 2D plan."""
-    lines = [f"3D plans (data x stage x tensor), searched in {search_s:.2f} s:",
-             f"{'#':>3}  {'plan':<86} {'step ms':>10} {'peak GiB':>9}"]
-    for i, c in enumerate(cands[:top]):
-        lines.append(f"{i + 1:3d}  {c.summary()[:86]:<86} {c.step_s * 1e3:10.2f} "
-                     f"{c.peak_memory_bytes / 2**30:9.2f}")
-    if megatron:
-        m = megatron[0]
-        lines.append(f"Megatron-LM's 3D plan (uniform stages, 1F1B, full recompute): "
-                     f"{m.summary()}  {m.step_s * 1e3:.2f} ms")
-    if cands:
-        lines.append(f"best 3D plan {cands[0].step_s * 1e3:.2f} ms against the best 2D plan "
-                     f"{best_2d_s * 1e3:.2f} ms: "
-                     + ("the 3D plan is chosen" if cands[0].step_s < best_2d_s
-                        else "the 2D plan stays"))
-    else:
-        lines.append("no 3D plan fits")
-    return "\n".join(lines)

@@ -291,8 +291,8 @@ def pipeline_choice(args, cfg, cluster, profile, seq_len, plan: dict, best_2d_s:
     """`--pipeline`: the 3D search beside the 2D plan; returns the plan to write (the 3D one
     when it is faster)."""
     from oases_jax.errors import UserError
-    from planner.pipeline_search import megatron_3d, report_3d, timed_search
-    from planner.plan import pipeline_plan_json
+    from planner.pipeline_search import megatron_3d, timed_search
+    from planner.plan import pipeline_plan_json, report_3d
     from planner.prices import Hardware
 
     if cfg.moe:
