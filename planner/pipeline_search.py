@@ -257,8 +257,11 @@ def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int
                 continue
             if sch in SPMD_PIPELINES:
                 ring = _strategy(cfg, layout, hw, megatron_only, anywhere=True)
-                if ring is None or ring.schedule in STAGE_SCHEDULES or cfg.n_layers % S:
-                    continue  # the tick executor's gpipe runs it already, or unequal stages
+                if ring is None or ring.schedule in STAGE_SCHEDULES or cfg.n_layers % S \
+                        or (layout.primepar and sch == SPMD_1F1B):
+                    # The tick executor's gpipe runs it already, or unequal stages; the square
+                    # under 1f1b_spmd compiles 13% slower than priced (docs/planner.md).
+                    continue
                 xs, p2p_ring = stage_inputs(cfg, layout, hw, ring, pools=sch != SPMD_1F1B), \
                     transfer_s(cfg, layout, hw, ring, S)
                 est = _screen(cfg, hw, S, layout, ring, xs, p2p_ring, sch)

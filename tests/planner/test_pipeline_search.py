@@ -265,15 +265,16 @@ def _ring_plans(pipeline: str):
 
 
 def test_primepar_squares_inside_the_spmd_stages():
-    """PrimePar's q x q squares join the 3D search under the SPMD pipelines only (the square's
-    permutes cannot sit in the tick executor's switch); a square's stage transfer moves its
-    rows/q x D/q per device, and its plan runs the SPMD pipeline with the primepar rules and
-    schedule on stage x data x tp_row x tp_col."""
+    """PrimePar's q x q squares join the 3D search under gpipe_spmd only (the square's permutes
+    cannot sit in the tick executor's switch, and under 1f1b_spmd it compiles 13% slower than
+    priced); a square's stage transfer moves its rows/q x D/q per device, and its plan runs
+    gpipe_spmd with the primepar rules and schedule on stage x data x tp_row x tp_col."""
     cfg, h = CFG.replace(dtype="bfloat16", n_heads=20), hw("h100:16")  # 20 heads split by q=2
     out = search_3d(cfg, h, global_batch=32, seq_len=1024, pipelines=("gpipe_spmd", "1f1b_spmd"),
                     refine=200, baseline=False)
     squares = [c for c in out if c.layout.primepar]
     assert squares and all(c.strategy.schedule == "primepar" for c in squares)
+    assert {c.stage_plan.schedule for c in squares} == {"gpipe_spmd"}
     assert not any(c.layout.primepar for c in search_3d(
         cfg, h, global_batch=32, seq_len=1024, pipelines=("1f1b",), refine=200, baseline=False))
     c = squares[0]
