@@ -152,9 +152,10 @@ def lower(spec: CompileSpec, mesh: Mesh, tx: optax.GradientTransformation | None
     parallel = Parallel(mesh, rules, par.default_layer, par.layers, moe=par.moe_setup)
     if (par.pipeline == "gpipe_spmd" and "primepar" in par.schedules
             and platform_of(mesh) == "cpu"):
-        # The head's backward all-reduces do not depend on the stage loop's backward, and
-        # XLA:CPU runs them beside it in a different order on different devices: the
-        # in-process rendezvous then waits forever. 1f1b_spmd keeps the head inside its loop.
+        # XLA:CPU starts some of this program's independent collectives in a different order
+        # on different devices (seen: an all-reduce over tp_col on some, a collective-permute
+        # on the others), and its in-process rendezvous then waits forever; ordering the
+        # head's backward before the loop's did not help. 1f1b_spmd runs.
         raise UserError("--pipeline gpipe_spmd with --schedule primepar deadlocks XLA:CPU's "
                         "collectives; on CPU devices use --pipeline 1f1b_spmd (gpipe_spmd "
                         "compiles for GPU targets)")
