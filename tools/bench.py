@@ -135,10 +135,11 @@ def _short_mesh(mesh: str) -> str:
     return "".join(f"{name[0]}{size}" for name, size in parse_mesh(mesh).axes)
 
 
-def _labels(specs: list[VariantSpec], meshes: list[str]) -> list[str]:
-    """Given labels are kept; others show only the parts that differ between the variants."""
-    parts = [(_short_mesh(m), s.rules, s.schedule, s.pipeline or "")
-             for s, m in zip(specs, meshes, strict=True)]
+def _labels(specs: list[VariantSpec], meshes: list[str], rules: list[str]) -> list[str]:
+    """Given labels are kept; others show only the parts that differ between the variants,
+    with the rule set each runs (a schedule's own, e.g. primepar's, not the default asked)."""
+    parts = [(_short_mesh(m), r, s.schedule, s.pipeline or "")
+             for s, m, r in zip(specs, meshes, rules, strict=True)]
     differ = [len({p[i] for p in parts}) > 1 for i in range(4)]
     if not any(differ):
         differ = [True] * 3 + [False]
@@ -190,7 +191,7 @@ def resolve_variants(specs: tuple[VariantSpec, ...], n_devices: int,
         except UserError as e:
             raise UserError(f"variant {where}: {e}") from None
         rules.append(parallel.rules_name)
-    labels = _labels(list(specs), meshes)
+    labels = _labels(list(specs), meshes, rules)
     return [
         Resolved(label=lab, mesh=m, rules=r, schedule=s.schedule, pipeline=s.pipeline, source=s)
         for lab, m, r, s in zip(labels, meshes, rules, specs, strict=True)

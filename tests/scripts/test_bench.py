@@ -65,9 +65,19 @@ def test_labels_show_what_differs():
     def labels(*texts):
         return [r.label for r in resolve_variants(tuple(map(parse_variant, texts)), 8)]
 
-    assert labels("data=2,tensor=4/tp/megatron", "data=2,tensor=4/tp/xla_auto") == [
+    assert labels("data=2,tensor=4/tp/megatron", "data=2,tensor=4/tp/oases") == [
         "megatron",
-        "xla_auto",
+        "oases",
+    ]
+    # Labels name the rule set each variant runs: xla_auto's sequence-parallel tp_sp,
+    # primepar's own, not the `tp` asked for.
+    assert labels("data=2,tensor=4/tp/megatron", "data=2,tensor=4/tp/xla_auto") == [
+        "tp/megatron",
+        "tp_sp/xla_auto",
+    ]
+    assert labels("data=2,tensor=4/tp/megatron", "data=2,tp_row=2,tp_col=2/tp/primepar") == [
+        "d2t4/tp/megatron",
+        "d2t2t2/primepar/primepar",
     ]
     assert labels("data=8,tensor=1/dp", "data=2,tensor=-1/tp") == ["d8t1/dp", "d2t4/tp"]
     same = labels("data=8", "data=8", "mine:data=8")  # nothing differs: full labels, numbered
