@@ -136,8 +136,7 @@ def _short_mesh(mesh: str) -> str:
 
 
 def _labels(specs: list[VariantSpec], meshes: list[str], rules: list[str]) -> list[str]:
-    """Given labels are kept; others show only the parts that differ between the variants,
-    with the rule set each runs (a schedule's own, e.g. primepar's, not the default asked)."""
+    """Given labels are kept; others show the parts that differ (the rule set each runs)."""
     parts = [(_short_mesh(m), r, s.schedule, s.pipeline or "")
              for s, m, r in zip(specs, meshes, rules, strict=True)]
     differ = [len({p[i] for p in parts}) > 1 for i in range(4)]
