@@ -27,6 +27,12 @@ def _masked(logits_BLV: jax.Array, ids_V: jax.Array, vocab_size: int) -> jax.Arr
                      jnp.finfo(jnp.float32).min)
 
 
+def _target(x_BLV: jax.Array, ids_V: jax.Array, targets_BL: jax.Array) -> jax.Array:
+    """The target's logit among the ids `ids_V` (0 where it is not one of them): a masked sum
+    over V, no gather."""
+    return jnp.sum(jnp.where(ids_V == targets_BL[..., None], x_BLV, 0.0), axis=-1)
+
+
 def _logits_grad(logits_BLV, targets_BL, ids_V, vocab_size, logz_BL, g):
     """The loss's gradient on logits of the ids `ids_V`: (softmax - onehot) * g / N, in the
     logits' dtype, from the saved log-partition."""
@@ -45,7 +51,7 @@ def _forward(logits_BLV, targets_BL, vocab_size):
         # Inside a region manual over some mesh axes (a pipeline's stage loop), XLA's SPMD
         # partitioner aborts on the gather below when the logits are split over the
         # vocabulary beside other axes (spmd_partitioner_util.cc:498): a masked sum instead.
-        target_BL = jnp.sum(jnp.where(ids_V == targets_BL[..., None], x_BLV, 0.0), axis=-1)
+        target_BL = _target(x_BLV, ids_V, targets_BL)
     else:
         target_BL = jnp.take_along_axis(x_BLV, targets_BL[..., None], axis=-1)[..., 0]
     return jnp.mean(logz_BL - target_BL), logz_BL
@@ -87,8 +93,7 @@ def _split_forward(logits_BLV, targets_BL, ids_V, vocab_size, axis):
     max_BL = jax.lax.pmax(jnp.max(x_BLV, axis=-1), axis)
     sum_BL = jax.lax.psum(jnp.sum(jnp.exp(x_BLV - max_BL[..., None]), axis=-1), axis)
     logz_BL = jnp.log(sum_BL) + max_BL
-    hit_BLV = ids_V == targets_BL[..., None]
-    target_BL = jax.lax.psum(jnp.sum(jnp.where(hit_BLV, x_BLV, 0.0), axis=-1), axis)
+    target_BL = jax.lax.psum(_target(x_BLV, ids_V, targets_BL), axis)
     return jnp.mean(logz_BL - target_BL), logz_BL
 
 

@@ -8,11 +8,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from oases_jax import compat
-from oases_jax.rules import active_rules, spec_divides
-
-
-def _axes(entry) -> tuple[str, ...]:
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+from oases_jax.rules import active_rules, entry_axes, spec_divides
 
 
 def _entry(axes: tuple[str, ...]):
@@ -38,13 +34,13 @@ def lookup(table_VD: jax.Array, ids_BL: jax.Array) -> jax.Array:
     rules, mesh = active
     outer = compat.manual_axes()  # the specs below already leave `outer_axes` out
     t_spec = rules.param_spec(("vocab", "embed"), mesh)
-    vocab, embed = (tuple(a for a in _axes(e) if a not in outer) for e in t_spec)
+    vocab, embed = (tuple(a for a in entry_axes(e) if a not in outer) for e in t_spec)
     if not vocab:
         return jnp.take(table_VD, ids_BL, axis=0)  # a gather the partitioner handles
     if spec_divides(table_VD.shape, P(_entry(vocab), _entry(embed)), mesh) is not None:
         return jnp.take(table_VD, ids_BL, axis=0)
     i_spec = rules.act_spec(("batch", "seq"), mesh)
-    i_spec = P(*(_entry(tuple(a for a in _axes(e) if a not in embed + vocab + tuple(outer)))
+    i_spec = P(*(_entry(tuple(a for a in entry_axes(e) if a not in embed + vocab + tuple(outer)))
                  for e in i_spec))
     if spec_divides(ids_BL.shape, i_spec, mesh) is not None:
         i_spec = P()

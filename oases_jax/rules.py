@@ -117,6 +117,11 @@ def _to_spec(logical: Logical, table: dict[str, MeshAxes], mesh: Mesh | None) ->
     return PartitionSpec(*out)
 
 
+def entry_axes(entry: MeshAxes) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, a name, or a tuple of names)."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def _padded(spec: PartitionSpec, ndim: int) -> tuple:
     return tuple(spec) + (None,) * (ndim - len(spec))
 

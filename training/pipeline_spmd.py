@@ -42,7 +42,7 @@ from models.config import ModelConfig
 from models.layers import block_fns, compute_weights
 from models.loss import split_cross_entropy
 from models.transformer import Transformer, cross_entropy
-from oases_jax.rules import constrain
+from oases_jax.rules import constrain, entry_axes
 from oases_jax.stacks import Parallel, run_stack
 from training.pipeline_layout import STAGE, PipelineSpec, _graphdefs, over_stages
 
@@ -57,8 +57,7 @@ def vocab_shards(cfg: ModelConfig, parallel: Parallel, manual: set[str]) -> int:
     over the mesh axes left to GSPMD inside the stages (not `manual`)."""
     names = ("vocab", "embed") if cfg.tied else ("embed", "vocab")
     entry = parallel.rules.param_spec(names, parallel.mesh)[names.index("vocab")]
-    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-    return math.prod(parallel.mesh.shape[a] for a in axes if a not in manual)
+    return math.prod(parallel.mesh.shape[a] for a in entry_axes(entry) if a not in manual)
 
 
 def vocab_part(table: jax.Array, tied: bool, s: jax.Array, stages: int, shards: int

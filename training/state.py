@@ -17,7 +17,7 @@ from models.layers import compute_weights
 from models.moe import LOSSES as MOE_LOSSES
 from models.sharding import abstract_model, param_shardings
 from models.transformer import objective
-from oases_jax.rules import ShardingRules, outer_axes
+from oases_jax.rules import ShardingRules, entry_axes, outer_axes
 from oases_jax.stacks import Parallel, use_parallel
 
 TrainState = (
@@ -167,17 +167,14 @@ def accumulation_groups(rules: ShardingRules, mesh: Mesh, data: str = "data") ->
     of the data axis, or 1 where parameters are sharded over it (FSDP reduce-scatters every
     micro-batch's gradients, as ZeRO-3 does, since no device holds a whole gradient) or where
     the batch is not split over `data` first, or over an expert axis too (below)."""
-    def names(axes) -> tuple[str, ...]:
-        return (axes,) if isinstance(axes, str) else tuple(axes or ())
-
     size = mesh.shape.get(data, 1)
     batch = rules.act_spec(("batch",), mesh)
-    split = names(batch[0] if len(batch) else None)
+    split = entry_axes(batch[0] if len(batch) else None)
     if size == 1 or split[:1] != (data,) or "expert" in split:
         # A batch split over `data` first: primepar's (data, tp_row) keeps tp_row inside each
         # group. An MoE batch split over data x expert reduces every micro-batch.
         return 1
-    if any(data in names(axes) for _, axes in rules.params):
+    if any(data in entry_axes(axes) for _, axes in rules.params):
         return 1
     return size
 

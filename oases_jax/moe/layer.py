@@ -23,7 +23,7 @@ from oases_jax import compat
 from oases_jax.errors import UserError
 from oases_jax.moe import chunked, routing
 from oases_jax.moe.schedules import get as get_schedule
-from oases_jax.rules import ShardingRules
+from oases_jax.rules import ShardingRules, entry_axes
 
 EXPERT_AXIS, TENSOR_AXIS = "expert", "tensor"
 
@@ -71,8 +71,7 @@ class Axes:
     @classmethod
     def of(cls, rules: ShardingRules, mesh: Mesh) -> Axes:
         def axes(name):
-            entry = rules.act_spec((name,), mesh)[0]
-            return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            return entry_axes(rules.act_spec((name,), mesh)[0])
 
         sizes = dict(mesh.shape)
         ep = EXPERT_AXIS if sizes.get(EXPERT_AXIS, 1) > 1 else None
