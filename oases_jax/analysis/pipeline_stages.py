@@ -204,27 +204,33 @@ def _match(rows: int, leaf: Leaf, carry: list, taken: collections.Counter,
 
 def stage_memory(program: Program, plan: Plan, residuals: Mapping[int, Sequence[Leaf]],
                  stashes: Mapping[int, Sequence[Leaf]], peak_bytes: int,
-                 loop: TickLoop | None = None, divisors: Sequence[int] = ()) -> StageMemory:
+                 loop: TickLoop | None = None, divisors: Sequence[int] = (),
+                 blocks: bool = False) -> StageMemory:
     """Per-stage pool bytes of `program` under `plan`. `residuals[j]` / `stashes[j]`: the leaves
     one micro-batch of virtual stage j stores (as the executor lays them out); each pool is
     matched to the buffer the compiled tick loop carries (`divisors`: the sizes of the mesh axes
-    that may shard a leaf inside the loop, e.g. `tensor`)."""
+    that may shard a leaf inside the loop, e.g. `tensor`). `blocks`: the executor kept the pools
+    out of the switch (`executor.pool_blocks`), each with a spare block of the most leaves of
+    its key one slot holds."""
     loop = loop or find_tick_loop(program, plan)
     S, V = plan.stages, plan.virtual
     flat = plan.flat_pools(sharded_inside=any(d > 1 for d in divisors))
     used_by: list[collections.Counter] = []
+    spare: collections.Counter = collections.Counter()
     for d in range(S):
         used: collections.Counter = collections.Counter()
         for j in range(d, V, S):
             for layout, slots in ((residuals[j], plan.res_slots[j]),
                                   (stashes[j], plan.stash_slots[j])):
-                for leaf in layout:
-                    used[plan.pool_key(*leaf, flat)] += slots
+                per_slot = collections.Counter(plan.pool_key(*leaf, flat) for leaf in layout)
+                for key, n in per_slot.items():
+                    used[key] += n * slots
+                    spare[key] = max(spare[key], n if blocks else 0)
         used_by.append(used)
     rows = collections.Counter()
     for used in used_by:
         for leaf, n in used.items():
-            rows[leaf] = max(rows[leaf], n)
+            rows[leaf] = max(rows[leaf], n + spare[leaf])
     carry = _carry_arrays(program, loop) if loop else []
     taken: collections.Counter = collections.Counter()
     pools = []

@@ -13,7 +13,11 @@ Everything stateful is addressed by slots allocated offline (`plan`): received a
 gradients wait in small receive buffers, residuals in pools shared between the virtual stages a
 device holds. Residual leaves that are the stage's parameters themselves are never stored (the
 backward re-traces the VJP and takes them from the live parameters), so no micro-batch keeps a
-copy of the weights. Gradients accumulate in one local buffer per stage.
+copy of the weights. Gradients accumulate in one local buffer per stage. The pools either go
+through the switch, whose branches read and write them in place (GPUs), or stay outside it: each
+tick slices one block of every pool for the branches and writes one back (CPU devices,
+`pool_blocks`). The received activation and gradient and the micro-batch's tokens are read
+before the switch in both.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from oases_jax.compat import manual_axes
 from oases_jax.pipeline.lowering import (
@@ -42,8 +47,8 @@ from oases_jax.pipeline.lowering import (
 )
 
 __all__ = ["ACT_READ", "ACT_STORE", "BRANCH", "GRAD_READ", "GRAD_STORE", "KINDS", "MB",
-           "SLOT_IN", "SLOT_OUT", "Plan", "StageProgram", "base_kind", "plan", "residual_layouts",
-           "run"]
+           "SLOT_IN", "SLOT_OUT", "Plan", "StageProgram", "base_kind", "plan", "pool_blocks",
+           "residual_layouts", "run"]
 
 @dataclasses.dataclass(frozen=True)
 class StageProgram:
@@ -113,13 +118,26 @@ def residual_layouts(prog: StageProgram, local_params, data_mb) -> dict[tuple[in
     return layouts
 
 
+def pool_blocks(platform: str) -> bool:
+    """Whether `run` keeps the residual pools out of the tick's switch on `platform`. A pool that
+    goes through the switch is updated in place by the branch that stores into it, when XLA
+    manages that; XLA:CPU does not: it copied every pool whole after the switch, every tick (on
+    `small`, stage=2,tensor=4, M=16: 39 MiB a tick per device, the step 1469.7 ms, 530.8 ms
+    with blocks). XLA:GPU copies less (1.2 of 21.3 GiB a tick at GPT-2 1.5B, `h100:16`,
+    stage=2,data=8, GPipe M=4), and there the blocks' three passes over a slot outside the
+    switch cost more than they save (that program 239.3 -> 263.9 ms), so GPUs keep the pools
+    in the switch (docs/parallelism.md, "Known limits")."""
+    return platform == "cpu"
+
+
 def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = "stage",
-        poison: bool = False):
+        poison: bool = False, blocks: bool = False):
     """Run the plan on this device (inside a shard_map manual over `stage_axis`): returns (sum
     of the micro-batches' losses on this device (non-zero on the last stage only), the
     gradient accumulator of `local_params`' structure, float32, summed over micro-batches).
     `poison` fills every buffer and every bubble's transfer with NaN: a correct plan never
-    reads them, so the result must not change."""
+    reads them, so the result must not change. `blocks`: the residual pools stay outside the
+    tick's switch, which reads and writes one block of each (`pool_blocks`)."""
     S, V = p.stages, p.virtual
     if tuple(prog.parts) != tuple(p.table.span(j) for j in range(V)):
         raise ValueError(f"the stage program has {prog.parts} parts per virtual stage but the "
@@ -172,29 +190,65 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
         value = fill if jnp.issubdtype(dtype, jnp.floating) else 0
         return jnp.full(shape, value, dtype)
 
-    pools = {i: empty((pool_size[k], *k[0]), k[1]) for i, k in enumerate(keys)}
+    # With `blocks`, every tick reads one block of each pool before the switch and writes one
+    # back after it, `block[i]` rows each (a whole slot of the pool's largest user), and the
+    # branches see only those; the spare block at the end of each pool is where the ticks that
+    # read or write nothing point. Without, the pools go through the switch, whose branches
+    # read and write them in place at the same rows.
+    block = {i: max(c.get(k, 0) for c in counts.values()) for i, k in enumerate(keys)}
+    pools = tuple(empty((pool_size[k] + (block[i] if blocks else 0), *k[0]), k[1])
+                  for i, k in enumerate(keys))
 
-    def index(what, j, q, slot, leaves):
-        """(pool, row) of each leaf of part q's residuals (or the stash, q=0) in `slot`."""
-        seen = dict(firsts[(what, j, q)])
+    def starts(what, j, q, slot) -> dict[int, int]:
+        """Per pool, the row of part q's first leaf in `slot` (the whole slot for q=None)."""
+        first = firsts[(what, j, q or 0)] if q is not None else {}
+        return {keys.index(k): offsets[(what, j)][k] + slot * n + first.get(k, 0)
+                for k, n in counts[(what, j)].items() if n}
+
+    T, K = len(p.rows), len(keys)
+    rd = np.array([[pool_size[k] for k in keys]] * (T * S), np.int32).reshape(T, S, K)
+    wr = rd.copy()
+    for t in range(T):
+        for d in range(S):
+            r = p.rows[t][d]
+            kind, j = p.branches[r[BRANCH]]
+            reads, writes = {}, {}
+            if kind == "F":
+                writes = starts("res", j, None, r[SLOT_OUT])
+            elif kind == "FS":
+                writes = starts("stash", j, None, r[SLOT_OUT])
+            elif kind == "R":
+                reads = starts("stash", j, 0, r[SLOT_IN])
+                writes = starts("res", j, None, r[SLOT_OUT])
+            elif kind.startswith("B"):
+                reads = starts("res", j, prog.parts[j] - 1 - int(kind[1:] or 0), r[SLOT_IN])
+            for i, at in reads.items():
+                rd[t, d, i] = at
+            for i, at in writes.items():
+                wr[t, d, i] = at
+
+    def rel(what, j, q, leaves, base_q, at):
+        """Per leaf, (pool, row): `at[pool]` (the row of part base_q's first leaf) + its own."""
+        seen = {k: firsts[(what, j, q)].get(k, 0) - firsts[(what, j, base_q)].get(k, 0)
+                for k in counts[(what, j)]}
         out = []
         for leaf in leaves:
             k = bucket(leaf)
-            out.append((keys.index(k),
-                        offsets[(what, j)][k] + slot * counts[(what, j)][k] + seen.get(k, 0)))
-            seen[k] = seen.get(k, 0) + 1
+            i = keys.index(k)
+            out.append((i, at[i] + seen[k]))
+            seen[k] += 1
         return out
 
-    def store(pools_, what, j, q, slot, leaves):
-        pools_ = dict(pools_)
-        for leaf, (i, at) in zip(leaves, index(what, j, q, slot, leaves), strict=True):
-            pools_[i] = jax.lax.dynamic_update_index_in_dim(
-                pools_[i], leaf.reshape(pools_[i].shape[1:]), at, 0)
-        return pools_
+    def store(bufs, what, j, q, leaves, at):
+        bufs = list(bufs)
+        for leaf, (i, row) in zip(leaves, rel(what, j, q, leaves, 0, at), strict=True):
+            bufs[i] = jax.lax.dynamic_update_index_in_dim(
+                bufs[i], leaf.reshape(bufs[i].shape[1:]), row, 0)
+        return tuple(bufs)
 
-    def load(pools_, what, j, q, slot, layout):
-        return [jax.lax.dynamic_index_in_dim(pools_[i], at, 0, keepdims=False).reshape(leaf.shape)
-                for leaf, (i, at) in zip(layout, index(what, j, q, slot, layout), strict=True)]
+    def load(bufs, what, j, q, layout, at):
+        return [jax.lax.dynamic_index_in_dim(bufs[i], row, 0, False).reshape(leaf.shape)
+                for leaf, (i, row) in zip(layout, rel(what, j, q, layout, q, at), strict=True)]
 
     no_send = jnp.full(act_aval.shape, fill, act_aval.dtype)
 
@@ -204,52 +258,59 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
             return loss + out.astype(jnp.float32), no_send
         return loss, out.astype(act_aval.dtype)
 
-    def keep_residuals(pools_, j, slot, x, data_mb):
-        """Run stage j's parts with their VJPs, storing each part's residuals in `slot`."""
+    def keep_residuals(bufs, j, x, data_mb, at):
+        """Run stage j's parts with their VJPs, storing each part's residuals from rows `at`."""
         for q in range(prog.parts[j]):
             params_jq = prog.params(j, q)(prepared)
             x, vjp_fn = _vjp_of(prog, j, q, params_jq, x, data_mb)
-            pools_ = store(pools_, "res", j, q, slot, _stored(vjp_fn, params_jq))
-        return pools_, x
+            bufs = store(bufs, "res", j, q, _stored(vjp_fn, params_jq), at)
+        return bufs, x
 
+    # A branch: (state, inputs) -> (state, activation sent, gradient sent); state = (what it
+    # writes: the blocks or the pools, the split backward's middle gradient, the gradient
+    # accumulator, the loss), inputs = (what it reads: the blocks, or None for the pools in
+    # state; the rows read and written, the received activation and gradient, the
+    # micro-batch's data).
     def forward_branch(j, stash_only):
-        def go(carry, r):
-            pools_, act_buf, grad_buf, mid, acc, loss = carry
-            data_mb = data_M[r[MB]]
-            x = None if j == 0 else act_buf[r[ACT_READ]]
+        def go(state, inputs):
+            blocks, mid, acc, loss = state
+            _, _, at_wr, x_in, _, data_mb = inputs
+            x = None if j == 0 else x_in
             if stash_only:
                 out = x
                 for q in range(prog.parts[j]):
                     out = prog.forward(j, q)(prog.params(j, q)(prepared), out, data_mb)
-                pools_ = store(pools_, "stash", j, 0, r[SLOT_OUT], [] if j == 0 else [x])
+                blocks = store(blocks, "stash", j, 0, [] if j == 0 else [x], at_wr)
             else:
-                pools_, out = keep_residuals(pools_, j, r[SLOT_OUT], x, data_mb)
+                blocks, out = keep_residuals(blocks, j, x, data_mb, at_wr)
             loss, send = finish(j, out, loss)
-            return (pools_, act_buf, grad_buf, mid, acc, loss), send, no_send
+            return (blocks, mid, acc, loss), send, no_send
         return go
 
     def recompute_branch(j):
-        def go(carry, r):
-            pools_, act_buf, grad_buf, mid, acc, loss = carry
-            data_mb = data_M[r[MB]]
-            x = None if j == 0 else load(pools_, "stash", j, 0, r[SLOT_IN], stash_layout[j])[0]
-            pools_, _ = keep_residuals(pools_, j, r[SLOT_OUT], x, data_mb)
-            return (pools_, act_buf, grad_buf, mid, acc, loss), no_send, no_send
+        def go(state, inputs):
+            blocks, mid, acc, loss = state
+            reads, at_rd, at_wr, _, _, data_mb = inputs
+            reads = blocks if reads is None else reads
+            x = None if j == 0 else load(reads, "stash", j, 0, stash_layout[j], at_rd)[0]
+            blocks, _ = keep_residuals(blocks, j, x, data_mb, at_wr)
+            return (blocks, mid, acc, loss), no_send, no_send
         return go
 
     def backward_branch(j, part):
         k = prog.parts[j]
         q = k - 1 - part  # the backward runs the stage's parts top down
 
-        def go(carry, r):
-            pools_, act_buf, grad_buf, mid, acc, loss = carry
-            data_mb = data_M[r[MB]]
+        def go(state, inputs):
+            blocks, mid, acc, loss = state
+            reads, at_rd, _, _, g_in, data_mb = inputs
+            reads = blocks if reads is None else reads
             params_jq = prog.params(j, q)(prepared)
             # A fresh trace gives the VJP's structure and its parameter leaves; its forward is
             # dead code (every other residual comes from the pool) and XLA removes it.
             out0, fresh = _vjp_of(prog, j, q, params_jq, _part_input(prog, j, q), data_mb)
             leaves, is_param, tree = _split_residuals(fresh, params_jq)
-            stored = iter(load(pools_, "res", j, q, r[SLOT_IN], layouts[(j, q)]))
+            stored = iter(load(reads, "res", j, q, layouts[(j, q)], at_rd))
             vjp_fn = jax.tree.unflatten(tree, [leaf if ip else next(stored)
                                                for leaf, ip in zip(leaves, is_param,
                                                                    strict=True)])
@@ -258,7 +319,7 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
             elif j == V - 1:
                 ct = jnp.ones((), jnp.float32)
             else:
-                ct = grad_buf[r[GRAD_READ]]
+                ct = g_in
             grads = vjp_fn(ct.astype(out0.dtype))
             acc = prog.add_grads(j, q)(acc, grads[0])
             send = no_send
@@ -266,11 +327,11 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
                 mid = grads[1].astype(act_aval.dtype)
             elif j > 0:
                 send = grads[1].astype(act_aval.dtype)
-            return (pools_, act_buf, grad_buf, mid, acc, loss), no_send, send
+            return (blocks, mid, acc, loss), no_send, send
         return go
 
-    def idle(carry, r):
-        return carry, no_send, no_send
+    def idle(state, inputs):
+        return state, no_send, no_send
 
     branches = [idle]
     for kind, j in p.branches[1:]:
@@ -290,10 +351,26 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
             got = jnp.where(s == wrap_dst, wrapped, got)
         return got
 
-    def tick(carry, rows_t):
-        r = rows_t[s]
-        carry, send_act, send_grad = jax.lax.switch(r[BRANCH], branches, carry, r)
+    def tick(carry, xs):
+        rows_t, rd_t, wr_t = xs
+        r, at_rd, at_wr = rows_t[s], rd_t[s], wr_t[s]
         pools_, act_buf, grad_buf, mid, acc, loss = carry
+        got = (jax.lax.dynamic_index_in_dim(act_buf, r[ACT_READ], 0, False),
+               jax.lax.dynamic_index_in_dim(grad_buf, r[GRAD_READ], 0, False),
+               jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r[MB], 0, False), data_M))
+        if blocks:
+            reads = tuple(jax.lax.dynamic_slice_in_dim(pools_[i], at_rd[i], block[i], 0)
+                          for i in range(K))
+            olds = tuple(jax.lax.dynamic_slice_in_dim(pools_[i], at_wr[i], block[i], 0)
+                         for i in range(K))
+            zero = (0,) * K
+            (writes, mid, acc, loss), send_act, send_grad = jax.lax.switch(
+                r[BRANCH], branches, (olds, mid, acc, loss), (reads, zero, zero, *got))
+            pools_ = tuple(jax.lax.dynamic_update_slice_in_dim(pools_[i], writes[i], at_wr[i], 0)
+                           for i in range(K))
+        else:
+            (pools_, mid, acc, loss), send_act, send_grad = jax.lax.switch(
+                r[BRANCH], branches, (pools_, mid, acc, loss), (None, at_rd, at_wr, *got))
         got_act = move(send_act, shift_act, (S - 1, 0), 0)
         got_grad = move(send_grad, shift_grad, (0, S - 1), S - 1)
         act_buf = jax.lax.dynamic_update_index_in_dim(act_buf, got_act, r[ACT_STORE], 0)
@@ -306,5 +383,6 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
     # The gradient between the parts of a split backward (empty when no backward is split).
     mid = empty(act_aval.shape if split else (0,), act_aval.dtype)
     carry = (pools, act_buf, grad_buf, mid, acc0, jnp.zeros((), jnp.float32))
-    carry, _ = jax.lax.scan(tick, carry, jnp.asarray(p.rows))
+    carry, _ = jax.lax.scan(tick, carry, (jnp.asarray(p.rows), jnp.asarray(rd),
+                                          jnp.asarray(wr)))
     return carry[5], carry[4]

@@ -217,3 +217,29 @@ def test_primepar_square_inside_stages_compiles_for_gpus(pipeline):
     assert within, "no rotation inside the square"
     # Stage transfers move one stage, one direction per permute: no wrap-around edge.
     assert across and all({b // 4 - a // 4 for a, b in p} in ({1}, {-1}) for p in across)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "interleaved"])
+def test_no_pool_copied_every_tick(schedule):
+    """On CPU devices the residual pools stay out of the tick's switch (`executor.pool_blocks`:
+    one block of each goes in and comes back), so no tick copies a pool: when the pools went
+    through the conditional, XLA:CPU copied every one of them after it, every tick (39 MiB a
+    tick per device at M=16, stage=2 on `small`). The tick body's copies must come to under
+    5% of what the loop carries (they were 88%). GPUs keep the pools in the switch, where
+    XLA:GPU copies some of them (docs/parallelism.md, "Known limits")."""
+    devices = jax.devices()
+    m = 8
+    spec = CompileSpec(model=CFG, parallel=ParallelConfig(mesh="stage=2", rules="tp",
+                                                          schedule="megatron",
+                                                          pipeline=schedule),
+                       batch_size=2 * m, seq_len=64, microbatches=m)
+    module = hlo.parse_module(lower(spec, make_mesh("stage=2", devices[:2])).compile().as_text())
+    loops = [i for i in _walk(module, module.computations[module.entry]) if i.opcode == "while"
+             and any(j.opcode == "conditional"
+                     for j in module.computations[i.attr("body").lstrip("%")].instrs)]
+    assert len(loops) == 1, [i.name for i in loops]
+    body = module.computations[loops[0].attr("body").lstrip("%")]
+    carried = loops[0].result_bytes
+    copied = sum(i.result_bytes for i in body.instrs if i.opcode in ("copy", "copy-start"))
+    assert carried > 4 * 2**20  # the pools of 8 micro-batches
+    assert copied < 0.05 * carried, (copied, carried)
