@@ -357,7 +357,7 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
         pools_, act_buf, grad_buf, mid, acc, loss = carry
         got = (jax.lax.dynamic_index_in_dim(act_buf, r[ACT_READ], 0, False),
                jax.lax.dynamic_index_in_dim(grad_buf, r[GRAD_READ], 0, False),
-               jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r[MB], 0, False), data_M))
+               data_M[r[MB]])
         if blocks:
             reads = tuple(jax.lax.dynamic_slice_in_dim(pools_[i], at_rd[i], block[i], 0)
                           for i in range(K))
