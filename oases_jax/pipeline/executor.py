@@ -22,6 +22,7 @@ before the switch in both.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -119,14 +120,10 @@ def residual_layouts(prog: StageProgram, local_params, data_mb) -> dict[tuple[in
 
 
 def pool_blocks(platform: str) -> bool:
-    """Whether `run` keeps the residual pools out of the tick's switch on `platform`. A pool that
-    goes through the switch is updated in place by the branch that stores into it, when XLA
-    manages that; XLA:CPU does not: it copied every pool whole after the switch, every tick (on
-    `small`, stage=2,tensor=4, M=16: 39 MiB a tick per device, the step 1469.7 ms, 530.8 ms
-    with blocks). XLA:GPU copies less (1.2 of 21.3 GiB a tick at GPT-2 1.5B, `h100:16`,
-    stage=2,data=8, GPipe M=4), and there the blocks' three passes over a slot outside the
-    switch cost more than they save (that program 239.3 -> 263.9 ms), so GPUs keep the pools
-    in the switch (docs/parallelism.md, "Known limits")."""
+    """Whether `run` keeps the residual pools out of the tick's switch on `platform`: XLA:CPU
+    copied every pool that went through it whole, every tick (`small`, stage=2,tensor=4, M=16:
+    39 MiB a tick per device, the step 1469.7 ms, 530.8 ms with blocks); XLA:GPU copies less,
+    and there the blocks' passes over a slot cost more than they save (docs/parallelism.md)."""
     return platform == "cpu"
 
 
@@ -200,12 +197,11 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
                   for i, k in enumerate(keys))
 
     def starts(what, j, q, slot) -> dict[int, int]:
-        """Per pool, the row of part q's first leaf in `slot` (the whole slot for q=None)."""
-        first = firsts[(what, j, q or 0)] if q is not None else {}
-        return {keys.index(k): offsets[(what, j)][k] + slot * n + first.get(k, 0)
+        """Per pool, the row of part q's first leaf in `slot` (q=0: the whole slot's)."""
+        return {keys.index(k): offsets[(what, j)][k] + slot * n + firsts[(what, j, q)].get(k, 0)
                 for k, n in counts[(what, j)].items() if n}
 
-    T, K = len(p.rows), len(keys)
+    T, K = len(p.rows) if blocks else 0, len(keys)  # the blocks' rows per tick, stage and pool
     rd = np.array([[pool_size[k] for k in keys]] * (T * S), np.int32).reshape(T, S, K)
     wr = rd.copy()
     for t in range(T):
@@ -214,18 +210,20 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
             kind, j = p.branches[r[BRANCH]]
             reads, writes = {}, {}
             if kind == "F":
-                writes = starts("res", j, None, r[SLOT_OUT])
+                writes = starts("res", j, 0, r[SLOT_OUT])
             elif kind == "FS":
-                writes = starts("stash", j, None, r[SLOT_OUT])
+                writes = starts("stash", j, 0, r[SLOT_OUT])
             elif kind == "R":
                 reads = starts("stash", j, 0, r[SLOT_IN])
-                writes = starts("res", j, None, r[SLOT_OUT])
+                writes = starts("res", j, 0, r[SLOT_OUT])
             elif kind.startswith("B"):
                 reads = starts("res", j, prog.parts[j] - 1 - int(kind[1:] or 0), r[SLOT_IN])
             for i, at in reads.items():
                 rd[t, d, i] = at
             for i, at in writes.items():
                 wr[t, d, i] = at
+
+    ZERO = collections.defaultdict(int)  # a block's rows start at 0
 
     def rel(what, j, q, leaves, base_q, at):
         """Per leaf, (pool, row): `at[pool]` (the row of part base_q's first leaf) + its own."""
@@ -266,35 +264,48 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
             bufs = store(bufs, "res", j, q, _stored(vjp_fn, params_jq), at)
         return bufs, x
 
-    # A branch: (state, inputs) -> (state, activation sent, gradient sent); state = (what it
-    # writes: the blocks or the pools, the split backward's middle gradient, the gradient
-    # accumulator, the loss), inputs = (what it reads: the blocks, or None for the pools in
-    # state; the rows read and written, the received activation and gradient, the
-    # micro-batch's data).
+    # A branch: (state, inputs) -> (state, activation sent, gradient sent). state = (what it
+    # writes: the blocks, or the pools; the receive buffers (None with blocks); the split
+    # backward's middle gradient, the gradient accumulator, the loss). inputs = (the tick's
+    # row, and with blocks the blocks it reads, the received activation and gradient and the
+    # micro-batch's data, read before the switch). Without blocks the branch reads these from
+    # the state and the row itself: moving even the receive buffers' reads out of the switch
+    # cost GPipe on GPT-2 1.5B (h100:16, stage=2,data=8, M=4) 219.9 -> 261.3 ms.
+    def received(state, inputs, what, j, q):
+        """(the blocks or pools it reads, their rows, x, g, the micro-batch's data)."""
+        bufs, act_buf, grad_buf = state[:3]
+        r = inputs[0]
+        if blocks:
+            return (*inputs[1:2], ZERO, *inputs[2:])
+        return (bufs, starts(what, j, q, r[SLOT_IN]) if what else None,
+                act_buf[r[ACT_READ]], grad_buf[r[GRAD_READ]], data_M[r[MB]])
+
+    def written(inputs, what, j):
+        return ZERO if blocks else starts(what, j, 0, inputs[0][SLOT_OUT])
     def forward_branch(j, stash_only):
         def go(state, inputs):
-            blocks, mid, acc, loss = state
-            _, _, at_wr, x_in, _, data_mb = inputs
+            bufs, act_buf, grad_buf, mid, acc, loss = state
+            _, _, x_in, _, data_mb = received(state, inputs, None, j, 0)
+            at_wr = written(inputs, "stash" if stash_only else "res", j)
             x = None if j == 0 else x_in
             if stash_only:
                 out = x
                 for q in range(prog.parts[j]):
                     out = prog.forward(j, q)(prog.params(j, q)(prepared), out, data_mb)
-                blocks = store(blocks, "stash", j, 0, [] if j == 0 else [x], at_wr)
+                bufs = store(bufs, "stash", j, 0, [] if j == 0 else [x], at_wr)
             else:
-                blocks, out = keep_residuals(blocks, j, x, data_mb, at_wr)
+                bufs, out = keep_residuals(bufs, j, x, data_mb, at_wr)
             loss, send = finish(j, out, loss)
-            return (blocks, mid, acc, loss), send, no_send
+            return (bufs, act_buf, grad_buf, mid, acc, loss), send, no_send
         return go
 
     def recompute_branch(j):
         def go(state, inputs):
-            blocks, mid, acc, loss = state
-            reads, at_rd, at_wr, _, _, data_mb = inputs
-            reads = blocks if reads is None else reads
+            bufs, act_buf, grad_buf, mid, acc, loss = state
+            reads, at_rd, _, _, data_mb = received(state, inputs, "stash", j, 0)
             x = None if j == 0 else load(reads, "stash", j, 0, stash_layout[j], at_rd)[0]
-            blocks, _ = keep_residuals(blocks, j, x, data_mb, at_wr)
-            return (blocks, mid, acc, loss), no_send, no_send
+            bufs, _ = keep_residuals(bufs, j, x, data_mb, written(inputs, "res", j))
+            return (bufs, act_buf, grad_buf, mid, acc, loss), no_send, no_send
         return go
 
     def backward_branch(j, part):
@@ -302,9 +313,8 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
         q = k - 1 - part  # the backward runs the stage's parts top down
 
         def go(state, inputs):
-            blocks, mid, acc, loss = state
-            reads, at_rd, _, _, g_in, data_mb = inputs
-            reads = blocks if reads is None else reads
+            bufs, act_buf, grad_buf, mid, acc, loss = state
+            reads, at_rd, _, g_in, data_mb = received(state, inputs, "res", j, q)
             params_jq = prog.params(j, q)(prepared)
             # A fresh trace gives the VJP's structure and its parameter leaves; its forward is
             # dead code (every other residual comes from the pool) and XLA removes it.
@@ -327,7 +337,7 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
                 mid = grads[1].astype(act_aval.dtype)
             elif j > 0:
                 send = grads[1].astype(act_aval.dtype)
-            return (blocks, mid, acc, loss), no_send, send
+            return (bufs, act_buf, grad_buf, mid, acc, loss), no_send, send
         return go
 
     def idle(state, inputs):
@@ -355,22 +365,21 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
         rows_t, rd_t, wr_t = xs
         r, at_rd, at_wr = rows_t[s], rd_t[s], wr_t[s]
         pools_, act_buf, grad_buf, mid, acc, loss = carry
-        got = (jax.lax.dynamic_index_in_dim(act_buf, r[ACT_READ], 0, False),
-               jax.lax.dynamic_index_in_dim(grad_buf, r[GRAD_READ], 0, False),
-               data_M[r[MB]])
         if blocks:
             reads = tuple(jax.lax.dynamic_slice_in_dim(pools_[i], at_rd[i], block[i], 0)
                           for i in range(K))
             olds = tuple(jax.lax.dynamic_slice_in_dim(pools_[i], at_wr[i], block[i], 0)
                          for i in range(K))
-            zero = (0,) * K
-            (writes, mid, acc, loss), send_act, send_grad = jax.lax.switch(
-                r[BRANCH], branches, (olds, mid, acc, loss), (reads, zero, zero, *got))
+            got = (jax.lax.dynamic_index_in_dim(act_buf, r[ACT_READ], 0, False),
+                   jax.lax.dynamic_index_in_dim(grad_buf, r[GRAD_READ], 0, False),
+                   data_M[r[MB]])
+            (writes, _, _, mid, acc, loss), send_act, send_grad = jax.lax.switch(
+                r[BRANCH], branches, (olds, None, None, mid, acc, loss), (r, reads, *got))
             pools_ = tuple(jax.lax.dynamic_update_slice_in_dim(pools_[i], writes[i], at_wr[i], 0)
                            for i in range(K))
         else:
-            (pools_, mid, acc, loss), send_act, send_grad = jax.lax.switch(
-                r[BRANCH], branches, (pools_, mid, acc, loss), (None, at_rd, at_wr, *got))
+            (pools_, act_buf, grad_buf, mid, acc, loss), send_act, send_grad = jax.lax.switch(
+                r[BRANCH], branches, carry, (r,))
         got_act = move(send_act, shift_act, (S - 1, 0), 0)
         got_grad = move(send_grad, shift_grad, (0, S - 1), S - 1)
         act_buf = jax.lax.dynamic_update_index_in_dim(act_buf, got_act, r[ACT_STORE], 0)
@@ -383,6 +392,7 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
     # The gradient between the parts of a split backward (empty when no backward is split).
     mid = empty(act_aval.shape if split else (0,), act_aval.dtype)
     carry = (pools, act_buf, grad_buf, mid, acc0, jnp.zeros((), jnp.float32))
-    carry, _ = jax.lax.scan(tick, carry, (jnp.asarray(p.rows), jnp.asarray(rd),
-                                          jnp.asarray(wr)))
+    rows = jnp.asarray(p.rows)
+    xs = (rows, jnp.asarray(rd), jnp.asarray(wr)) if blocks else (rows, rows, rows)
+    carry, _ = jax.lax.scan(tick, carry, xs)
     return carry[5], carry[4]
