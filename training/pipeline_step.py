@@ -292,13 +292,14 @@ def pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,
                    params, batch_MBL, groups: int, *, poison: bool = False,
                    blocks: bool | None = None):
     """(mean loss, mean gradients) of a batch of M micro-batches in the stage layout. `blocks`:
-    the executor's pool mode (`executor.pool_blocks` of the mesh's platform when None)."""
-    if blocks is None:
-        blocks = executor.pool_blocks(parallel.mesh.devices.flat[0].platform)
+    the executor's pool mode (`executor.pool_blocks` of the mesh's platform and the plan when
+    None)."""
     _, B, L1 = batch_MBL.shape
     act = jax.ShapeDtypeStruct((B // groups, L1 - 1, cfg.d_model), jnp.dtype(cfg.dtype))
     prog = stage_program(cfg, pipe, act)
     plan = step_plan(cfg, pipe)
+    if blocks is None:
+        blocks = executor.pool_blocks(parallel.mesh.devices.flat[0].platform, plan)
     return over_stages(parallel, params, batch_MBL, groups, lambda p, tokens: executor.run(
         plan, prog, p, tokens, stage_axis=STAGE, poison=poison, blocks=blocks))
 

@@ -119,12 +119,16 @@ def residual_layouts(prog: StageProgram, local_params, data_mb) -> dict[tuple[in
     return layouts
 
 
-def pool_blocks(platform: str) -> bool:
-    """Whether `run` keeps the residual pools out of the tick's switch on `platform`: XLA:CPU
-    copied every pool that went through it whole, every tick (`small`, stage=2,tensor=4, M=16:
-    39 MiB a tick per device, the step 1469.7 ms, 530.8 ms with blocks); XLA:GPU copies less,
-    and there the blocks' passes over a slot cost more than they save (docs/parallelism.md)."""
-    return platform == "cpu"
+def pool_blocks(platform: str, p: Plan) -> bool:
+    """Whether `run` keeps the residual pools out of the tick's switch: on CPU devices, where a
+    device's pools hold more than three slots. XLA:CPU copied every pool that went through the
+    switch whole, every tick (`small`, stage=2,tensor=4, GPipe M=16: 39 MiB a tick per device,
+    the step 1469.7 ms, 530.8 ms with blocks); blocks pass over three slots a tick, which is
+    more than that copy at 1F1B's two (4,590 against 4,295 tokens/s). XLA:GPU copies less,
+    and there the blocks cost more than they save (docs/parallelism.md)."""
+    slots = max(sum(p.res_slots[j] + p.stash_slots[j] for j in range(d, p.virtual, p.stages))
+                for d in range(p.stages))
+    return platform == "cpu" and slots > 3
 
 
 def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = "stage",
@@ -264,13 +268,11 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
             bufs = store(bufs, "res", j, q, _stored(vjp_fn, params_jq), at)
         return bufs, x
 
-    # A branch: (state, inputs) -> (state, activation sent, gradient sent). state = (what it
-    # writes: the blocks, or the pools; the receive buffers (None with blocks); the split
-    # backward's middle gradient, the gradient accumulator, the loss). inputs = (the tick's
-    # row, and with blocks the blocks it reads, the received activation and gradient and the
-    # micro-batch's data, read before the switch). Without blocks the branch reads these from
-    # the state and the row itself: moving even the receive buffers' reads out of the switch
-    # cost GPipe on GPT-2 1.5B (h100:16, stage=2,data=8, M=4) 219.9 -> 261.3 ms.
+    # A branch: (state, inputs) -> (state, activation sent, gradient sent). state = (the blocks
+    # or pools it writes, the receive buffers (None with blocks), the split backward's middle
+    # gradient, the accumulator, the loss); inputs = (the tick's row, and with blocks what it
+    # reads, taken before the switch). Without blocks the branch reads all from the state: the
+    # receive buffers read outside cost GPipe on GPT-2 1.5B (h100:16) 219.9 -> 261.3 ms.
     def received(state, inputs, what, j, q):
         """(the blocks or pools it reads, their rows, x, g, the micro-batch's data)."""
         bufs, act_buf, grad_buf = state[:3]
