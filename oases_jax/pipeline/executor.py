@@ -14,10 +14,8 @@ gradients wait in small receive buffers, residuals in pools shared between the v
 device holds. Residual leaves that are the stage's parameters themselves are never stored (the
 backward re-traces the VJP and takes them from the live parameters), so no micro-batch keeps a
 copy of the weights. Gradients accumulate in one local buffer per stage. The pools either go
-through the switch, whose branches read and write them in place (GPUs), or stay outside it: each
-tick slices one block of every pool for the branches and writes one back (CPU devices,
-`pool_blocks`). The received activation and gradient and the micro-batch's tokens are read
-before the switch in both.
+through the switch, whose branches read and write them in place, or stay outside it: each tick
+slices one block of every pool for the branches and writes one back (`pool_blocks`).
 """
 
 from __future__ import annotations
@@ -284,6 +282,7 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
 
     def written(inputs, what, j):
         return ZERO if blocks else starts(what, j, 0, inputs[0][SLOT_OUT])
+
     def forward_branch(j, stash_only):
         def go(state, inputs):
             bufs, act_buf, grad_buf, mid, acc, loss = state
@@ -395,6 +394,7 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
     mid = empty(act_aval.shape if split else (0,), act_aval.dtype)
     carry = (pools, act_buf, grad_buf, mid, acc0, jnp.zeros((), jnp.float32))
     rows = jnp.asarray(p.rows)
+    # Without blocks no tick reads the block rows; the plan's rows stand in for them, unread.
     xs = (rows, jnp.asarray(rd), jnp.asarray(wr)) if blocks else (rows, rows, rows)
     carry, _ = jax.lax.scan(tick, carry, xs)
     return carry[5], carry[4]
