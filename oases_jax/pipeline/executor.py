@@ -270,7 +270,7 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
     # or pools it writes, the receive buffers (None with blocks), the split backward's middle
     # gradient, the accumulator, the loss); inputs = (the tick's row, and with blocks what it
     # reads, taken before the switch). Without blocks the branch reads all from the state: the
-    # receive buffers read outside cost GPipe on GPT-2 1.5B (h100:16) 219.9 -> 261.3 ms.
+    # receive buffers read outside cost GPipe on GPT-2 1.5B (h100:16) 246.0 -> 261.3 ms.
     def received(state, inputs, what, j, q):
         """(the blocks or pools it reads, their rows, x, g, the micro-batch's data)."""
         bufs, act_buf, grad_buf = state[:3]
