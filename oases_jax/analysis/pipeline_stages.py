@@ -43,6 +43,7 @@ from oases_jax.analysis.hlo import DTYPE_BYTES, parse_shapes
 from oases_jax.analysis.pipeline_time import TickLoop, find_tick_loop
 from oases_jax.analysis.program import Program
 from oases_jax.pipeline.executor import BRANCH, Plan
+from oases_jax.pipeline.pools import pool_layout
 
 FORWARD, BACKWARD, RECOMPUTE = ("F", "FS"), "B", "R"
 
@@ -210,27 +211,14 @@ def stage_memory(program: Program, plan: Plan, residuals: Mapping[int, Sequence[
     one micro-batch of virtual stage j stores (as the executor lays them out); each pool is
     matched to the buffer the compiled tick loop carries (`divisors`: the sizes of the mesh axes
     that may shard a leaf inside the loop, e.g. `tensor`). `blocks`: the executor kept the pools
-    out of the switch (`executor.pool_blocks`), each with a spare block of the most leaves of
-    its key one slot holds."""
+    out of the switch (`pools.pool_blocks`). The pools are the executor's own layout
+    (`pools.pool_layout`)."""
     loop = loop or find_tick_loop(program, plan)
-    S, V = plan.stages, plan.virtual
+    V = plan.virtual
     flat = plan.flat_pools(sharded_inside=any(d > 1 for d in divisors))
-    used_by: list[collections.Counter] = []
-    spare: collections.Counter = collections.Counter()
-    for d in range(S):
-        used: collections.Counter = collections.Counter()
-        for j in range(d, V, S):
-            for layout, slots in ((residuals[j], plan.res_slots[j]),
-                                  (stashes[j], plan.stash_slots[j])):
-                per_slot = collections.Counter(plan.pool_key(*leaf, flat) for leaf in layout)
-                for key, n in per_slot.items():
-                    used[key] += n * slots
-                    spare[key] = max(spare[key], n if blocks else 0)
-        used_by.append(used)
-    rows = collections.Counter()
-    for used in used_by:
-        for leaf, n in used.items():
-            rows[leaf] = max(rows[leaf], n + spare[leaf])
+    lay = pool_layout(plan, {j: [residuals[j]] for j in range(V)}, stashes, flat=flat,
+                      blocks=blocks)
+    rows = {k: lay.rows(k) for k in lay.keys}
     carry = _carry_arrays(program, loop) if loop else []
     taken: collections.Counter = collections.Counter()
     pools = []
@@ -244,7 +232,7 @@ def stage_memory(program: Program, plan: Plan, residuals: Mapping[int, Sequence[
     def leaf_bytes(leaf) -> int:
         return per_leaf.get(plan.pool_key(*leaf, flat), 0)
 
-    held = tuple(sum(n * per_leaf.get(key, 0) for key, n in used.items()) for used in used_by)
+    held = tuple(sum(n * per_leaf.get(key, 0) for key, n in used.items()) for used in lay.held)
     res = tuple(sum(leaf_bytes(leaf) for leaf in residuals[j]) for j in range(V))
     stash = tuple(sum(leaf_bytes(leaf) for leaf in stashes[j]) for j in range(V))
     return StageMemory(plan, tuple(pools), held, res, stash, int(peak_bytes))

@@ -20,14 +20,12 @@ slices one block of every pool for the branches and writes one back (`pool_block
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from oases_jax.compat import manual_axes
 from oases_jax.pipeline.lowering import (
@@ -44,6 +42,7 @@ from oases_jax.pipeline.lowering import (
     base_kind,
     plan,
 )
+from oases_jax.pipeline.pools import pool_blocks, pool_layout
 
 __all__ = ["ACT_READ", "ACT_STORE", "BRANCH", "GRAD_READ", "GRAD_STORE", "KINDS", "MB",
            "SLOT_IN", "SLOT_OUT", "Plan", "StageProgram", "base_kind", "plan", "pool_blocks",
@@ -117,18 +116,6 @@ def residual_layouts(prog: StageProgram, local_params, data_mb) -> dict[tuple[in
     return layouts
 
 
-def pool_blocks(platform: str, p: Plan) -> bool:
-    """Whether `run` keeps the residual pools out of the tick's switch: on CPU devices, where a
-    device's pools hold more than three slots. XLA:CPU copied every pool that went through the
-    switch whole, every tick (`small`, stage=2,tensor=4, GPipe M=16: 39 MiB a tick per device,
-    the step 1469.7 ms, 530.8 ms with blocks); blocks pass over three slots a tick, which is
-    more than that copy at 1F1B's two (4,590 against 4,295 tokens/s). XLA:GPU copies less,
-    and there the blocks cost more than they save (docs/parallelism.md)."""
-    slots = max(sum(p.res_slots[j] + p.stash_slots[j] for j in range(d, p.virtual, p.stages))
-                for d in range(p.stages))
-    return platform == "cpu" and slots > 3
-
-
 def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = "stage",
         poison: bool = False, blocks: bool = False):
     """Run the plan on this device (inside a shard_map manual over `stage_axis`): returns (sum
@@ -147,42 +134,16 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
     split = any(k > 1 for k in prog.parts)
     prepared = prog.prepare(local_params)  # loop-invariant: computed once, read every tick
 
-    # A residual slot of stage j holds all its parts' leaves, part after part.
+    # A residual slot of stage j holds all its parts' leaves, part after part, in pools shared
+    # by the virtual stages of a device (`pools.pool_layout`).
     layouts = residual_layouts(prog, local_params, data_M[0])
     stash_layout = {j: ([] if j == 0 else [act_aval]) for j in range(V)}
-
-    # Pools: one buffer per key (`Plan.pool_key`: shape and dtype, or size and dtype with
-    # several chunks per device); each device's virtual stages take disjoint ranges.
     mesh = jax.sharding.get_abstract_mesh()
-    sharded_inside = any(size > 1 for name, size in mesh.shape.items()
-                         if name not in manual_axes())
-    flat = p.flat_pools(sharded_inside)
-
-    def bucket(a) -> tuple:
-        return p.pool_key(a.shape, a.dtype, flat)
-
-    offsets: dict[tuple[str, int], dict[tuple, int]] = {}
-    counts: dict[tuple[str, int], dict[tuple, int]] = {}
-    firsts: dict[tuple[str, int, int], dict[tuple, int]] = {}  # a part's first index per bucket
-    pool_size: dict[tuple, int] = {}
-    for d in range(S):
-        used: dict[tuple, int] = {}
-        for j in range(d, V, S):
-            res_parts = [layouts[(j, q)] for q in range(prog.parts[j])]
-            for what, parts, slots in (("res", res_parts, p.res_slots[j]),
-                                       ("stash", [stash_layout[j]], p.stash_slots[j])):
-                per: dict[tuple, int] = {}
-                for q, layout in enumerate(parts):
-                    firsts[(what, j, q)] = dict(per)
-                    for leaf in layout:
-                        per[bucket(leaf)] = per.get(bucket(leaf), 0) + 1
-                counts[(what, j)] = per
-                offsets[(what, j)] = {k: used.get(k, 0) for k in per}
-                for k, n in per.items():
-                    used[k] = used.get(k, 0) + n * slots
-        for k, n in used.items():
-            pool_size[k] = max(pool_size.get(k, 0), n)
-    keys = sorted(pool_size)
+    flat = p.flat_pools(any(size > 1 for name, size in mesh.shape.items()
+                            if name not in manual_axes()))
+    lay = pool_layout(p, {j: [layouts[(j, q)] for q in range(prog.parts[j])] for j in range(V)},
+                      stash_layout, flat=flat, blocks=blocks)
+    K = len(lay.keys)
 
     def empty(shape, dtype):
         dtype = jnp.dtype(dtype)
@@ -190,65 +151,28 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
         return jnp.full(shape, value, dtype)
 
     # With `blocks`, every tick reads one block of each pool before the switch and writes one
-    # back after it, `block[i]` rows each (a whole slot of the pool's largest user), and the
-    # branches see only those; the spare block at the end of each pool is where the ticks that
-    # read or write nothing point. Without, the pools go through the switch, whose branches
-    # read and write them in place at the same rows.
-    block = {i: max(c.get(k, 0) for c in counts.values()) for i, k in enumerate(keys)}
-    pools = tuple(empty((pool_size[k] + (block[i] if blocks else 0), *k[0]), k[1])
-                  for i, k in enumerate(keys))
+    # back after it (`lay.block`: a whole slot of the pool's largest user), and the branches see
+    # only those, at rows from 0; the ticks that read or write nothing point at the spare block
+    # at the end of each pool. Without, the pools go through the switch, whose branches read and
+    # write them in place.
+    pools = tuple(empty((lay.rows(k), *k[0]), k[1]) for k in lay.keys)
+    block = [lay.block[k] for k in lay.keys]
 
-    def starts(what, j, q, slot) -> dict[int, int]:
-        """Per pool, the row of part q's first leaf in `slot` (q=0: the whole slot's)."""
-        return {keys.index(k): offsets[(what, j)][k] + slot * n + firsts[(what, j, q)].get(k, 0)
-                for k, n in counts[(what, j)].items() if n}
-
-    T, K = len(p.rows) if blocks else 0, len(keys)  # the blocks' rows per tick, stage and pool
-    rd = np.array([[pool_size[k] for k in keys]] * (T * S), np.int32).reshape(T, S, K)
-    wr = rd.copy()
-    for t in range(T):
-        for d in range(S):
-            r = p.rows[t][d]
-            kind, j = p.branches[r[BRANCH]]
-            reads, writes = {}, {}
-            if kind == "F":
-                writes = starts("res", j, 0, r[SLOT_OUT])
-            elif kind == "FS":
-                writes = starts("stash", j, 0, r[SLOT_OUT])
-            elif kind == "R":
-                reads = starts("stash", j, 0, r[SLOT_IN])
-                writes = starts("res", j, 0, r[SLOT_OUT])
-            elif kind.startswith("B"):
-                reads = starts("res", j, prog.parts[j] - 1 - int(kind[1:] or 0), r[SLOT_IN])
-            for i, at in reads.items():
-                rd[t, d, i] = at
-            for i, at in writes.items():
-                wr[t, d, i] = at
-
-    ZERO = collections.defaultdict(int)  # a block's rows start at 0
-
-    def rel(what, j, q, leaves, base_q, at):
-        """Per leaf, (pool, row): `at[pool]` (the row of part base_q's first leaf) + its own."""
-        seen = {k: firsts[(what, j, q)].get(k, 0) - firsts[(what, j, base_q)].get(k, 0)
-                for k in counts[(what, j)]}
-        out = []
-        for leaf in leaves:
-            k = bucket(leaf)
-            i = keys.index(k)
-            out.append((i, at[i] + seen[k]))
-            seen[k] += 1
-        return out
+    def rows_of(leaves, what, j, q, base_q, at):
+        return lay.leaf_rows(what, j, q, [p.pool_key(a.shape, a.dtype, flat) for a in leaves],
+                             base_q, at)
 
     def store(bufs, what, j, q, leaves, at):
         bufs = list(bufs)
-        for leaf, (i, row) in zip(leaves, rel(what, j, q, leaves, 0, at), strict=True):
+        for leaf, (i, row) in zip(leaves, rows_of(leaves, what, j, q, 0, at), strict=True):
             bufs[i] = jax.lax.dynamic_update_index_in_dim(
                 bufs[i], leaf.reshape(bufs[i].shape[1:]), row, 0)
         return tuple(bufs)
 
     def load(bufs, what, j, q, layout, at):
         return [jax.lax.dynamic_index_in_dim(bufs[i], row, 0, False).reshape(leaf.shape)
-                for leaf, (i, row) in zip(layout, rel(what, j, q, layout, q, at), strict=True)]
+                for leaf, (i, row) in zip(layout, rows_of(layout, what, j, q, q, at),
+                                          strict=True)]
 
     no_send = jnp.full(act_aval.shape, fill, act_aval.dtype)
 
@@ -268,26 +192,31 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
 
     # A branch: (state, inputs) -> (state, activation sent, gradient sent). state = (the blocks
     # or pools it writes, the receive buffers (None with blocks), the split backward's middle
-    # gradient, the accumulator, the loss); inputs = (the tick's row, and with blocks what it
-    # reads, taken before the switch). Without blocks the branch reads all from the state: the
+    # gradient, the accumulator, the loss); inputs = the tick's row, and with blocks what it
+    # reads, taken before the switch. Without blocks the branch reads all from the state: the
     # receive buffers read outside cost GPipe on GPT-2 1.5B (h100:16) 246.0 -> 261.3 ms.
-    def received(state, inputs, what, j, q):
-        """(the blocks or pools it reads, their rows, x, g, the micro-batch's data)."""
+    # take(state, inputs, j, q, read, write) -> (the blocks or pools part q of stage j reads
+    # `read` ("res", "stash" or None) from, their rows, x, g, the micro-batch's data, the rows it
+    # writes `write` at), one builder per mode.
+    def take_in_switch(state, inputs, j, q, read, write):
         bufs, act_buf, grad_buf = state[:3]
-        r = inputs[0]
-        if blocks:
-            return (*inputs[1:2], ZERO, *inputs[2:])
-        return (bufs, starts(what, j, q, r[SLOT_IN]) if what else None,
-                act_buf[r[ACT_READ]], grad_buf[r[GRAD_READ]], data_M[r[MB]])
+        (r,) = inputs
+        return (bufs, lay.starts(read, j, q, r[SLOT_IN]) if read else None,
+                act_buf[r[ACT_READ]], grad_buf[r[GRAD_READ]], data_M[r[MB]],
+                lay.starts(write, j, 0, r[SLOT_OUT]) if write else None)
 
-    def written(inputs, what, j):
-        return ZERO if blocks else starts(what, j, 0, inputs[0][SLOT_OUT])
+    def take_blocks(state, inputs, j, q, read, write):
+        _, reads, x, g, data_mb = inputs
+        return reads, FROM_0, x, g, data_mb, FROM_0
+
+    FROM_0 = dict.fromkeys(range(K), 0)  # a block's rows start at 0
+    take = take_blocks if blocks else take_in_switch
 
     def forward_branch(j, stash_only):
         def go(state, inputs):
             bufs, act_buf, grad_buf, mid, acc, loss = state
-            _, _, x_in, _, data_mb = received(state, inputs, None, j, 0)
-            at_wr = written(inputs, "stash" if stash_only else "res", j)
+            _, _, x_in, _, data_mb, at_wr = take(state, inputs, j, 0, None,
+                                                 "stash" if stash_only else "res")
             x = None if j == 0 else x_in
             if stash_only:
                 out = x
@@ -303,9 +232,9 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
     def recompute_branch(j):
         def go(state, inputs):
             bufs, act_buf, grad_buf, mid, acc, loss = state
-            reads, at_rd, _, _, data_mb = received(state, inputs, "stash", j, 0)
+            reads, at_rd, _, _, data_mb, at_wr = take(state, inputs, j, 0, "stash", "res")
             x = None if j == 0 else load(reads, "stash", j, 0, stash_layout[j], at_rd)[0]
-            bufs, _ = keep_residuals(bufs, j, x, data_mb, written(inputs, "res", j))
+            bufs, _ = keep_residuals(bufs, j, x, data_mb, at_wr)
             return (bufs, act_buf, grad_buf, mid, acc, loss), no_send, no_send
         return go
 
@@ -315,7 +244,7 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
 
         def go(state, inputs):
             bufs, act_buf, grad_buf, mid, acc, loss = state
-            reads, at_rd, _, g_in, data_mb = received(state, inputs, "res", j, q)
+            reads, at_rd, _, g_in, data_mb, _ = take(state, inputs, j, q, "res", None)
             params_jq = prog.params(j, q)(prepared)
             # A fresh trace gives the VJP's structure and its parameter leaves; its forward is
             # dead code (every other residual comes from the pool) and XLA removes it.
@@ -363,10 +292,9 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
         return got
 
     def tick(carry, xs):
-        rows_t, rd_t, wr_t = xs
-        r, at_rd, at_wr = rows_t[s], rd_t[s], wr_t[s]
         pools_, act_buf, grad_buf, mid, acc, loss = carry
         if blocks:
+            r, at_rd, at_wr = (x[s] for x in xs)
             reads = tuple(jax.lax.dynamic_slice_in_dim(pools_[i], at_rd[i], block[i], 0)
                           for i in range(K))
             olds = tuple(jax.lax.dynamic_slice_in_dim(pools_[i], at_wr[i], block[i], 0)
@@ -379,6 +307,7 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
             pools_ = tuple(jax.lax.dynamic_update_slice_in_dim(pools_[i], writes[i], at_wr[i], 0)
                            for i in range(K))
         else:
+            r = xs[s]
             (pools_, act_buf, grad_buf, mid, acc, loss), send_act, send_grad = jax.lax.switch(
                 r[BRANCH], branches, carry, (r,))
         got_act = move(send_act, shift_act, (S - 1, 0), 0)
@@ -394,7 +323,7 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
     mid = empty(act_aval.shape if split else (0,), act_aval.dtype)
     carry = (pools, act_buf, grad_buf, mid, acc0, jnp.zeros((), jnp.float32))
     rows = jnp.asarray(p.rows)
-    # Without blocks no tick reads the block rows; the plan's rows stand in for them, unread.
-    xs = (rows, jnp.asarray(rd), jnp.asarray(wr)) if blocks else (rows, rows, rows)
+    # With blocks each tick also takes its rows of the blocks it reads and writes.
+    xs = (rows, *map(jnp.asarray, lay.block_rows(p, prog.parts))) if blocks else rows
     carry, _ = jax.lax.scan(tick, carry, xs)
     return carry[5], carry[4]
