@@ -125,7 +125,7 @@ def stage_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware,
         act=act, act_remat=act_remat, temp=c0.temp_bytes, temp_remat=c1.temp_bytes,
         block_bytes=(per_param + (e if e < 4 else 0)) * blocks / cfg.n_layers / t / f + gathered,
         shared_bytes=per_param * shared / t / f, last_f=head_s / 3, last_b=2 * head_s / 3,
-        last_temp=head_temp)
+        last_temp=head_temp, shared=hw.shared_cores())
 
 
 def fsdp_layer_s(cfg: ModelConfig, layout: Layout, hw: Hardware, fwd_s: float,
@@ -152,12 +152,18 @@ def fsdp_layer_s(cfg: ModelConfig, layout: Layout, hw: Hardware, fwd_s: float,
         stage=2,data=8, GPipe M=4 (1 row)        +0.121 / +0.342    0.157 / 0.371
         stage=4,data=4, GPipe M=8 (1 row)        +0.106 / +0.159    0.056 / 0.169
         stage=4,data=4, interleaved M=8 (1 row)  +0.014 / +0.131    0.026 / 0.158
-        stage=2,data=8, interleaved M=2 (2 rows) +0.003 / +0.242    0.000 / 0.208"""
+        stage=2,data=8, interleaved M=2 (2 rows) +0.003 / +0.242    0.000 / 0.208
+
+    On CPU devices collectives are synchronous (`Hardware.async_collectives`): the forward
+    pays its gathers and the backward its gathers and the all-reduce, whole."""
     ag_a, ag_m, ar, _, _ = fsdp_collectives(cfg, layout, hw, reduce="all-reduce")
+    attn, mlp = layer_matrices(cfg)
+    gathered = elem_bytes(cfg) * (attn + mlp) / layout.tensor
+    if not hw.async_collectives:  # CPU: nothing hides; the backward's branch gathers again
+        return ag_a + ag_m, ag_a + ag_m + ar, gathered
     fwd = max(0.0, ag_a + ag_m - FSDP_FWD_HIDDEN * fwd_s)
     bwd = max(0.0, ar - FSDP_BWD_HIDDEN * bwd_s)
-    attn, mlp = layer_matrices(cfg)
-    return fwd, bwd, elem_bytes(cfg) * (attn + mlp) / layout.tensor
+    return fwd, bwd, gathered
 
 
 def transfer_s(cfg: ModelConfig, layout: Layout, hw: Hardware, strategy: LayerSpec,

@@ -4,6 +4,7 @@ group of devices; datasheet numbers, overridden by a calibration profile where i
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 
 from oases_jax.analysis.hardware import ClusterSpec
@@ -20,6 +21,34 @@ XLA_SCHEDULER_SHARE = 0.8 * 0.95
 
 
 @dataclasses.dataclass(frozen=True)
+class SharedCores:
+    """Devices that are threads of one host sharing its cores (the virtual CPU devices): a cost
+    measured with all `devices` busy at once (a calibration profile's, every device timed
+    together) runs faster when fewer are busy, each device using up to `per_device` cores. On
+    this project's 2-core machine, 20 chained 256 x 256 GEMMs under `lax.cond` on 8, 4, 2 and 1
+    of the 8 devices took 14.75, 7.51, 4.62 and 2.89 ms: the idle devices' share goes to the busy
+    ones, so a pipeline's bubble costs little there (docs/planner.md, "Ranking on the CPU
+    devices")."""
+
+    devices: int
+    cores: float
+    per_device: float = 1.0
+
+    def tick(self, work: Sequence[float], groups: int) -> float:
+        """How long `work` takes (per group of devices/groups devices, each entry at all-busy
+        speed) when the groups with work left share the cores (processor sharing)."""
+        d = max(self.devices // groups, 1)
+        base = min(self.per_device, self.cores / self.devices)  # cores a device gets when all run
+        left = sorted(w * base for w in work if w > 0)  # core-seconds per device
+        total, done = 0.0, 0.0
+        for i, w in enumerate(left):
+            speed = min(self.per_device, self.cores / ((len(left) - i) * d))
+            total += (w - done) / speed
+            done = w
+        return total
+
+
+@dataclasses.dataclass(frozen=True)
 class Hardware:
     """Prices for one cluster: datasheet numbers, overridden by a calibration profile where it
     has them (`planner.profile.Profile`)."""
@@ -32,6 +61,15 @@ class Hardware:
     def of(cls, cluster: ClusterSpec, profile: Profile | None = None) -> Hardware:
         # CPU collectives are synchronous: nothing overlaps there.
         return cls(cluster, profile, async_collectives=cluster.device != "cpu")
+
+    def shared_cores(self) -> SharedCores | None:
+        """CPU devices share their host's cores (`SharedCores`): the profile's `host_cores` when
+        it recorded them, else this host's. None on GPUs."""
+        if self.cluster.device != "cpu":
+            return None
+        meta = self.profile.meta if self.profile is not None else {}
+        cores = meta.get("host_cores") or len(os.sched_getaffinity(0))
+        return SharedCores(self.cluster.n_devices, float(cores))
 
     def memory_fraction(self, fraction: float | None = None) -> float:
         """The share of a device's memory a plan may use: `fraction` when given; else on GPUs

@@ -47,7 +47,9 @@ def spmd_fixed(x: StageInputs, counts, remat, microbatches: int, p2p: float, bud
 
     Its memory holds one micro-batch's residuals (in the backward's `vjp`) per stage
     (`stage_sim.peak_inflight`); the 2S-1 stage inputs it keeps are left out."""
-    sp = fixed(dataclasses.replace(x, last_f=0.0, last_b=0.0), schedule=schedule,
+    # Every device computes every tick (the bubbles on placeholders), so no core is left idle
+    # for another device to take: no `shared` pricing.
+    sp = fixed(dataclasses.replace(x, last_f=0.0, last_b=0.0, shared=None), schedule=schedule,
                counts=counts, remat=remat, microbatches=microbatches, p2p=p2p, budget=budget)
     if sp is None:
         return None

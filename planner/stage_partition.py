@@ -18,6 +18,7 @@ from fractions import Fraction
 import numpy as np
 
 from oases_jax.errors import UserError
+from planner.prices import SharedCores
 from planner.stage_sim import NO_ENDS, Ends, backward_ticks, build, peak_inflight, simulate
 
 __all__ = ["StageInputs", "StagePlan", "bottleneck", "build", "fixed", "partition",
@@ -51,6 +52,9 @@ class StageInputs:
     last_f: float = 0.0
     last_b: float = 0.0
     last_temp: float = 0.0
+    # Devices that share a host's cores (CPU devices: `Hardware.shared_cores`), which the
+    # simulator's ticks then price by processor sharing; None on GPUs.
+    shared: SharedCores | None = None
 
     @classmethod
     def uniform(cls, n_layers: int, *, f: float, b: float, r: float = 0.0, act: float = 0.0,
@@ -242,7 +246,7 @@ def partition(x: StageInputs, *, schedule: str, stages: int, microbatches: int,
                 return math.inf
             f, b, r = ([g[k] for g in got] for k in range(3))
             sims[counts] = (*simulate(schedule, microbatches, chunks, f, b, r, p2p,
-                                      ends=x.ends), got)
+                                      ends=x.ends, shared=x.shared), got)
         return sims[counts][0]
 
     if step > 1:  # interleaved: every stage's count a multiple of v (equal chunks)
@@ -283,7 +287,8 @@ def fixed(x: StageInputs, *, schedule: str, counts: Sequence[int], remat: Sequen
         got.append(one)
         i += n
     f, b, r, k, mem = (tuple(g[j] for g in got) for j in range(5))
-    makespan, finish = simulate(schedule, microbatches, chunks, f, b, r, p2p, ends=x.ends)
+    makespan, finish = simulate(schedule, microbatches, chunks, f, b, r, p2p, ends=x.ends,
+                                shared=x.shared)
     return StagePlan(schedule, microbatches, chunks, tuple(counts), k, f, b, r, mem, makespan,
                      finish, False, p2p, x.ends)
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from oases_jax.pipeline import schedules
 from oases_jax.pipeline.table import Schedule, place
 from oases_jax.pipeline.validate import inflight
+from planner.prices import SharedCores
 
 Ends = tuple[float, float, float, float]
 NO_ENDS: Ends = (0.0, 0.0, 0.0, 0.0)  # (first_f, first_b, last_f, last_b): see `chunk_costs`
@@ -132,14 +133,18 @@ def permutes_per_tick(chunks: int) -> int:
 
 def simulate(name: str, microbatches: int, chunks: int, f: Sequence[float],
              b: Sequence[float], r: Sequence[float], p2p: float = 0.0,
-             k: int | None = None, ends: Ends = NO_ENDS) -> tuple[float, tuple[float, ...]]:
+             k: int | None = None, ends: Ends = NO_ENDS, shared: SharedCores | None = None
+             ) -> tuple[float, tuple[float, ...]]:
     """(step, per-stage finish) of the schedule's tick table in lockstep with these per-stage
     costs (module docstring), each backward over `k` ticks (default: the best of
     `tick_choices`): what the compiled program's tick loop takes. `ends`: the embedding's
     forward and backward inside stage 0's f and b and the head's inside the last stage's,
-    which run on one chunk each (`chunk_costs`)."""
+    which run on one chunk each (`chunk_costs`). `shared`: the devices share a host's cores
+    (CPU devices), so a tick lasts as long as its stages' work takes on the cores they share
+    (`SharedCores.tick`) rather than its slowest stage's."""
     if k is None:
-        return min((simulate(name, microbatches, chunks, f, b, r, p2p, k=kk, ends=ends)
+        return min((simulate(name, microbatches, chunks, f, b, r, p2p, k=kk, ends=ends,
+                             shared=shared)
                     for kk in tick_choices(name, f, b, r)), key=lambda got: got[0])
     S = len(f)
     f, b_run, recompute = _program_costs(name, f, b, r)
@@ -152,7 +157,8 @@ def simulate(name: str, microbatches: int, chunks: int, f: Sequence[float],
     total, finish = 0.0, [0.0] * S
     per_tick = p2p * permutes_per_tick(v) if S > 1 else 0.0
     for cells, _ in _ticks(name, S, microbatches, chunks, _flags_key(name, recompute), k):
-        total += max((cost[kind][s][c] for s, kind, c in cells), default=0.0)
+        work = [cost[kind][s][c] for s, kind, c in cells]
+        total += shared.tick(work, S) if shared else max(work, default=0.0)
         for s, _, _ in cells:
             finish[s] = total
         total += per_tick

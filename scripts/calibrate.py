@@ -171,7 +171,8 @@ def main() -> int:
     meta = {"command": shlex.join(["python", *sys.argv]),
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "jax": jax.__version__, "host": platform.node(),
-            "device_kind": jax.devices()[0].device_kind, "load_average": [os.getloadavg()[0]]}
+            "device_kind": jax.devices()[0].device_kind, "load_average": [os.getloadavg()[0]],
+            "host_cores": len(os.sched_getaffinity(0))}
     prof = calibrate(cfg, log, device=device, meta=meta)
     prof.meta["load_average"].append(os.getloadavg()[0])  # other processes skew the figures
     if main_process:

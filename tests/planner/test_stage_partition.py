@@ -9,6 +9,7 @@ from fractions import Fraction
 import pytest
 
 from oases_jax.pipeline import events
+from planner.prices import SharedCores
 from planner.stage_partition import (
     StageInputs,
     _Stages,
@@ -201,3 +202,30 @@ def test_interleaved_keeps_chunks_equal():
 def test_nothing_fits():
     x = StageInputs.uniform(8, f=1.0, b=2.0, act=2.0, act_remat=1.0, block_bytes=1.0)
     assert partition(x, schedule="1f1b", stages=2, microbatches=4, budget=3.0) is None
+
+
+def test_shared_cores_tick_is_processor_sharing():
+    """8 devices on 2 cores in 2 groups of 4: the groups share the cores, so two groups' work a
+    and b (each timed with all 8 busy) take a + (b - a) / 2, and one group alone half its time;
+    one device alone gets one core, 4x the all-busy share."""
+    host = SharedCores(devices=8, cores=2)
+    assert host.tick([3.0, 5.0], 2) == pytest.approx(3.0 + (5.0 - 3.0) / 2)
+    assert host.tick([4.0], 2) == pytest.approx(2.0)
+    assert host.tick([4.0, 4.0], 2) == pytest.approx(4.0)
+    assert host.tick([8.0], 8) == pytest.approx(2.0)
+    assert host.tick([], 2) == 0.0
+    # More cores than devices: nothing is shared, every device runs at its own speed.
+    assert SharedCores(devices=2, cores=8).tick([3.0, 5.0], 2) == pytest.approx(5.0)
+
+
+def test_shared_cores_price_the_bubble_by_the_work_left():
+    """GPipe, S=2, M=4, F=1, B=2 on both stages: in lockstep 5 forward ticks of 1 and 5 backward
+    ticks of 2 (15); with the 8 devices sharing 2 cores a tick with one stage busy takes half
+    its work, so the step is the total work over the two groups, 4 x 3 x 2 / 2 = 12."""
+    f, b, r = (1.0, 1.0), (2.0, 2.0), (0.0, 0.0)
+    assert simulate("gpipe", 4, 1, f, b, r)[0] == pytest.approx(15.0)
+    host = SharedCores(devices=8, cores=2)
+    assert simulate("gpipe", 4, 1, f, b, r, shared=host)[0] == pytest.approx(12.0)
+    # 1F1B's mixed ticks (F on one stage, B on the other) cost their mean there, not their max.
+    assert simulate("1f1b", 4, 1, f, b, r, shared=host)[0] == pytest.approx(12.0)
+    assert simulate("1f1b", 4, 1, f, b, r)[0] > 15.0
