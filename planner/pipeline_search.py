@@ -28,6 +28,12 @@ from planner.step_cost import fsdp_collectives, head_cost, update_s
 # (benchmarks/results/verify_3d_spmd_everywhere_gpt2-1.5b_h100x16.txt).
 PIPELINES = ("gpipe", "1f1b", "interleaved", "merak", "gpipe_spmd", "1f1b_spmd")
 CHUNKS = 2  # interleaved: chunks per stage
+# The layer strategies offered under fsdp_tp inside the stages: GSPMD's. Compiled for h100:16
+# (GPT-2 1.5B with 20 heads, bf16, xla attention, stage=2 x fsdp=4 x tensor=2, GPipe M=4), megatron
+# ran 205.3 ms against 180.9 predicted, but oases 381.9 against 181.2 at 41.3 GiB (25.6 for
+# megatron): its shard_map layers keep what they gather for the backward, in every slot of the
+# residual pools (docs/planner.md, "3D search").
+FSDP_TP_STAGE_SCHEDULES = ("megatron", "megatron_sp")
 MICROBATCH_FACTORS = (1, 2, 4, 8)  # M = S x factor
 REFINE = 12  # screened candidates whose stages are partitioned under the simulator
 
@@ -154,13 +160,19 @@ def fsdp_layer_s(cfg: ModelConfig, layout: Layout, hw: Hardware, fwd_s: float,
         stage=4,data=4, interleaved M=8 (1 row)  +0.014 / +0.131    0.026 / 0.158
         stage=2,data=8, interleaved M=2 (2 rows) +0.003 / +0.242    0.000 / 0.208
 
-    On CPU devices collectives are synchronous (`Hardware.async_collectives`): the forward
-    pays its gathers and the backward its gathers and the all-reduce, whole."""
+    Under fsdp_tp (tensor > 1) the gathers and the all-reduce share the collective stream with
+    the layers' tensor all-reduces and none of them hides: with the shares above, stage=2 x
+    fsdp=4 x tensor=2, interleaved M=2 and M=4 (GPT-2 1.5B with 20 heads) were predicted 173.7 and
+    179.4 ms against 192.7 and 201.3 compiled; with nothing hidden, 189.1 and 207.0. On CPU
+    devices collectives are synchronous (`Hardware.async_collectives`): the forward pays its
+    gathers and the backward its gathers and the all-reduce, whole."""
     ag_a, ag_m, ar, _, _ = fsdp_collectives(cfg, layout, hw, reduce="all-reduce")
     attn, mlp = layer_matrices(cfg)
     gathered = elem_bytes(cfg) * (attn + mlp) / layout.tensor
     if not hw.async_collectives:  # CPU: nothing hides; the backward's branch gathers again
         return ag_a + ag_m, ag_a + ag_m + ar, gathered
+    if layout.tensor > 1:  # fsdp_tp: in series with the tensor all-reduces, nothing hides
+        return ag_a + ag_m, ar, gathered
     fwd = max(0.0, ag_a + ag_m - FSDP_FWD_HIDDEN * fwd_s)
     bwd = max(0.0, ar - FSDP_BWD_HIDDEN * bwd_s)
     return fwd, bwd, gathered
@@ -264,7 +276,8 @@ def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int
             if sch in SPMD_PIPELINES:
                 ring = _strategy(cfg, layout, hw, megatron_only, anywhere=True)
                 if ring is None or ring.schedule in STAGE_SCHEDULES or cfg.n_layers % S \
-                        or (layout.primepar and sch == SPMD_1F1B):
+                        or (layout.primepar and sch == SPMD_1F1B) \
+                        or (layout.fsdp > 1 and layout.tensor > 1):
                     # The tick executor's gpipe runs it already, or unequal stages; the square
                     # under 1f1b_spmd compiles 13% slower than priced (docs/planner.md).
                     continue
@@ -337,7 +350,7 @@ def _layouts(cfg: ModelConfig, hw: Hardware, n: int, global_batch: int, seq_len:
              fsdp: bool = False, square: bool = False):
     """(S, layout, t) of every S >= 2, tensor degree inside a node dividing the model's heads,
     KV heads, MLP and vocabulary, data the rest, M = S x {1, 2, 4, 8} dividing the per-replica
-    batch; with `fsdp`, where tensor = 1, also FSDP over the replicas; with `square`,
+    batch; with `fsdp`, also FSDP over the replicas (`fsdp_tp` where tensor > 1); with `square`,
     PrimePar's q x q squares inside a node (`square_layouts`)."""
     node = hw.cluster.devices_per_node
     for S in divisors(n):
@@ -361,20 +374,22 @@ def _layouts(cfg: ModelConfig, hw: Hardware, n: int, global_batch: int, seq_len:
                     continue
                 yield S, Layout(data=d, tensor=t, microbatches=M, global_batch=global_batch,
                                 seq_len=seq_len), t
-                if fsdp and d > 1 and t == 1:
-                    # FSDP inside the stages (`--rules fsdp`); fsdp_tp runs there too but its
-                    # pricing inside stages is not checked against a compiled program yet.
-                    yield S, Layout(fsdp=d, microbatches=M, global_batch=global_batch,
-                                    seq_len=seq_len), t
+                if fsdp and d > 1:
+                    # FSDP inside the stages (`--rules fsdp`, with tensor > 1 `fsdp_tp`).
+                    yield S, Layout(fsdp=d, tensor=t, microbatches=M,
+                                    global_batch=global_batch, seq_len=seq_len), t
 
 
 def _strategy(cfg, layout, hw, megatron_only: bool, anywhere: bool = False
               ) -> LayerSpec | None:
     """The fastest layer strategy without remat (the partitioner adds recompute per stage)
     that the tick executor runs inside its stages (`anywhere`: any, as the SPMD pipelines
-    do; on a primepar square that is PrimePar alone)."""
+    do; on a primepar square that is PrimePar alone). Under fsdp_tp inside the stages only
+    GSPMD's schedules (FSDP_TP_STAGE_SCHEDULES)."""
+    fsdp_tp = layout.fsdp > 1 and layout.tensor > 1
     opts = [s for s in strategies(layout, remats=("none",))
             if (s.schedule in STAGE_SCHEDULES or anywhere)
+            and (not fsdp_tp or s.schedule in FSDP_TP_STAGE_SCHEDULES)
             and (not megatron_only or s.schedule == "megatron")]
     if not opts:
         return None

@@ -1,0 +1,52 @@
+"""Compile pipelined plans with FSDP and tensor parallelism inside the stages (`--rules fsdp_tp`)
+for GPT-2 1.5B with 20 heads (bf16, attention=xla) on h100:16, and set the 3D search's price
+(`planner.pipeline_search.fsdp_layer_s`) beside our simulator's step of each compiled program
+(planner/verify_pipeline.py). The last plan runs `oases` inside the stages, which the search
+does not offer under fsdp_tp (`FSDP_TP_STAGE_SCHEDULES`).
+
+    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/verify_fsdp_tp_stages.py
+
+(benchmarks/results/verify_fsdp_tp_stages_gpt2-1.5b-h20_h100x16.txt; about 3 minutes here)."""
+
+import time
+
+from models import get_preset
+from oases_jax.analysis.hardware import get_cluster
+from oases_jax.layer_plan import LayerSpec
+from oases_jax.pipeline.lowering import flat_pools
+from planner.layout import Layout
+from planner.pipeline_search import CHUNKS, price, stage_inputs, transfer_s
+from planner.prices import Hardware
+from planner.stage_partition import partition
+from planner.verify_pipeline import agreement, table, verify_3d
+
+# (stages, fsdp, tensor, micro-batches, schedule, layer schedule)
+PLANS = [(2, 4, 2, 2, "interleaved", "megatron"), (2, 4, 2, 4, "interleaved", "megatron"),
+         (2, 4, 2, 4, "gpipe", "megatron"), (2, 4, 2, 4, "1f1b", "megatron"),
+         (2, 2, 4, 4, "gpipe", "megatron"), (2, 4, 2, 4, "gpipe", "oases")]
+
+
+def main() -> None:
+    cfg = get_preset("gpt2-1.5b").replace(dtype="bfloat16", attention="xla", n_heads=20)
+    hw = Hardware.of(get_cluster("h100:16"))
+    cands = []
+    for S, f, t, M, sch, layer in PLANS:
+        lay = Layout(fsdp=f, tensor=t, microbatches=M, global_batch=32, seq_len=1024)
+        strategy = LayerSpec(schedule=layer, sub_batches=2 if layer == "oases" else 1)
+        v = CHUNKS if sch == "interleaved" else 1
+        x = stage_inputs(cfg, lay, hw, strategy, flat_pools(v, t > 1))
+        p2p = transfer_s(cfg, lay, hw, strategy, S)
+        sp = partition(x, schedule=sch, stages=S, microbatches=M, chunks=v, p2p=p2p,
+                       budget=hw.memory_budget())
+        cands.append(price(cfg, hw, S, lay, strategy, sp, x, p2p))
+        print(f"  {cands[-1].summary()} {cands[-1].step_s * 1e3:.1f} ms", flush=True)
+    t0 = time.time()
+    rows = verify_3d(cfg, cands, "h100:16", model="gpt2-1.5b", cluster="h100:16",
+                     n=len(cands))
+    print(table(rows))
+    print("megatron plans:", agreement(rows[:-1]))
+    print(f"verify {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
