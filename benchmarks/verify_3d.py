@@ -1,7 +1,10 @@
 """Compile the 3D search's top 6 plans for GPT-2 1.5B (bf16, attention=xla) on h100:16 and set the
 prediction beside the compiled step (planner/verify_pipeline.py).
-`JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/verify_3d.py OUT.json`
-(benchmarks/results/verify_3d_gpt2-1.5b_h100x16.{txt,json}; about 13 minutes here)."""
+`JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/verify_3d.py OUT.json [--spmd-everywhere]`
+(benchmarks/results/verify_3d_gpt2-1.5b_h100x16.{txt,json}; about 13 minutes here).
+`--spmd-everywhere`: the search offers the SPMD pipelines on every layout, not only where a ring
+strategy wins (`search_3d(spmd_everywhere=True)`;
+benchmarks/results/verify_3d_spmd_everywhere_gpt2-1.5b_h100x16.txt)."""
 
 import json
 import pathlib
@@ -15,10 +18,11 @@ from planner.prices import Hardware
 from planner.verify_pipeline import agreement, table, verify_3d
 
 
-def main(out: str) -> None:
+def main(out: str, spmd_everywhere: bool = False) -> None:
     cfg = get_preset("gpt2-1.5b").replace(dtype="bfloat16", attention="xla")
     hw = Hardware.of(get_cluster("h100:16"))
-    cands, secs = timed_search(cfg, hw, global_batch=32, seq_len=1024)
+    cands, secs = timed_search(cfg, hw, global_batch=32, seq_len=1024,
+                               spmd_everywhere=spmd_everywhere)
     print(f"search {secs:.2f} s, {len(cands)} candidates", flush=True)
     for c in cands[:6]:
         print(" ", c.summary(), f"{c.step_s * 1e3:.1f} ms", flush=True)
@@ -32,4 +36,4 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], "--spmd-everywhere" in sys.argv[2:])

@@ -1,6 +1,6 @@
 """Compile pipelined plans with FSDP and tensor parallelism inside the stages (`--rules fsdp_tp`)
 for GPT-2 1.5B with 20 heads (bf16, attention=xla) on h100:16, and set the 3D search's price
-(`planner.pipeline_search.fsdp_layer_s`) beside our simulator's step of each compiled program
+(`planner.stage_fsdp.fsdp_layer_s`) beside our simulator's step of each compiled program
 (planner/verify_pipeline.py). The last plan runs `oases` inside the stages, which the search
 does not offer under fsdp_tp (`FSDP_TP_STAGE_SCHEDULES`).
 

@@ -13,27 +13,22 @@ from oases_jax.layer_plan import LayerSpec
 from oases_jax.pipeline import SPMD_PIPELINES, STAGE_SCHEDULES
 from oases_jax.pipeline.lowering import flat_pools
 from planner.layer_cost import LayerModel
-from planner.layer_work import elem_bytes, layer_matrices, stream_split
+from planner.layer_work import elem_bytes, stream_split
 from planner.layout import Layout
 from planner.prices import Hardware
 from planner.primepar_cost import square_layouts
 from planner.search import divisors, strategies
-from planner.spmd_stages import SPMD_1F1B, spmd_head_s, uniform_stages
+from planner.spmd_stages import SPMD_1F1B, spmd_head_s, spmd_weight_passes_s, uniform_stages
+from planner.stage_fsdp import FSDP_TP_STAGE_SCHEDULES, fsdp_layer_s
 from planner.stage_partition import StageInputs, StagePlan, fixed, partition
-from planner.step_cost import fsdp_collectives, head_cost, update_s
+from planner.step_cost import head_cost, update_s
 
 # The schedules the runtime runs; gpipe_spmd and 1f1b_spmd (no per-stage control flow) are
-# offered where they run a layer strategy the tick executor cannot (the rings): offered on
-# every layout, 1f1b_spmd ranked first on plans it runs 13% slower than priced
-# (benchmarks/results/verify_3d_spmd_everywhere_gpt2-1.5b_h100x16.txt).
+# offered where they run a layer strategy the tick executor cannot (the rings), or everywhere
+# with `search_3d(spmd_everywhere=True)`: there they rank the GPT-2 1.5B h100:16 verification's
+# six at Spearman 0.71 against 0.94 without (benchmarks/results/verify_3d_spmd_everywhere_*).
 PIPELINES = ("gpipe", "1f1b", "interleaved", "merak", "gpipe_spmd", "1f1b_spmd")
 CHUNKS = 2  # interleaved: chunks per stage
-# The layer strategies offered under fsdp_tp inside the stages: GSPMD's. Compiled for h100:16
-# (GPT-2 1.5B with 20 heads, bf16, xla attention, stage=2 x fsdp=4 x tensor=2, GPipe M=4), megatron
-# ran 205.3 ms against 180.9 predicted, but oases 381.9 against 181.2 at 41.3 GiB (25.6 for
-# megatron): its shard_map layers keep what they gather for the backward, in every slot of the
-# residual pools (docs/planner.md, "3D search").
-FSDP_TP_STAGE_SCHEDULES = ("megatron", "megatron_sp")
 MICROBATCH_FACTORS = (1, 2, 4, 8)  # M = S x factor
 REFINE = 12  # screened candidates whose stages are partitioned under the simulator
 
@@ -89,11 +84,6 @@ RESIDUAL_LOAD_PASSES = 3.4
 # stages at stage=4,data=4: +1.15 ms per chunk forward, +0.44 ms per chunk backward.
 FLAT_STORE_PASSES = 1.5
 FLAT_LOAD_PASSES = 0.6
-# FSDP inside the stages: the shares of a layer's forward and backward work (the flattened
-# pools' passes included) that its weight gathers (forward) and gradient all-reduce (backward)
-# hide behind (`fsdp_layer_s`).
-FSDP_FWD_HIDDEN = 0.31
-FSDP_BWD_HIDDEN = 0.28
 
 
 def stage_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware,
@@ -132,50 +122,6 @@ def stage_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware,
         block_bytes=(per_param + (e if e < 4 else 0)) * blocks / cfg.n_layers / t / f + gathered,
         shared_bytes=per_param * shared / t / f, last_f=head_s / 3, last_b=2 * head_s / 3,
         last_temp=head_temp, shared=hw.shared_cores())
-
-
-def fsdp_layer_s(cfg: ModelConfig, layout: Layout, hw: Hardware, fwd_s: float,
-                 bwd_s: float) -> tuple[float, float, float]:
-    """FSDP inside a stage (`--rules fsdp`): what one layer's collectives add to its forward
-    (`fwd_s` of work, F) and backward (`bwd_s`, B) for one micro-batch, and the bytes of its
-    gathered weights. A branch of the tick loop gathers its layers' weights over the replicas
-    in the compute dtype and keeps them for the branch (the stage's stacked bf16[24, 1600,
-    6400] in the program below: a layer's whole matrices, per layer of the stage, in the
-    stage's memory). The forward's gathers hide behind part of the forward; in the backward
-    the gathers hide and the gradients' reduction (an all-reduce of the whole matrices inside
-    the tick's branches, then a slice: the partitioner emits no reduce-scatter there) behind
-    part of the backward:
-
-        forward  = max(0, g_a + g_m - FSDP_FWD_HIDDEN F)
-        backward = max(0, r - FSDP_BWD_HIDDEN B)
-
-    F and B count the flattened pools' passes (interleaved), whose transposes the gathers
-    hide behind too. The two shares are least-squares fits to four compiled programs (GPT-2
-    1.5B, bf16, h100:16), each against the same plan without FSDP, per layer and micro-batch
-    (docs/planner.md, "FSDP inside the stages"):
-
-        program                                  measured F / B     the rule
-        stage=2,data=8, GPipe M=4 (1 row)        +0.121 / +0.342    0.157 / 0.371
-        stage=4,data=4, GPipe M=8 (1 row)        +0.106 / +0.159    0.056 / 0.169
-        stage=4,data=4, interleaved M=8 (1 row)  +0.014 / +0.131    0.026 / 0.158
-        stage=2,data=8, interleaved M=2 (2 rows) +0.003 / +0.242    0.000 / 0.208
-
-    Under fsdp_tp (tensor > 1) the gathers and the all-reduce share the collective stream with
-    the layers' tensor all-reduces and none of them hides: with the shares above, stage=2 x
-    fsdp=4 x tensor=2, interleaved M=2 and M=4 (GPT-2 1.5B with 20 heads) were predicted 173.7 and
-    179.4 ms against 192.7 and 201.3 compiled; with nothing hidden, 189.1 and 207.0. On CPU
-    devices collectives are synchronous (`Hardware.async_collectives`): the forward pays its
-    gathers and the backward its gathers and the all-reduce, whole."""
-    ag_a, ag_m, ar, _, _ = fsdp_collectives(cfg, layout, hw, reduce="all-reduce")
-    attn, mlp = layer_matrices(cfg)
-    gathered = elem_bytes(cfg) * (attn + mlp) / layout.tensor
-    if not hw.async_collectives:  # CPU: nothing hides; the backward's branch gathers again
-        return ag_a + ag_m, ag_a + ag_m + ar, gathered
-    if layout.tensor > 1:  # fsdp_tp: in series with the tensor all-reduces, nothing hides
-        return ag_a + ag_m, ar, gathered
-    fwd = max(0.0, ag_a + ag_m - FSDP_FWD_HIDDEN * fwd_s)
-    bwd = max(0.0, ar - FSDP_BWD_HIDDEN * bwd_s)
-    return fwd, bwd, gathered
 
 
 def transfer_s(cfg: ModelConfig, layout: Layout, hw: Hardware, strategy: LayerSpec,
@@ -251,13 +197,15 @@ def _screen(cfg, hw, stages, layout, strategy, x, p2p, schedule) -> float:
 def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int,
               memory_fraction: float | None = None, n_devices: int | None = None,
               pipelines: tuple[str, ...] = PIPELINES, refine: int = REFINE,
-              megatron_only: bool = False, baseline: bool = True) -> list[PipelineCandidate]:
+              megatron_only: bool = False, baseline: bool = True,
+              spmd_everywhere: bool = False) -> list[PipelineCandidate]:
     """Every S >= 2 dividing the devices and at most the layers, tensor t inside a node
     (dividing heads, KV heads, MLP and vocabulary), data the rest, M = S x {1, 2, 4, 8} dividing
     the per-replica batch, each schedule; the fastest non-rematted layer strategy per layout
     (`megatron_only`: Megatron's); screened by the uniform split's bubble estimate, the best
-    `refine` partitioned under the simulator; plus (`baseline`) the best Megatron-style plan
-    (`megatron_3d`), which the screen may rank out. Ranked best first."""
+    `refine` partitioned under the simulator (the SPMD pipelines where a ring strategy is the
+    fastest, or with `spmd_everywhere` on every layout); plus (`baseline`) the best
+    Megatron-style plan (`megatron_3d`), which the screen may rank out. Ranked best first."""
     n = n_devices or hw.cluster.n_devices
     budget = hw.memory_budget(memory_fraction)
     screened = []
@@ -275,7 +223,8 @@ def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int
                 continue
             if sch in SPMD_PIPELINES:
                 ring = _strategy(cfg, layout, hw, megatron_only, anywhere=True)
-                if ring is None or ring.schedule in STAGE_SCHEDULES or cfg.n_layers % S \
+                if ring is None or (ring.schedule in STAGE_SCHEDULES and not spmd_everywhere) \
+                        or cfg.n_layers % S \
                         or (layout.primepar and sch == SPMD_1F1B) \
                         or (layout.fsdp > 1 and layout.tensor > 1):
                     # The tick executor's gpipe runs it already, or unequal stages; the square
@@ -303,7 +252,8 @@ def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int
         tried += 1
         if sch in SPMD_PIPELINES:
             sp = uniform_stages(x, S, layout.microbatches, p2p, budget,
-                                spmd_head_s(cfg, layout, hw, strategy, S, sch), sch)
+                                spmd_head_s(cfg, layout, hw, strategy, S, sch)
+                                + spmd_weight_passes_s(cfg, layout, hw, S, sch), sch)
         else:
             sp = partition(x, schedule=sch, stages=S, microbatches=layout.microbatches,
                            chunks=CHUNKS if sch == "interleaved" else 1, p2p=p2p,

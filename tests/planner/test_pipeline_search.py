@@ -205,7 +205,7 @@ def test_fsdp_inside_the_stages_by_hand():
     `data` axis."""
     from planner.layer_cost import LayerModel
     from planner.layer_work import layer_matrices
-    from planner.pipeline_search import FSDP_BWD_HIDDEN, FSDP_FWD_HIDDEN
+    from planner.stage_fsdp import FSDP_BWD_HIDDEN, FSDP_FWD_HIDDEN
     from planner.step_cost import fsdp_collectives
 
     cfg, h = CFG.replace(dtype="bfloat16"), hw("h100:16")
@@ -334,8 +334,8 @@ def test_1f1b_spmd_priced_by_hand_and_planned():
     gpipe_spmd is; its step by hand: S-1 forward ticks, M ticks of a forward and a backward
     that recomputes the stage, S-1 backward ticks, a permute each way per tick that moves
     something, then M heads (each 1/S of the vocabulary, two all-reduces of one micro-batch's
-    output); its memory holds one micro-batch's residuals, below gpipe_spmd's M+S-1. Its plan
-    runs --pipeline 1f1b_spmd."""
+    output), and the weight passes of its ticks with a backward; its memory holds one
+    micro-batch's residuals, below gpipe_spmd's M+S-1. Its plan runs --pipeline 1f1b_spmd."""
     cfg, h, cands = _ring_plans("1f1b_spmd")
     for c in cands:
         sp, lay = c.stage_plan, c.layout
@@ -349,7 +349,10 @@ def test_1f1b_spmd_priced_by_hand_and_planned():
         span = lay.replicas * lay.tensor
         head = M * (head_cost(cfg, lay, h)[0] / S
                     + 2 * h.comm_s("all-reduce", outs, [s * span for s in range(S)]))
-        want = (S - 1) * (f + p) + M * (f + b + 2 * p) + (S - 1) * (b + p) + head
+        # Per tick with a backward: the float32 accumulation and two weight transposes.
+        P = cfg.param_count(embeddings=False) / S / lay.tensor
+        passes = (M + S - 1) * (h.mem_s(12 * P / lay.fsdp) + h.mem_s(4 * elem_bytes(cfg) * P))
+        want = (S - 1) * (f + p) + M * (f + b + 2 * p) + (S - 1) * (b + p) + head + passes
         assert sp.makespan == pytest.approx(want)
         assert sp.finish == pytest.approx([want] * S)
         gp = fixed(stage_inputs(cfg, lay, h, c.strategy), schedule="gpipe_spmd",
@@ -360,3 +363,48 @@ def test_1f1b_spmd_priced_by_hand_and_planned():
     par = plans.from_json(d).parallel()
     assert (par.pipeline, par.schedule, par.stage_layers) == (
         "1f1b_spmd", "collective_matmul", None)
+
+
+def test_fsdp_hides_nothing_under_fsdp_tp_or_on_cpu():
+    """Under fsdp_tp inside the stages the gathers and the all-reduce sit in series with the
+    tensor all-reduces, and CPU collectives are synchronous: the forward pays its gathers
+    whole, the backward the all-reduce (and on CPU the gathers again)."""
+    from planner.stage_fsdp import fsdp_layer_s
+    from planner.step_cost import fsdp_collectives
+
+    cfg = CFG.replace(dtype="bfloat16", n_heads=20)
+    kw = {"microbatches": 4, "global_batch": 32, "seq_len": 1024}
+    ftp, h = Layout(fsdp=4, tensor=2, **kw), hw("h100:16")
+    ag_a, ag_m, ar, _, _ = fsdp_collectives(cfg, ftp, h, reduce="all-reduce")
+    f, b, _ = fsdp_layer_s(cfg, ftp, h, 1.0, 1.0)  # a second of work would hide them all
+    assert (f, b) == pytest.approx((ag_a + ag_m, ar))
+    cpu = Hardware.of(get_cluster("cpu-8"))
+    fs = Layout(fsdp=8, microbatches=2, global_batch=16, seq_len=128)
+    ag_a, ag_m, ar, _, _ = fsdp_collectives(get_preset("small"), fs, cpu, reduce="all-reduce")
+    f, b, _ = fsdp_layer_s(get_preset("small"), fs, cpu, 1.0, 1.0)
+    assert (f, b) == pytest.approx((ag_a + ag_m, ag_a + ag_m + ar))
+
+
+def test_search_offers_fsdp_tp_inside_stages_with_gspmd_layers_only():
+    """fsdp_tp layouts are searched inside the stages, with megatron or megatron_sp only."""
+    from planner.pipeline_search import search_3d
+
+    cfg = CFG.replace(dtype="bfloat16", n_heads=20)
+    cands = search_3d(cfg, hw("h100:16"), global_batch=32, seq_len=1024, refine=40)
+    ftp = [c for c in cands if c.layout.fsdp > 1 and c.layout.tensor > 1]
+    assert ftp and {c.rules() for c in ftp} == {"fsdp_tp"}
+    assert {c.strategy.schedule for c in ftp} <= {"megatron", "megatron_sp"}
+
+
+def test_1f1b_spmd_prices_its_weight_passes_by_hand():
+    """Each of 1f1b_spmd's M + S - 1 ticks with a backward adds the stage's gradients into the
+    float32 accumulator (3 x 4 B a local parameter) and transposes its weights twice (2 x 2 e B);
+    gpipe_spmd has none."""
+    from planner.spmd_stages import spmd_weight_passes_s
+
+    cfg, h = CFG.replace(dtype="bfloat16"), hw("h100:16")
+    lay = Layout(data=8, microbatches=4, global_batch=32, seq_len=1024)
+    P = cfg.param_count(embeddings=False) / 2
+    tick = h.mem_s(12 * P) + h.mem_s(4 * 2 * P)
+    assert spmd_weight_passes_s(cfg, lay, h, 2, "1f1b_spmd") == pytest.approx(5 * tick)
+    assert spmd_weight_passes_s(cfg, lay, h, 2, "gpipe_spmd") == 0.0
