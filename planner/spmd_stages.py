@@ -100,4 +100,3 @@ def spmd_weight_passes_s(cfg: ModelConfig, layout: Layout, hw: Hardware, stages:
     blocks = cfg.param_count(embeddings=False) / stages / layout.tensor
     per_tick = hw.mem_s(3 * 4 * blocks / layout.fsdp) + hw.mem_s(2 * 2 * elem_bytes(cfg) * blocks)
     return (layout.microbatches + stages - 1) * per_tick
-
