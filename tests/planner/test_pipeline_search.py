@@ -238,10 +238,10 @@ def test_fsdp_inside_the_stages_by_hand():
     assert (par.mesh, par.rules, par.pipeline) == ("stage=2,data=8", "fsdp", "gpipe")
 
 
-def test_the_search_offers_fsdp_only_without_tensor():
-    """FSDP layouts join the search where tensor = 1 (fsdp_tp runs inside the stages, but its
-    pricing there is not checked against a compiled program yet); Megatron-LM's baseline has
-    none."""
+def test_the_search_offers_fsdp_inside_the_stages():
+    """FSDP layouts join the search (GPT-2 1.5B's 25 heads leave only tensor = 1 on h100:16, so
+    rules fsdp; with tensor > 1, fsdp_tp: `test_search_offers_fsdp_tp_inside_stages_...`);
+    Megatron-LM's baseline has none."""
     cfg, h = CFG.replace(dtype="bfloat16"), hw("h100:16")
     out = search_3d(cfg, h, global_batch=32, seq_len=1024, refine=40)
     fsdp = [c for c in out if c.layout.fsdp > 1]
