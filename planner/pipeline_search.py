@@ -18,7 +18,7 @@ from planner.layout import Layout
 from planner.prices import Hardware
 from planner.primepar_cost import square_layouts
 from planner.search import divisors, strategies
-from planner.spmd_stages import SPMD_1F1B, spmd_head_s, spmd_weight_passes_s, uniform_stages
+from planner.spmd_stages import SPMD_1F1B, spmd_head_s, spmd_weight_pass_s, uniform_stages
 from planner.stage_fsdp import FSDP_TP_STAGE_SCHEDULES, fsdp_layer_s
 from planner.stage_partition import StageInputs, StagePlan, fixed, partition
 from planner.step_cost import head_cost, update_s
@@ -226,9 +226,10 @@ def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int
                 if ring is None or (ring.schedule in STAGE_SCHEDULES and not spmd_everywhere) \
                         or cfg.n_layers % S \
                         or (layout.primepar and sch == SPMD_1F1B) \
-                        or (layout.fsdp > 1 and layout.tensor > 1):
+                        or layout.rules() == "fsdp_tp":
                     # The tick executor's gpipe runs it already, or unequal stages; the square
-                    # under 1f1b_spmd compiles 13% slower than priced (docs/planner.md).
+                    # under 1f1b_spmd compiles 13% slower than priced (docs/planner.md); fsdp_tp
+                    # under the SPMD pipelines is not checked against a compiled program.
                     continue
                 xs, p2p_ring = stage_inputs(cfg, layout, hw, ring, pools=sch != SPMD_1F1B), \
                     transfer_s(cfg, layout, hw, ring, S)
@@ -252,8 +253,8 @@ def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int
         tried += 1
         if sch in SPMD_PIPELINES:
             sp = uniform_stages(x, S, layout.microbatches, p2p, budget,
-                                spmd_head_s(cfg, layout, hw, strategy, S, sch)
-                                + spmd_weight_passes_s(cfg, layout, hw, S, sch), sch)
+                                spmd_head_s(cfg, layout, hw, strategy, S, sch), sch,
+                                spmd_weight_pass_s(cfg, layout, hw, S))
         else:
             sp = partition(x, schedule=sch, stages=S, microbatches=layout.microbatches,
                            chunks=CHUNKS if sch == "interleaved" else 1, p2p=p2p,
@@ -336,7 +337,7 @@ def _strategy(cfg, layout, hw, megatron_only: bool, anywhere: bool = False
     that the tick executor runs inside its stages (`anywhere`: any, as the SPMD pipelines
     do; on a primepar square that is PrimePar alone). Under fsdp_tp inside the stages only
     GSPMD's schedules (FSDP_TP_STAGE_SCHEDULES)."""
-    fsdp_tp = layout.fsdp > 1 and layout.tensor > 1
+    fsdp_tp = layout.rules() == "fsdp_tp"
     opts = [s for s in strategies(layout, remats=("none",))
             if (s.schedule in STAGE_SCHEDULES or anywhere)
             and (not fsdp_tp or s.schedule in FSDP_TP_STAGE_SCHEDULES)

@@ -66,7 +66,7 @@ def predict_pipeline_step_s(cfg: ModelConfig, hw: Hardware, *, mesh: str, rules:
     from oases_jax.pipeline.lowering import flat_pools
     from oases_jax.pipeline.remat import parse_stage_layers
     from planner.pipeline_search import CHUNKS, price, stage_inputs, transfer_s
-    from planner.spmd_stages import SPMD, SPMD_1F1B, spmd_fixed, spmd_head_s, spmd_weight_passes_s
+    from planner.spmd_stages import SPMD, SPMD_1F1B, spmd_fixed, spmd_head_s, spmd_weight_pass_s
     from planner.stage_partition import fixed
 
     spec = parse_mesh(mesh)
@@ -85,8 +85,8 @@ def predict_pipeline_step_s(cfg: ModelConfig, hw: Hardware, *, mesh: str, rules:
     remat = list(counts) if cfg.remat == "full" else [0] * stages
     if pipeline in (SPMD, SPMD_1F1B):
         sp = spmd_fixed(x, counts, remat, microbatches, p2p, float("inf"),
-                        spmd_head_s(cfg, layout, hw, strategy, stages, pipeline)
-                        + spmd_weight_passes_s(cfg, layout, hw, stages, pipeline), pipeline)
+                        spmd_head_s(cfg, layout, hw, strategy, stages, pipeline), pipeline,
+                        spmd_weight_pass_s(cfg, layout, hw, stages))
     else:
         sp = fixed(x, schedule=pipeline, counts=counts, remat=remat,
                    microbatches=microbatches, chunks=chunks, p2p=p2p)

@@ -20,30 +20,32 @@ SPMD_1F1B = "1f1b_spmd"
 
 
 def uniform_stages(x: StageInputs, stages: int, microbatches: int, p2p: float,
-                    budget: float, head_s: float = 0.0, schedule: str = SPMD
-                    ) -> StagePlan | None:
+                    budget: float, head_s: float = 0.0, schedule: str = SPMD,
+                    weight_pass_s: float = 0.0) -> StagePlan | None:
     """An SPMD pipeline's stages: one program on every device, so equal stages, every layer
     recomputed or none (the model's `--remat`): none if it fits, else full."""
     n = x.n_layers // stages
     for k in (0, n):
         sp = spmd_fixed(x, [n] * stages, [k] * stages, microbatches, p2p, budget, head_s,
-                        schedule)
+                        schedule, weight_pass_s)
         if sp is not None:
             return sp
     return None
 
 
 def spmd_fixed(x: StageInputs, counts, remat, microbatches: int, p2p: float, budget: float,
-               head_s: float, schedule: str = SPMD) -> StagePlan | None:
+               head_s: float, schedule: str = SPMD, weight_pass_s: float = 0.0
+               ) -> StagePlan | None:
     """`fixed` for the SPMD pipelines, whose head is not in the ticks (`spmd_head_s`, which
     adds to every stage's finish: they run in lockstep).
 
     gpipe_spmd: GPipe's table. 1f1b_spmd (`training.pipeline_spmd.spmd_1f1b_grads`): S-1
     ticks of forwards, M ticks each of a forward, the head and a backward that recomputes the
     stage's forward first, S-1 ticks of backwards, one permute each way per tick that moves
-    something; with per-stage F, B' = F + B (+ the layers' own recompute) at its slowest:
+    something; with per-stage F, B' = F + B (+ the layers' own recompute) at its slowest, and
+    W the weight passes of each tick with a backward (`spmd_weight_pass_s`):
 
-        (S-1) (F + p2p) + M (F + B' + 2 p2p) + (S-1) (B' + p2p) + head
+        (S-1) (F + p2p) + M (F + B' + W + 2 p2p) + (S-1) (B' + W + p2p) + head
 
     Its memory holds one micro-batch's residuals (in the backward's `vjp`) per stage
     (`stage_sim.peak_inflight`); the 2S-1 stage inputs it keeps are left out."""
@@ -57,6 +59,7 @@ def spmd_fixed(x: StageInputs, counts, remat, microbatches: int, p2p: float, bud
         S, M = sp.stages, microbatches
         f = max(sp.f)
         b = max(ff + bb + rr for ff, bb, rr in zip(sp.f, sp.b, sp.r, strict=True))
+        b += weight_pass_s
         span = (S - 1) * (f + p2p) + M * (f + b + 2 * p2p) + (S - 1) * (b + p2p)
         sp = dataclasses.replace(sp, makespan=span, finish=(span,) * S)
     return dataclasses.replace(sp, makespan=sp.makespan + head_s,
@@ -85,18 +88,13 @@ def spmd_head_s(cfg: ModelConfig, layout: Layout, hw: Hardware, strategy: LayerS
     return M * head * 4 / 3 / split + 2 * hw.comm_s("all-reduce", M * nbytes, group)
 
 
-def spmd_weight_passes_s(cfg: ModelConfig, layout: Layout, hw: Hardware, stages: int,
-                         schedule: str = SPMD) -> float:
-    """What 1f1b_spmd's ticks do over the stage's weights beyond its layers, over the step: each
-    of its M + S - 1 ticks with a backward adds the stage's gradients into the float32
-    accumulator (a pass that reads it and the gradient and writes it: 3 x 4 B a local parameter)
-    and transposes the stage's weights twice in the compute dtype (2 x 2 e B a parameter, FSDP's
-    gathered). One steady tick of GPT-2 1.5B at stage=2,data=8, M=4 on h100:16 replayed at 39.3
-    ms against 31.6 priced without them: the two transpose fusions took 2.25 ms and the float32
-    adds 2.2 (these price 1.8 and 2.6). gpipe_spmd (accumulating once, after its scan) has
-    none."""
-    if schedule != SPMD_1F1B:
-        return 0.0
+def spmd_weight_pass_s(cfg: ModelConfig, layout: Layout, hw: Hardware, stages: int) -> float:
+    """What one 1f1b_spmd tick with a backward does over the stage's weights beyond its layers:
+    it adds the stage's gradients into the float32 accumulator (a pass that reads it and the
+    gradient and writes it: 3 x 4 B a local parameter) and transposes the stage's weights twice
+    in the compute dtype (2 x 2 e B a parameter, FSDP's gathered). One steady tick of GPT-2 1.5B
+    at stage=2,data=8, M=4 on h100:16 replayed at 39.3 ms against 31.6 priced without them: the
+    two transpose fusions took 2.25 ms and the float32 adds 2.2 (these price 1.8 and 2.6).
+    gpipe_spmd accumulates once, after its scan (`spmd_fixed` adds this to 1f1b_spmd only)."""
     blocks = cfg.param_count(embeddings=False) / stages / layout.tensor
-    per_tick = hw.mem_s(3 * 4 * blocks / layout.fsdp) + hw.mem_s(2 * 2 * elem_bytes(cfg) * blocks)
-    return (layout.microbatches + stages - 1) * per_tick
+    return hw.mem_s(3 * 4 * blocks / layout.fsdp) + hw.mem_s(2 * 2 * elem_bytes(cfg) * blocks)

@@ -205,11 +205,12 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
                 act_buf[r[ACT_READ]], grad_buf[r[GRAD_READ]], data_M[r[MB]],
                 lay.starts(write, j, 0, r[SLOT_OUT]) if write else None)
 
+    FROM_0 = dict.fromkeys(range(K), 0)  # a block's rows start at 0
+
     def take_blocks(state, inputs, j, q, read, write):
         _, reads, x, g, data_mb = inputs
         return reads, FROM_0, x, g, data_mb, FROM_0
 
-    FROM_0 = dict.fromkeys(range(K), 0)  # a block's rows start at 0
     take = take_blocks if blocks else take_in_switch
 
     def forward_branch(j, stash_only):

@@ -400,11 +400,15 @@ def test_1f1b_spmd_prices_its_weight_passes_by_hand():
     """Each of 1f1b_spmd's M + S - 1 ticks with a backward adds the stage's gradients into the
     float32 accumulator (3 x 4 B a local parameter) and transposes its weights twice (2 x 2 e B);
     gpipe_spmd has none."""
-    from planner.spmd_stages import spmd_weight_passes_s
+    from planner.spmd_stages import spmd_weight_pass_s
 
     cfg, h = CFG.replace(dtype="bfloat16"), hw("h100:16")
     lay = Layout(data=8, microbatches=4, global_batch=32, seq_len=1024)
     P = cfg.param_count(embeddings=False) / 2
     tick = h.mem_s(12 * P) + h.mem_s(4 * 2 * P)
-    assert spmd_weight_passes_s(cfg, lay, h, 2, "1f1b_spmd") == pytest.approx(5 * tick)
-    assert spmd_weight_passes_s(cfg, lay, h, 2, "gpipe_spmd") == 0.0
+    assert spmd_weight_pass_s(cfg, lay, h, 2) == pytest.approx(tick)
+    x = stage_inputs(cfg, lay, h, LayerSpec(schedule="megatron"), pools=False)
+    span = {(sch, w): spmd_fixed(x, [24, 24], [0, 0], 4, 0.0, float("inf"), 0.0, sch, w).makespan
+            for sch in ("1f1b_spmd", "gpipe_spmd") for w in (0.0, tick)}
+    assert span[("1f1b_spmd", tick)] - span[("1f1b_spmd", 0.0)] == pytest.approx(5 * tick)
+    assert span[("gpipe_spmd", tick)] == span[("gpipe_spmd", 0.0)]
