@@ -22,7 +22,7 @@ FULL = {"tokens": 512, "square_sizes": (128, 256, 512), "dtypes": ("float32", "b
         "max_bytes": 4 * 2**20, "memory_sizes": (2**20, 2**22, 2**24, 2**26), "repeats": 10,
         "warmup": 2, "projections": True}
 QUICK = {"tokens": 128, "square_sizes": (128, 512), "dtypes": ("float32",), "max_bytes": 32 * KIB,
-         "memory_sizes": (2**20, 2**22, 2**24), "repeats": 3, "warmup": 1, "projections": False}
+         "memory_sizes": (2**22, 2**24, 2**26), "repeats": 3, "warmup": 1, "projections": False}
 
 
 def _ints(text: str) -> tuple[int, ...]:
