@@ -1,10 +1,12 @@
 """Compile the 3D search's top 6 plans for GPT-2 1.5B (bf16, attention=xla) on h100:16 and set the
 prediction beside the compiled step (planner/verify_pipeline.py).
-`JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/verify_3d.py OUT.json [--spmd-everywhere]`
-(benchmarks/results/verify_3d_gpt2-1.5b_h100x16.{txt,json}; about 13 minutes here).
+`JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/verify_3d.py OUT.json [--spmd-everywhere]
+[--heads N]` (benchmarks/results/verify_3d_gpt2-1.5b_h100x16.{txt,json}; 2-13 minutes here).
 `--spmd-everywhere`: the search offers the SPMD pipelines on every layout, not only where a ring
 strategy wins (`search_3d(spmd_everywhere=True)`;
-benchmarks/results/verify_3d_spmd_everywhere_gpt2-1.5b_h100x16.txt)."""
+benchmarks/results/verify_3d_spmd_everywhere_gpt2-1.5b_h100x16.txt). `--heads 20`: 20 heads of 80 in
+place of 25 of 64, so tensor degrees 2 and 4 divide them and the search's top plans put tensor
+parallelism inside the stages (benchmarks/results/verify_3d_gpt2-1.5b-h20_h100x16.txt)."""
 
 import json
 import pathlib
@@ -18,8 +20,10 @@ from planner.prices import Hardware
 from planner.verify_pipeline import agreement, table, verify_3d
 
 
-def main(out: str, spmd_everywhere: bool = False) -> None:
+def main(out: str, spmd_everywhere: bool = False, heads: int | None = None) -> None:
     cfg = get_preset("gpt2-1.5b").replace(dtype="bfloat16", attention="xla")
+    if heads:
+        cfg = cfg.replace(n_heads=heads)
     hw = Hardware.of(get_cluster("h100:16"))
     cands, secs = timed_search(cfg, hw, global_batch=32, seq_len=1024,
                                spmd_everywhere=spmd_everywhere)
@@ -36,4 +40,6 @@ def main(out: str, spmd_everywhere: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], "--spmd-everywhere" in sys.argv[2:])
+    args = sys.argv[2:]
+    main(sys.argv[1], "--spmd-everywhere" in args,
+         int(args[args.index("--heads") + 1]) if "--heads" in args else None)

@@ -170,7 +170,12 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
         return tuple(bufs)
 
     def load(bufs, what, j, q, layout, at):
-        return [jax.lax.dynamic_index_in_dim(bufs[i], row, 0, False).reshape(leaf.shape)
+        # A gather, not a dynamic slice: XLA's layout assignment carries a dynamic slice's
+        # consumer layout back to the whole pool (a weight-gradient GEMM wants its residual
+        # token-minor), and the switch then returned the pool transposed every tick; a gather's
+        # operand keeps the carry's layout and the loaded slot alone is transposed
+        # (docs/parallelism.md, "Pipeline executor").
+        return [jnp.take(bufs[i], row, axis=0, mode="clip").reshape(leaf.shape)
                 for leaf, (i, row) in zip(layout, rows_of(layout, what, j, q, q, at),
                                           strict=True)]
 

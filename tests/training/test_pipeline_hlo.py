@@ -243,3 +243,39 @@ def test_no_pool_copied_every_tick(schedule):
     copied = sum(i.result_bytes for i in body.instrs if i.opcode in ("copy", "copy-start"))
     assert carried > 4 * 2**20  # the pools of 8 micro-batches
     assert copied < 0.05 * carried, (copied, carried)
+
+
+@pytest.mark.gpu_aot
+@pytest.mark.slow
+def test_gpu_tick_body_transposes_no_pool():
+    """Compiled for GPUs, the switch returns the residual pools in the loop carry's layout. The
+    branches load a slot with a gather: with a dynamic slice, XLA's layout assignment carried
+    the layout a weight-gradient GEMM wants for its residual (token-minor) back to the whole
+    pool, every branch (IDLE included) wrote the pool transposed and the tick body transposed
+    it back (GPT-2 1.5B, stage=2,data=4,tensor=2, GPipe M=8 on `h100:16`: 250.9 ms, 182.6 with
+    the gather). Here GPT-2 1.5B's width on 4 layers, one row per micro-batch: nothing in the
+    tick body but copies writes a buffer of 16 MiB or more (a transpose fusion of the
+    `bf16[32,2,1,1024,1600]` pool did)."""
+    from oases_jax.analysis.targets import get_target, has_gpu_aot
+
+    if not has_gpu_aot():
+        pytest.skip("needs the gpu-aot extra")
+    mesh_text, m = "stage=2,data=2,tensor=2", 8
+    cfg = get_preset("gpt2-1.5b").replace(n_layers=4, n_heads=20, dtype="bfloat16",
+                                          attention="xla")
+    spec = CompileSpec(model=cfg, parallel=ParallelConfig(mesh=mesh_text, rules="tp",
+                                                          schedule="megatron",
+                                                          pipeline="gpipe"),
+                       batch_size=2 * m, seq_len=1024, microbatches=m)
+    mesh = make_mesh(mesh_text, get_target("h100:8").devices)
+    module = hlo.parse_module(lower(spec, mesh).compile().as_text())
+    loops = [i for i in _walk(module, module.computations[module.entry]) if i.opcode == "while"
+             and any(j.opcode == "conditional"
+                     for j in module.computations[i.attr("body").lstrip("%")].instrs)]
+    assert len(loops) == 1, [i.name for i in loops]
+    body = module.computations[loops[0].attr("body").lstrip("%")]
+    passive = ("get-tuple-element", "tuple", "bitcast", "conditional", "parameter", "copy",
+               "copy-start", "copy-done")
+    big = [(i.opcode, i.type_text[:60]) for i in body.instrs
+           if i.opcode not in passive and i.result_bytes >= 2**24]
+    assert not big, big
