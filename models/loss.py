@@ -30,14 +30,20 @@ def _masked(logits_BLV: jax.Array, ids_V: jax.Array, vocab_size: int) -> jax.Arr
 
 def _vocab_split_in_manual_region() -> bool:
     """Inside a region manual over some mesh axes, whether the active rules split the logits'
-    vocabulary over a mesh axis the region leaves to the partitioner."""
+    vocabulary beside their batch over mesh axes the region leaves to the partitioner (as
+    fsdp_tp's and PrimePar's rules do inside a pipeline's stage loop), where XLA's partitioner
+    aborts on the target's gather. The vocabulary split alone (tp's rules) partitions."""
     manual = compat.manual_axes()
     active = active_rules()
     if not manual or active is None:
         return False
     rules, mesh = active
-    vocab = entry_axes(rules.act_spec(("batch", None, "vocab"), mesh)[-1])
-    return any(a not in manual and mesh.shape[a] > 1 for a in vocab)
+    spec = rules.act_spec(("batch", None, "vocab"), mesh)
+
+    def split(entry) -> bool:
+        return any(a not in manual and mesh.shape[a] > 1 for a in entry_axes(entry))
+
+    return split(spec[-1]) and any(split(e) for e in spec[:-1])
 
 
 def _target(x_BLV: jax.Array, ids_V: jax.Array, targets_BL: jax.Array) -> jax.Array:
@@ -65,7 +71,9 @@ def _forward(logits_BLV, targets_BL, vocab_size):
         # partitioner aborts on the gather below when the logits are split over the
         # vocabulary beside other axes (spmd_partitioner_util.cc:498): a masked sum instead.
         # Only there: in every manual region it cost the tick executor's GPipe on GPT-2 1.5B
-        # (h100:16, stage=2,data=8, M=4) 219.9 -> 246.0 ms, its pools copied in every branch.
+        # (h100:16, stage=2,data=8, M=4) 219.9 -> 246.0 ms, its pools copied in every branch,
+        # and where only the vocabulary is split (tp, data=2,stage=2,tensor=4) interleaved's
+        # two-tick backward 285.9 -> 585.2 ms.
         target_BL = _target(x_BLV, ids_V, targets_BL)
     else:
         target_BL = jnp.take_along_axis(x_BLV, targets_BL[..., None], axis=-1)[..., 0]
