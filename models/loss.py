@@ -28,7 +28,7 @@ def _masked(logits_BLV: jax.Array, ids_V: jax.Array, vocab_size: int) -> jax.Arr
                      jnp.finfo(jnp.float32).min)
 
 
-def _vocab_split_in_manual_region() -> bool:
+def _vocab_beside_batch_in_manual_region() -> bool:
     """Inside a region manual over some mesh axes, whether the active rules split the logits'
     vocabulary beside their batch over mesh axes the region leaves to the partitioner (as
     fsdp_tp's and PrimePar's rules do inside a pipeline's stage loop), where XLA's partitioner
@@ -66,7 +66,7 @@ def _forward(logits_BLV, targets_BL, vocab_size):
     ids_V = jnp.arange(logits_BLV.shape[-1])
     x_BLV = _masked(logits_BLV, ids_V, vocab_size)
     logz_BL = jax.nn.logsumexp(x_BLV, axis=-1)
-    if _vocab_split_in_manual_region():
+    if _vocab_beside_batch_in_manual_region():
         # Inside a region manual over some mesh axes (a pipeline's stage loop), XLA's SPMD
         # partitioner aborts on the gather below when the logits are split over the
         # vocabulary beside other axes (spmd_partitioner_util.cc:498): a masked sum instead.

@@ -203,11 +203,11 @@ def test_loss_picks_the_target_by_gather_unless_the_vocabulary_is_split(rules, m
     seen = []
 
     def region(x):
-        seen.append(loss._vocab_split_in_manual_region())
+        seen.append(loss._vocab_beside_batch_in_manual_region())
         return x
 
     with use_rules(get_rules(rules), m), jax.set_mesh(m):
-        assert not loss._vocab_split_in_manual_region()  # outside any manual region
+        assert not loss._vocab_beside_batch_in_manual_region()  # outside any manual region
         jax.shard_map(region, mesh=m, in_specs=P("stage"), out_specs=P("stage"),
                       axis_names={"stage"})(jnp.zeros((2, 4)))
     assert seen == [split]
