@@ -15,15 +15,10 @@ import time
 
 from models import get_preset
 from oases_jax.analysis.hardware import get_cluster
-from oases_jax.analysis.targets import get_target
 from oases_jax.layer_plan import LayerSpec
-from oases_jax.pipeline.lowering import flat_pools
-from planner import plan as plans
 from planner.layout import Layout
-from planner.pipeline_search import CHUNKS, price, stage_inputs, transfer_s
 from planner.prices import Hardware
-from planner.stage_partition import partition
-from tools.inspection import inspect_program
+from planner.verify_pipeline import candidate, compile_candidate
 
 
 def main() -> None:
@@ -44,20 +39,13 @@ def main() -> None:
     hw = Hardware.of(get_cluster("h100:16"))
     lay = Layout(data=args.data, tensor=args.tensor, microbatches=args.microbatches,
                  global_batch=32, seq_len=1024)
-    strategy = LayerSpec(schedule="megatron")
-    v = CHUNKS if args.schedule == "interleaved" else 1
-    x = stage_inputs(cfg, lay, hw, strategy, flat_pools(v, args.tensor > 1))
-    p2p = transfer_s(cfg, lay, hw, strategy, args.stages)
-    sp = partition(x, schedule=args.schedule, stages=args.stages,
-                   microbatches=args.microbatches, chunks=v, p2p=p2p,
-                   budget=hw.memory_budget())
-    cand = price(cfg, hw, args.stages, lay, strategy, sp, x, p2p)
+    cand = candidate(cfg, hw, args.stages, lay, LayerSpec(schedule="megatron"), args.schedule)
+    if cand is None:
+        raise SystemExit("no stage partition of this plan fits an H100's memory budget")
     print(f"{cand.summary()}: predicted {cand.step_s * 1e3:.1f} ms", flush=True)
-    plan = plans.from_json(plans.pipeline_plan_json(cand, model="gpt2-1.5b", cfg=cfg,
-                                                    cluster="h100:16", cost_source="model",
-                                                    search_s=0.0))
     t0 = time.time()
-    pipe = inspect_program(plan.compile_spec(plan.model()), get_target("h100:16")).pipeline
+    pipe = compile_candidate(cfg, cand, "h100:16", model="gpt2-1.5b",
+                             cluster="h100:16").pipeline
     print("branches (ms): " + ", ".join(f"{b['kind']}{b['virtual_stage']} "
                                         f"{b['step_s'] * 1e3:.2f}" for b in pipe["branches"]))
     print(f"compiled: step {pipe['step_s'] * 1e3:.1f} ms = outside the loop "

@@ -8,9 +8,9 @@ benchmarks/results/verify_3d_spmd_everywhere_gpt2-1.5b_h100x16.txt). `--heads 20
 place of 25 of 64, so tensor degrees 2 and 4 divide them and the search's top plans put tensor
 parallelism inside the stages (benchmarks/results/verify_3d_gpt2-1.5b-h20_h100x16.txt)."""
 
+import argparse
 import json
 import pathlib
-import sys
 import time
 
 from models import get_preset
@@ -40,6 +40,9 @@ def main(out: str, spmd_everywhere: bool = False, heads: int | None = None) -> N
 
 
 if __name__ == "__main__":
-    args = sys.argv[2:]
-    main(sys.argv[1], "--spmd-everywhere" in args,
-         int(args[args.index("--heads") + 1]) if "--heads" in args else None)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out", help="the JSON file to write")
+    ap.add_argument("--spmd-everywhere", action="store_true")
+    ap.add_argument("--heads", type=int, default=None, help="attention heads (default 25)")
+    args = ap.parse_args()
+    main(args.out, args.spmd_everywhere, args.heads)

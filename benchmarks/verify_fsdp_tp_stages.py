@@ -13,12 +13,9 @@ import time
 from models import get_preset
 from oases_jax.analysis.hardware import get_cluster
 from oases_jax.layer_plan import LayerSpec
-from oases_jax.pipeline.lowering import flat_pools
 from planner.layout import Layout
-from planner.pipeline_search import CHUNKS, price, stage_inputs, transfer_s
 from planner.prices import Hardware
-from planner.stage_partition import partition
-from planner.verify_pipeline import agreement, table, verify_3d
+from planner.verify_pipeline import agreement, candidate, table, verify_3d
 
 # (stages, fsdp, tensor, micro-batches, schedule, layer schedule)
 PLANS = [(2, 4, 2, 2, "interleaved", "megatron"), (2, 4, 2, 4, "interleaved", "megatron"),
@@ -33,12 +30,7 @@ def main() -> None:
     for S, f, t, M, sch, layer in PLANS:
         lay = Layout(fsdp=f, tensor=t, microbatches=M, global_batch=32, seq_len=1024)
         strategy = LayerSpec(schedule=layer, sub_batches=2 if layer == "oases" else 1)
-        v = CHUNKS if sch == "interleaved" else 1
-        x = stage_inputs(cfg, lay, hw, strategy, flat_pools(v, t > 1))
-        p2p = transfer_s(cfg, lay, hw, strategy, S)
-        sp = partition(x, schedule=sch, stages=S, microbatches=M, chunks=v, p2p=p2p,
-                       budget=hw.memory_budget())
-        cands.append(price(cfg, hw, S, lay, strategy, sp, x, p2p))
+        cands.append(candidate(cfg, hw, S, lay, strategy, sch))
         print(f"  {cands[-1].summary()} {cands[-1].step_s * 1e3:.1f} ms", flush=True)
     t0 = time.time()
     rows = verify_3d(cfg, cands, "h100:16", model="gpt2-1.5b", cluster="h100:16",

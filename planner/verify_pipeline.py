@@ -8,10 +8,21 @@ from __future__ import annotations
 import dataclasses
 
 from models.config import ModelConfig
+from oases_jax.layer_plan import LayerSpec
 from oases_jax.pipeline import SPMD_PIPELINES
+from oases_jax.pipeline.lowering import flat_pools
 from planner import plan as plans
-from planner.pipeline_search import PipelineCandidate
+from planner.layout import Layout
+from planner.pipeline_search import (
+    CHUNKS,
+    PipelineCandidate,
+    price,
+    stage_inputs,
+    transfer_s,
+)
+from planner.prices import Hardware
 from planner.rank import spearman
+from planner.stage_partition import partition
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,21 +59,39 @@ class VerifiedStage:
                 "error": self.error}
 
 
+def candidate(cfg: ModelConfig, hw: Hardware, stages: int, layout: Layout,
+              strategy: LayerSpec, schedule: str) -> PipelineCandidate | None:
+    """One hand-picked 3D plan of the tick executor, priced as `search_3d` prices its own:
+    the balanced partition under the memory budget (None when none fits)."""
+    chunks = CHUNKS if schedule == "interleaved" else 1
+    x = stage_inputs(cfg, layout, hw, strategy, flat_pools(chunks, layout.tensor > 1))
+    p2p = transfer_s(cfg, layout, hw, strategy, stages)
+    sp = partition(x, schedule=schedule, stages=stages, microbatches=layout.microbatches,
+                   chunks=chunks, p2p=p2p, budget=hw.memory_budget())
+    return None if sp is None else price(cfg, hw, stages, layout, strategy, sp, x, p2p)
+
+
+def compile_candidate(cfg: ModelConfig, c: PipelineCandidate, target: str, *, model: str,
+                      cluster: str):
+    """Compile candidate `c` for `target` through the one compile path (its plan JSON, as
+    `train.py --plan` and `inspect_hlo.py --plan` read it): the `tools.inspection.Inspection`,
+    whose `pipeline` block times the tick loop."""
+    from oases_jax.analysis.targets import get_target
+    from tools.inspection import inspect_program
+
+    plan = plans.from_json(plans.pipeline_plan_json(c, model=model, cfg=cfg, cluster=cluster,
+                                                    cost_source="model", search_s=0.0))
+    return inspect_program(plan.compile_spec(plan.model()), get_target(target))
+
+
 def verify_3d(cfg: ModelConfig, candidates: list[PipelineCandidate], target: str, *,
               model: str, cluster: str, n: int = 6) -> list[VerifiedStage]:
     """Compile the first `n` candidates (ranked by predicted step) for `target` (e.g. h100:16)
     and time each compiled step. A compile that fails is reported, not raised."""
-    from oases_jax.analysis.targets import get_target
-    from tools.inspection import inspect_program
-
-    tgt = get_target(target)
     out = []
     for rank, c in enumerate(candidates[:n], 1):
-        plan = plans.from_json(plans.pipeline_plan_json(c, model=model, cfg=cfg,
-                                                        cluster=cluster, cost_source="model",
-                                                        search_s=0.0))
         try:
-            ins = inspect_program(plan.compile_spec(plan.model()), tgt)
+            ins = compile_candidate(cfg, c, target, model=model, cluster=cluster)
         except Exception as e:  # a compile or analysis failure is a finding, not a crash
             out.append(VerifiedStage(candidate=c, rank=rank, error=str(e)[:300]))
             continue

@@ -42,6 +42,15 @@ def _walk(module, comp, seen=None):
                 yield from _walk(module, module.computations[c], seen)
 
 
+def _tick_loop(module):
+    """The one while loop whose body holds the tick's switch, and that body."""
+    loops = [i for i in _walk(module, module.computations[module.entry]) if i.opcode == "while"
+             and any(j.opcode == "conditional"
+                     for j in module.computations[i.attr("body").lstrip("%")].instrs)]
+    assert len(loops) == 1, [i.name for i in loops]
+    return loops[0], module.computations[loops[0].attr("body").lstrip("%")]
+
+
 def test_transfers_neighbours_and_one_data_reduction(one_f_one_b):
     module = hlo.parse_module(one_f_one_b.as_text())
     entry = module.computations[module.entry]
@@ -234,12 +243,8 @@ def test_no_pool_copied_every_tick(schedule):
                                                           pipeline=schedule),
                        batch_size=2 * m, seq_len=64, microbatches=m)
     module = hlo.parse_module(lower(spec, make_mesh("stage=2", devices[:2])).compile().as_text())
-    loops = [i for i in _walk(module, module.computations[module.entry]) if i.opcode == "while"
-             and any(j.opcode == "conditional"
-                     for j in module.computations[i.attr("body").lstrip("%")].instrs)]
-    assert len(loops) == 1, [i.name for i in loops]
-    body = module.computations[loops[0].attr("body").lstrip("%")]
-    carried = loops[0].result_bytes
+    loop, body = _tick_loop(module)
+    carried = loop.result_bytes
     copied = sum(i.result_bytes for i in body.instrs if i.opcode in ("copy", "copy-start"))
     assert carried > 4 * 2**20  # the pools of 8 micro-batches
     assert copied < 0.05 * carried, (copied, carried)
@@ -269,11 +274,7 @@ def test_gpu_tick_body_transposes_no_pool():
                        batch_size=2 * m, seq_len=1024, microbatches=m)
     mesh = make_mesh(mesh_text, get_target("h100:8").devices)
     module = hlo.parse_module(lower(spec, mesh).compile().as_text())
-    loops = [i for i in _walk(module, module.computations[module.entry]) if i.opcode == "while"
-             and any(j.opcode == "conditional"
-                     for j in module.computations[i.attr("body").lstrip("%")].instrs)]
-    assert len(loops) == 1, [i.name for i in loops]
-    body = module.computations[loops[0].attr("body").lstrip("%")]
+    loop, body = _tick_loop(module)
     passive = ("get-tuple-element", "tuple", "bitcast", "conditional", "parameter", "copy",
                "copy-start", "copy-done")
     big = [(i.opcode, i.type_text[:60]) for i in body.instrs
