@@ -11,7 +11,6 @@ import time
 from models.config import ModelConfig
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.pipeline import SPMD_PIPELINES, STAGE_SCHEDULES
-from oases_jax.pipeline.lowering import flat_pools
 from planner.layer_cost import LayerModel
 from planner.layer_work import elem_bytes, stream_split
 from planner.layout import Layout
@@ -77,23 +76,15 @@ class PipelineCandidate:
 # its stage's weights, which these passes absorbed as 0.9 more each.)
 RESIDUAL_STORE_PASSES = 4.85
 RESIDUAL_LOAD_PASSES = 3.4
-# With several chunks per device and no mesh axis sharding inside the stage, the residual pools
-# hold flattened leaves (`lowering.flat_pools`); flattening a leaf whose layout XLA chose
-# transposed costs a transpose on the way in and part of one on the way out. Measured on the
-# same model, stage=2,data=8, M=4, interleaved v=2 (12-layer chunks) against GPipe's 12-layer
-# stages at stage=4,data=4: +1.15 ms per chunk forward, +0.44 ms per chunk backward.
-FLAT_STORE_PASSES = 1.5
-FLAT_LOAD_PASSES = 0.6
 
 
 def stage_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware,
-                 strategy: LayerSpec, flat: bool = False, pools: bool = True) -> StageInputs:
+                 strategy: LayerSpec, pools: bool = True) -> StageInputs:
     """Per-layer costs and memory of one stage's device from the layer cost model: `strategy`
     (remat none) and its fully rematted twin; the head and loss (`head_cost`, one third forward)
     on the last stage. Static bytes per parameter: 16 (fp32 weight, gradient, AdamW moments),
     + 4 with an accumulator (M > 1), + e for the blocks' compute-dtype copy, over tensor.
-    `flat`: the residual pools hold flattened leaves (`lowering.flat_pools`), whose stores and
-    loads pay FLAT_STORE_PASSES and FLAT_LOAD_PASSES more over what a layer keeps. `pools`:
+    `pools`:
     the executor keeps residuals between ticks (not 1f1b_spmd, whose backward recomputes them
     inside its own `vjp`: no store and load passes)."""
     lm = LayerModel(cfg, layout, hw)
@@ -103,18 +94,16 @@ def stage_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware,
     # (RESIDUAL_STORE_PASSES, RESIDUAL_LOAD_PASSES; a recomputed layer keeps less, priced as
     # the whole, an upper bound that keeps r the recompute's own cost).
     act, act_remat = c0.act_bytes, c1.act_bytes
-    flat_f = hw.mem_s(FLAT_STORE_PASSES * act) if flat else 0.0
-    flat_b = hw.mem_s(FLAT_LOAD_PASSES * act) if flat else 0.0
-    store_s = hw.mem_s(RESIDUAL_STORE_PASSES * act) + flat_f if pools else 0.0
-    load_s = hw.mem_s(RESIDUAL_LOAD_PASSES * act) + flat_b if pools else 0.0
+    store_s = hw.mem_s(RESIDUAL_STORE_PASSES * act) if pools else 0.0
+    load_s = hw.mem_s(RESIDUAL_LOAD_PASSES * act) if pools else 0.0
     head_s, head_temp = head_cost(cfg, layout, hw)
     per_param = 16 + (4 if layout.microbatches > 1 else 0)
     e = elem_bytes(cfg)
     blocks = cfg.param_count(embeddings=False)
     shared = cfg.param_count() - blocks
     t, f = layout.tensor, layout.fsdp
-    fsdp_f, fsdp_b, gathered = (fsdp_layer_s(cfg, layout, hw, c0.fwd_s + flat_f,
-                                             c0.bwd_s + flat_b) if f > 1 else (0.0, 0.0, 0.0))
+    fsdp_f, fsdp_b, gathered = (fsdp_layer_s(cfg, layout, hw, c0.fwd_s, c0.bwd_s) if f > 1
+                                else (0.0, 0.0, 0.0))
     return StageInputs.uniform(
         cfg.n_layers, f=c0.fwd_s + store_s + fsdp_f, b=c0.bwd_s + load_s + fsdp_b,
         r=max(c1.bwd_s - c0.bwd_s, 0.0),
@@ -214,9 +203,7 @@ def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int
         strategy = _strategy(cfg, layout, hw, megatron_only)  # None on a primepar square
         if strategy is None and not layout.primepar:
             continue
-        flats = {flat_pools(CHUNKS if sch == "interleaved" else 1, layout.tensor > 1)
-                 for sch in pipelines if sch not in SPMD_PIPELINES and strategy is not None}
-        x = {flat: stage_inputs(cfg, layout, hw, strategy, flat) for flat in flats}
+        x = stage_inputs(cfg, layout, hw, strategy) if strategy is not None else None
         p2p = transfer_s(cfg, layout, hw, strategy, S) if strategy is not None else 0.0
         for sch in pipelines:
             if sch == "interleaved" and (S < 2 or cfg.n_layers % (CHUNKS * S)):
@@ -240,10 +227,8 @@ def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int
                 continue
             if strategy is None:
                 continue  # the square's permutes cannot sit in the tick executor's switch
-            # No mesh axis is left to GSPMD inside the stages when tensor = 1.
-            xs = x[flat_pools(CHUNKS if sch == "interleaved" else 1, layout.tensor > 1)]
-            est = _screen(cfg, hw, S, layout, strategy, xs, p2p, sch)
-            screened.append((est, S, layout, strategy, xs, p2p, sch))
+            est = _screen(cfg, hw, S, layout, strategy, x, p2p, sch)
+            screened.append((est, S, layout, strategy, x, p2p, sch))
     screened.sort(key=lambda c: c[0])
     out, tried = [], 0
     for _, S, layout, strategy, x, p2p, sch in screened:

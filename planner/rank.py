@@ -63,7 +63,6 @@ def predict_pipeline_step_s(cfg: ModelConfig, hw: Hardware, *, mesh: str, rules:
     plans (`planner.pipeline_search`): its stages as given (uniform by default), every layer
     recomputed under `remat=full` and none under `none`; None if not modelled (another remat
     policy, axes beyond stage x data x tensor, a schedule the stages do not run)."""
-    from oases_jax.pipeline.lowering import flat_pools
     from oases_jax.pipeline.remat import parse_stage_layers
     from planner.pipeline_search import CHUNKS, price, stage_inputs, transfer_s
     from planner.spmd_stages import SPMD, SPMD_1F1B, spmd_fixed, spmd_head_s, spmd_weight_pass_s
@@ -79,8 +78,7 @@ def predict_pipeline_step_s(cfg: ModelConfig, hw: Hardware, *, mesh: str, rules:
     chunks = (virtual_stages or CHUNKS) if pipeline == "interleaved" else 1
     counts = parse_stage_layers(stage_layers, cfg.n_layers, stages, chunks)
     strategy = LayerSpec(schedule=schedule if tensor > 1 else "megatron")
-    x = stage_inputs(cfg, layout, hw, strategy, flat=flat_pools(chunks, tensor > 1),
-                     pools=pipeline != SPMD_1F1B)
+    x = stage_inputs(cfg, layout, hw, strategy, pools=pipeline != SPMD_1F1B)
     p2p = transfer_s(cfg, layout, hw, strategy, stages)
     remat = list(counts) if cfg.remat == "full" else [0] * stages
     if pipeline in (SPMD, SPMD_1F1B):

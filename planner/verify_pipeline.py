@@ -10,7 +10,6 @@ import dataclasses
 from models.config import ModelConfig
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.pipeline import SPMD_PIPELINES
-from oases_jax.pipeline.lowering import flat_pools
 from planner import plan as plans
 from planner.layout import Layout
 from planner.pipeline_search import (
@@ -64,7 +63,7 @@ def candidate(cfg: ModelConfig, hw: Hardware, stages: int, layout: Layout,
     """One hand-picked 3D plan of the tick executor, priced as `search_3d` prices its own:
     the balanced partition under the memory budget (None when none fits)."""
     chunks = CHUNKS if schedule == "interleaved" else 1
-    x = stage_inputs(cfg, layout, hw, strategy, flat_pools(chunks, layout.tensor > 1))
+    x = stage_inputs(cfg, layout, hw, strategy)
     p2p = transfer_s(cfg, layout, hw, strategy, stages)
     sp = partition(x, schedule=schedule, stages=stages, microbatches=layout.microbatches,
                    chunks=chunks, p2p=p2p, budget=hw.memory_budget())

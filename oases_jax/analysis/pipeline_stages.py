@@ -215,9 +215,7 @@ def stage_memory(program: Program, plan: Plan, residuals: Mapping[int, Sequence[
     (`pools.pool_layout`)."""
     loop = loop or find_tick_loop(program, plan)
     V = plan.virtual
-    flat = plan.flat_pools(sharded_inside=any(d > 1 for d in divisors))
-    lay = pool_layout(plan, {j: [residuals[j]] for j in range(V)}, stashes, flat=flat,
-                      blocks=blocks)
+    lay = pool_layout(plan, {j: [residuals[j]] for j in range(V)}, stashes, blocks=blocks)
     rows = {k: lay.rows(k) for k in lay.keys}
     carry = _carry_arrays(program, loop) if loop else []
     taken: collections.Counter = collections.Counter()
@@ -230,7 +228,7 @@ def stage_memory(program: Program, plan: Plan, residuals: Mapping[int, Sequence[
     per_leaf = {p.leaf: p.leaf_bytes for p in pools}
 
     def leaf_bytes(leaf) -> int:
-        return per_leaf.get(plan.pool_key(*leaf, flat), 0)
+        return per_leaf.get(plan.pool_key(*leaf), 0)
 
     held = tuple(sum(n * per_leaf.get(key, 0) for key, n in used.items()) for used in lay.held)
     res = tuple(sum(leaf_bytes(leaf) for leaf in residuals[j]) for j in range(V))

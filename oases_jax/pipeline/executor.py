@@ -27,7 +27,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from oases_jax.compat import manual_axes
 from oases_jax.pipeline.lowering import (
     ACT_READ,
     ACT_STORE,
@@ -138,11 +137,8 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
     # by the virtual stages of a device (`pools.pool_layout`).
     layouts = residual_layouts(prog, local_params, data_M[0])
     stash_layout = {j: ([] if j == 0 else [act_aval]) for j in range(V)}
-    mesh = jax.sharding.get_abstract_mesh()
-    flat = p.flat_pools(any(size > 1 for name, size in mesh.shape.items()
-                            if name not in manual_axes()))
     lay = pool_layout(p, {j: [layouts[(j, q)] for q in range(prog.parts[j])] for j in range(V)},
-                      stash_layout, flat=flat, blocks=blocks)
+                      stash_layout, blocks=blocks)
     K = len(lay.keys)
 
     def empty(shape, dtype):
@@ -159,14 +155,13 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
     block = [lay.block[k] for k in lay.keys]
 
     def rows_of(leaves, what, j, q, base_q, at):
-        return lay.leaf_rows(what, j, q, [p.pool_key(a.shape, a.dtype, flat) for a in leaves],
+        return lay.leaf_rows(what, j, q, [p.pool_key(a.shape, a.dtype) for a in leaves],
                              base_q, at)
 
     def store(bufs, what, j, q, leaves, at):
         bufs = list(bufs)
         for leaf, (i, row) in zip(leaves, rows_of(leaves, what, j, q, 0, at), strict=True):
-            bufs[i] = jax.lax.dynamic_update_index_in_dim(
-                bufs[i], leaf.reshape(bufs[i].shape[1:]), row, 0)
+            bufs[i] = jax.lax.dynamic_update_index_in_dim(bufs[i], leaf, row, 0)
         return tuple(bufs)
 
     def load(bufs, what, j, q, layout, at):
@@ -175,9 +170,8 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
         # token-minor), and the switch then returned the pool transposed every tick; a gather's
         # operand keeps the carry's layout and the loaded slot alone is transposed
         # (docs/parallelism.md, "Pipeline executor").
-        return [jnp.take(bufs[i], row, axis=0, mode="clip").reshape(leaf.shape)
-                for leaf, (i, row) in zip(layout, rows_of(layout, what, j, q, q, at),
-                                          strict=True)]
+        return [jnp.take(bufs[i], row, axis=0, mode="clip")
+                for i, row in rows_of(layout, what, j, q, q, at)]
 
     no_send = jnp.full(act_aval.shape, fill, act_aval.dtype)
 

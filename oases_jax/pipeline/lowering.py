@@ -6,7 +6,6 @@ without devices."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
@@ -53,27 +52,12 @@ class Plan:
     def wraps(self) -> bool:
         return self.schedule.chunks > 1
 
-    def flat_pools(self, sharded_inside: bool) -> bool:
-        """`flat_pools` of this plan's chunks per device."""
-        return flat_pools(self.schedule.chunks, sharded_inside)
-
-    def pool_key(self, shape, dtype, flat: bool) -> tuple:
-        """The pool a stored leaf of `shape` and `dtype` goes to (`flat_pools`)."""
-        dims = (math.prod(shape),) if flat else tuple(shape)
-        return dims, np.dtype(dtype).name
-
-
-def flat_pools(chunks: int, sharded_inside: bool) -> bool:
-    """Whether the residual pools hold leaves flattened (one buffer per size and dtype):
-    with several model chunks per device, when no mesh axis shards the leaves inside the
-    stage loop (`sharded_inside`: e.g. tensor parallelism run by GSPMD there, where a
-    flattening reshape would reshard). A pool that the chunks' branches share, in the leaves'
-    own shape, got from XLA a layout that no branch and the loop carry agreed on, and was
-    transposed whole every tick (GPT-2 1.5B, stage=4,data=4, M=8, v=2 on h100:16: 0.79 ms a
-    tick, the step 296.9 -> 252.6 ms flattened). With one chunk the shapes stay: flattening
-    made its stores copy (GPipe, stage=2, M=4: 233.2 -> 244.2 ms); and with tensor=4 inside
-    the stages it resharded (interleaved at data=2,stage=2,tensor=4: 294.1 -> 576.8 ms)."""
-    return chunks > 1 and not sharded_inside
+    def pool_key(self, shape, dtype) -> tuple:
+        """The pool a stored leaf of `shape` and `dtype` goes to: one pool per leaf shape and
+        dtype, in the leaf's own shape. (Pools of flattened leaves, once used with several
+        chunks a device, cost more than they saved once the executor loaded slots with a
+        gather: `executor.run`.)"""
+        return tuple(shape), np.dtype(dtype).name
 
 
 class _Slots:

@@ -119,12 +119,12 @@ def _shape_dtype(leaf) -> tuple[tuple[int, ...], str]:
 
 
 def pool_layout(p: Plan, residuals: Mapping[int, Sequence[Sequence]],
-                stashes: Mapping[int, Sequence], *, flat: bool, blocks: bool) -> PoolLayout:
+                stashes: Mapping[int, Sequence], *, blocks: bool) -> PoolLayout:
     """The pools of plan `p`. `residuals[j][q]`: the leaves part q of virtual stage j stores per
     micro-batch (a slot holds all the stage's parts, part after part); `stashes[j]`: what a
-    recomputed micro-batch of stage j keeps (its input). `flat`: `Plan.flat_pools`."""
+    recomputed micro-batch of stage j keeps (its input)."""
     def key(leaf) -> Key:
-        return p.pool_key(*_shape_dtype(leaf), flat)
+        return p.pool_key(*_shape_dtype(leaf))
 
     counts, offsets, firsts = {}, {}, {}
     size: dict[Key, int] = {}

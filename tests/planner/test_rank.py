@@ -74,14 +74,12 @@ def test_a_pipelined_variant_is_priced_as_the_3d_search_prices_it():
     sp = fixed(x, schedule="1f1b", counts=[half, half], remat=[half, half], microbatches=4,
                p2p=p2p)
     assert got == price(cfg, hw, 2, lay, spec, sp, x, p2p).step_s
-    # Interleaved with no axis inside the stages holds its pools flattened: priced so.
+    # Interleaved: two chunks a device, priced with the same per-layer inputs.
     inter = predict_pipeline_step_s(cfg, hw, mesh="stage=2,data=4", rules="tp",
                                     schedule="megatron", pipeline="interleaved", **kw)
-    xf = stage_inputs(cfg, lay, hw, spec, flat=True)
-    assert xf.f[0] > x.f[0] and xf.b[0] > x.b[0]
-    spf = fixed(xf, schedule="interleaved", counts=[half, half], remat=[half, half],
+    spi = fixed(x, schedule="interleaved", counts=[half, half], remat=[half, half],
                 microbatches=4, chunks=2, p2p=p2p)
-    assert inter == price(cfg, hw, 2, lay, spec, spf, xf, p2p).step_s
+    assert inter == price(cfg, hw, 2, lay, spec, spi, x, p2p).step_s
     fsdp = predict_pipeline_step_s(cfg, hw, mesh="stage=2,data=4", rules="fsdp",
                                    schedule="megatron", pipeline="1f1b", **kw)
     assert fsdp is not None and fsdp != got

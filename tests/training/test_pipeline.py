@@ -208,9 +208,9 @@ def test_nan_bubbles_uneven_stages_and_stage_aware_remat(model, blocks):
 
 
 @pytest.mark.parametrize("blocks", MODES)
-def test_interleaved_shared_flat_pools_in_both_modes(model, blocks):
-    """Interleaved with two chunks a device on data=4,stage=2: the chunks share flattened pools
-    whose users keep different counts of leaves (the embedding's chunk, the head's), so a block
+def test_interleaved_shared_pools_in_both_modes(model, blocks):
+    """Interleaved with two chunks a device on data=4,stage=2: the chunks share pools whose
+    users keep different counts of leaves (the embedding's chunk, the head's), so a block
     is larger than some users' slots; NaN-filled buffers, uneven stages (2,6)."""
     cfg, graphdef, params = model
     tokens = _tokens(cfg, 4)
