@@ -63,12 +63,13 @@ def peak_inflight(name: str, stages: int, microbatches: int, chunks: int = 1) ->
 def tick_choices(name: str, f: Sequence[float], b: Sequence[float],
                  r: Sequence[float]) -> tuple[int, ...]:
     """The ticks a backward may span in the plan (`--backward-ticks`, recorded in the plan):
-    one, whatever the schedule. Spreading a backward over round(B/F) ticks balances the
-    lockstep ticks under this model's costs (B near 2F), but every compiled program measured so
-    far runs slower split (docs/planner.md, "Against compiled programs"): GPT-2 1.5B on
-    h100:16, stage=2,data=8, interleaved M=2 takes 551.7 ms with two ticks against 237.6 ms
-    with one, and 1F1B at data=2,stage=2,tensor=4 287.9 against 244.8 ms. `simulate(k=...)`
-    prices other spans for study."""
+    one, whatever the schedule (the runtime's default too). Spreading a backward over
+    round(B/F) ticks balances the lockstep ticks under this model's costs (B near 2F), but every
+    compiled program measured so far runs slower split (docs/planner.md, "Against compiled
+    programs"): GPT-2 1.5B on h100:16, stage=2,data=8, interleaved M=2 takes 551.7 ms with two
+    ticks against 237.6 ms with one, 1F1B at data=2,stage=2,tensor=4 287.9 against 244.8 ms,
+    and interleaved there (M=8) 275.7 against 201.7 ms. `simulate(k=...)` prices other spans
+    for study."""
     return (1,)
 
 

@@ -82,8 +82,7 @@ def stage_account(spec: CompileSpec, mesh: Mesh, program: Program, peak_bytes: i
     divisors = [size for name, size in mesh.shape.items() if name not in (STAGE, "data")]
     flops = pipeline_stages.stage_flops(program, plan, loop)
     memory = pipeline_stages.stage_memory(
-        program, plan, residuals, stashes, peak_bytes, loop, divisors,
-        blocks=executor.pool_blocks(mesh.devices.flat[0].platform, plan))
+        program, plan, residuals, stashes, peak_bytes, loop, divisors)
     ratios = pipeline_step.spec_for(spec.model, spec.parallel, spec.microbatches, mesh).ratios
     return {"flops": flops.to_json(), "memory": memory.to_json(),
             "remat_ratios": None if ratios is None else [float(r) for r in ratios],

@@ -80,7 +80,7 @@ class ParallelConfig:
     # Pipeline parallelism over the mesh's `stage` axis (`training.pipeline_step`): the schedule
     # (None: no pipeline), per-stage layer counts (None: uniform), chunks per stage
     # (interleaved; 0: 2), stage-aware recompute ratios (r0, or one per stage), and the ticks a
-    # backward spans (0: one, interleaved from its matmul work against the forward's).
+    # backward spans (0: one).
     pipeline: str | None = None
     stage_layers: str | None = None
     virtual_stages: int = 0

@@ -44,8 +44,7 @@ def add_layout_flags(group) -> None:
                        "(Merak's rule for the others) or one ratio per stage, e.g. 0.8,0.7,0.4,0")
     group.add_argument("--backward-ticks", type=int, default=0,
                        help="pipelines: ticks one stage's backward spans, its layers split into "
-                       "that many parts (default 0: one tick; interleaved: its matmul work in "
-                       "forwards, 2 plus what remat recomputes)")
+                       "that many parts balanced by cost (default 0: one tick)")
 
 
 def layout_kwargs(args: argparse.Namespace) -> dict:

@@ -108,21 +108,18 @@ def backward_parts(cfg: ModelConfig, pipe: PipelineSpec
     that costs k forwards (k = 2, plus what remat recomputes in it) spans k ticks, so every
     tick of the lockstep program holds about one forward's work; the parts balance the
     backward's cost (a recomputed layer's backward costs 3, another's 2, the head's twice its
-    weight). That rule is the default for interleaved schedules only; the others run the whole
-    backward in one tick (docs/parallelism.md "Time": the compiled programs' B is near F),
-    and `pipe.backward_ticks` sets k for every stage. A stage never has more parts than items."""
+    weight). `pipe.backward_ticks` sets k for every stage; by default every schedule runs the
+    whole backward in one tick (docs/parallelism.md "Time": the compiled programs' B is near
+    F). A stage never has more parts than items."""
     V = pipe.virtual
     n_j, k_j = pipe.virtual_layers(), pipe.recomputed()
     head = _head_weight(cfg)
     share = _RECOMPUTE_SHARE.get(cfg.remat, 0.0)
     out = []
     for j in range(V):
-        fwd = [1.0] * n_j[j] + ([head] if j == V - 1 else [])
         bwd = [2.0 + (1.0 if i < k_j[j] else share) for i in range(n_j[j])]
         bwd += [2.0 * head] if j == V - 1 else []
-        k = pipe.backward_ticks or (round(sum(bwd) / max(sum(fwd), 1e-9))
-                                    if pipe.schedule == "interleaved" else 1)
-        k = max(1, min(len(fwd), k))
+        k = max(1, min(len(bwd), pipe.backward_ticks or 1))
         out.append(_balanced(bwd, k))
     return tuple(out)
 
@@ -289,19 +286,14 @@ def _layer_plan(first: int, n: int, remat: str | None):
 
 
 def pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,
-                   params, batch_MBL, groups: int, *, poison: bool = False,
-                   blocks: bool | None = None):
-    """(mean loss, mean gradients) of a batch of M micro-batches in the stage layout. `blocks`:
-    the executor's pool mode (`executor.pool_blocks` of the mesh's platform and the plan when
-    None)."""
+                   params, batch_MBL, groups: int, *, poison: bool = False):
+    """(mean loss, mean gradients) of a batch of M micro-batches in the stage layout."""
     _, B, L1 = batch_MBL.shape
     act = jax.ShapeDtypeStruct((B // groups, L1 - 1, cfg.d_model), jnp.dtype(cfg.dtype))
     prog = stage_program(cfg, pipe, act)
     plan = step_plan(cfg, pipe)
-    if blocks is None:
-        blocks = executor.pool_blocks(parallel.mesh.devices.flat[0].platform, plan)
     return over_stages(parallel, params, batch_MBL, groups, lambda p, tokens: executor.run(
-        plan, prog, p, tokens, stage_axis=STAGE, poison=poison, blocks=blocks))
+        plan, prog, p, tokens, stage_axis=STAGE, poison=poison))
 
 
 # --- The train step ------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from oases_jax.errors import UserError
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.moe import schedules as moe_schedules
 from oases_jax.moe.stack import scan_schedules
+from oases_jax.pipeline import SPMD_PIPELINES, pools
 from oases_jax.rules import constrain, get_rules
 from oases_jax.stacks import Parallel, run_layer, use_parallel
 from training import pipeline_step
@@ -78,8 +79,11 @@ def platform_of(mesh: Mesh) -> str:
 
 def compiler_options(parallel: ParallelConfig, mesh: Mesh) -> dict:
     """The XLA options the schedules of `parallel` need on the mesh's platform (an MoE run's
-    MoE schedule's too: those of parm_s2 wherever `auto` may choose it)."""
+    MoE schedule's too: those of parm_s2 wherever `auto` may choose it; a pipeline run by the
+    tick executor, `pools.compiler_options`)."""
     out = registry.compiler_options(parallel.schedules, platform_of(mesh))
+    if parallel.pipeline and parallel.pipeline not in SPMD_PIPELINES:  # the tick executor's
+        out = registry.merge_options(out, pools.compiler_options(platform_of(mesh)))
     if platform_of(mesh) in ("gpu", "cuda", "rocm"):
         name = parallel.moe_schedule
         extra = moe_schedules.get("parm_s2" if name == "auto" else name).gpu_options

@@ -205,18 +205,16 @@ def _match(rows: int, leaf: Leaf, carry: list, taken: collections.Counter,
 
 def stage_memory(program: Program, plan: Plan, residuals: Mapping[int, Sequence[Leaf]],
                  stashes: Mapping[int, Sequence[Leaf]], peak_bytes: int,
-                 loop: TickLoop | None = None, divisors: Sequence[int] = (),
-                 blocks: bool = False) -> StageMemory:
+                 loop: TickLoop | None = None, divisors: Sequence[int] = ()) -> StageMemory:
     """Per-stage pool bytes of `program` under `plan`. `residuals[j]` / `stashes[j]`: the leaves
     one micro-batch of virtual stage j stores (as the executor lays them out); each pool is
     matched to the buffer the compiled tick loop carries (`divisors`: the sizes of the mesh axes
-    that may shard a leaf inside the loop, e.g. `tensor`). `blocks`: the executor kept the pools
-    out of the switch (`pools.pool_blocks`). The pools are the executor's own layout
+    that may shard a leaf inside the loop, e.g. `tensor`). The pools are the executor's own layout
     (`pools.pool_layout`)."""
     loop = loop or find_tick_loop(program, plan)
     V = plan.virtual
-    lay = pool_layout(plan, {j: [residuals[j]] for j in range(V)}, stashes, blocks=blocks)
-    rows = {k: lay.rows(k) for k in lay.keys}
+    lay = pool_layout(plan, {j: [residuals[j]] for j in range(V)}, stashes)
+    rows = dict(lay.size)
     carry = _carry_arrays(program, loop) if loop else []
     taken: collections.Counter = collections.Counter()
     pools = []

@@ -14,8 +14,9 @@ gradients wait in small receive buffers, residuals in pools shared between the v
 device holds. Residual leaves that are the stage's parameters themselves are never stored (the
 backward re-traces the VJP and takes them from the live parameters), so no micro-batch keeps a
 copy of the weights. Gradients accumulate in one local buffer per stage. The pools either go
-through the switch, whose branches read and write them in place, or stay outside it: each tick
-slices one block of every pool for the branches and writes one back (`pool_blocks`).
+through the switch, whose branches read and write them in place (the program compiles with
+XLA's copy insertion by region analysis, `pools.compiler_options`, without which it copied the
+pools whole every tick).
 """
 
 from __future__ import annotations
@@ -41,11 +42,11 @@ from oases_jax.pipeline.lowering import (
     base_kind,
     plan,
 )
-from oases_jax.pipeline.pools import pool_blocks, pool_layout
+from oases_jax.pipeline.pools import pool_layout
 
 __all__ = ["ACT_READ", "ACT_STORE", "BRANCH", "GRAD_READ", "GRAD_STORE", "KINDS", "MB",
-           "SLOT_IN", "SLOT_OUT", "Plan", "StageProgram", "base_kind", "plan", "pool_blocks",
-           "residual_layouts", "run"]
+           "SLOT_IN", "SLOT_OUT", "Plan", "StageProgram", "base_kind", "plan", "residual_layouts",
+           "run"]
 
 @dataclasses.dataclass(frozen=True)
 class StageProgram:
@@ -116,13 +117,12 @@ def residual_layouts(prog: StageProgram, local_params, data_mb) -> dict[tuple[in
 
 
 def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = "stage",
-        poison: bool = False, blocks: bool = False):
+        poison: bool = False):
     """Run the plan on this device (inside a shard_map manual over `stage_axis`): returns (sum
     of the micro-batches' losses on this device (non-zero on the last stage only), the
     gradient accumulator of `local_params`' structure, float32, summed over micro-batches).
     `poison` fills every buffer and every bubble's transfer with NaN: a correct plan never
-    reads them, so the result must not change. `blocks`: the residual pools stay outside the
-    tick's switch, which reads and writes one block of each (`pool_blocks`)."""
+    reads them, so the result must not change."""
     S, V = p.stages, p.virtual
     if tuple(prog.parts) != tuple(p.table.span(j) for j in range(V)):
         raise ValueError(f"the stage program has {prog.parts} parts per virtual stage but the "
@@ -138,21 +138,15 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
     layouts = residual_layouts(prog, local_params, data_M[0])
     stash_layout = {j: ([] if j == 0 else [act_aval]) for j in range(V)}
     lay = pool_layout(p, {j: [layouts[(j, q)] for q in range(prog.parts[j])] for j in range(V)},
-                      stash_layout, blocks=blocks)
-    K = len(lay.keys)
+                      stash_layout)
 
     def empty(shape, dtype):
         dtype = jnp.dtype(dtype)
         value = fill if jnp.issubdtype(dtype, jnp.floating) else 0
         return jnp.full(shape, value, dtype)
 
-    # With `blocks`, every tick reads one block of each pool before the switch and writes one
-    # back after it (`lay.block`: a whole slot of the pool's largest user), and the branches see
-    # only those, at rows from 0; the ticks that read or write nothing point at the spare block
-    # at the end of each pool. Without, the pools go through the switch, whose branches read and
-    # write them in place.
-    pools = tuple(empty((lay.rows(k), *k[0]), k[1]) for k in lay.keys)
-    block = [lay.block[k] for k in lay.keys]
+    # The pools go through the switch, whose branches read and write them in place.
+    pools = tuple(empty((lay.size[k], *k[0]), k[1]) for k in lay.keys)
 
     def rows_of(leaves, what, j, q, base_q, at):
         return lay.leaf_rows(what, j, q, [p.pool_key(a.shape, a.dtype) for a in leaves],
@@ -189,33 +183,22 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
             bufs = store(bufs, "res", j, q, _stored(vjp_fn, params_jq), at)
         return bufs, x
 
-    # A branch: (state, inputs) -> (state, activation sent, gradient sent). state = (the blocks
-    # or pools it writes, the receive buffers (None with blocks), the split backward's middle
-    # gradient, the accumulator, the loss); inputs = the tick's row, and with blocks what it
-    # reads, taken before the switch. Without blocks the branch reads all from the state: the
-    # receive buffers read outside cost GPipe on GPT-2 1.5B (h100:16) 246.0 -> 261.3 ms.
-    # take(state, inputs, j, q, read, write) -> (the blocks or pools part q of stage j reads
-    # `read` ("res", "stash" or None) from, their rows, x, g, the micro-batch's data, the rows it
-    # writes `write` at), one builder per mode.
-    def take_in_switch(state, inputs, j, q, read, write):
+    # A branch: (state, r) -> (state, activation sent, gradient sent). state = (the pools, the
+    # receive buffers, the split backward's middle gradient, the accumulator, the loss); r = the
+    # tick's row. The branch reads all from the state: the receive buffers read outside the
+    # switch cost GPipe on GPT-2 1.5B (h100:16) 246.0 -> 261.3 ms.
+    # take(state, r, j, q, read, write) -> (the pools, the rows part q of stage j reads `read`
+    # ("res", "stash" or None) at, x, g, the micro-batch's data, the rows it writes `write` at).
+    def take(state, r, j, q, read, write):
         bufs, act_buf, grad_buf = state[:3]
-        (r,) = inputs
         return (bufs, lay.starts(read, j, q, r[SLOT_IN]) if read else None,
                 act_buf[r[ACT_READ]], grad_buf[r[GRAD_READ]], data_M[r[MB]],
                 lay.starts(write, j, 0, r[SLOT_OUT]) if write else None)
 
-    FROM_0 = dict.fromkeys(range(K), 0)  # a block's rows start at 0
-
-    def take_blocks(state, inputs, j, q, read, write):
-        _, reads, x, g, data_mb = inputs
-        return reads, FROM_0, x, g, data_mb, FROM_0
-
-    take = take_blocks if blocks else take_in_switch
-
     def forward_branch(j, stash_only):
-        def go(state, inputs):
+        def go(state, r):
             bufs, act_buf, grad_buf, mid, acc, loss = state
-            _, _, x_in, _, data_mb, at_wr = take(state, inputs, j, 0, None,
+            _, _, x_in, _, data_mb, at_wr = take(state, r, j, 0, None,
                                                  "stash" if stash_only else "res")
             x = None if j == 0 else x_in
             if stash_only:
@@ -230,9 +213,9 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
         return go
 
     def recompute_branch(j):
-        def go(state, inputs):
+        def go(state, r):
             bufs, act_buf, grad_buf, mid, acc, loss = state
-            reads, at_rd, _, _, data_mb, at_wr = take(state, inputs, j, 0, "stash", "res")
+            reads, at_rd, _, _, data_mb, at_wr = take(state, r, j, 0, "stash", "res")
             x = None if j == 0 else load(reads, "stash", j, 0, stash_layout[j], at_rd)[0]
             bufs, _ = keep_residuals(bufs, j, x, data_mb, at_wr)
             return (bufs, act_buf, grad_buf, mid, acc, loss), no_send, no_send
@@ -242,9 +225,9 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
         k = prog.parts[j]
         q = k - 1 - part  # the backward runs the stage's parts top down
 
-        def go(state, inputs):
+        def go(state, r):
             bufs, act_buf, grad_buf, mid, acc, loss = state
-            reads, at_rd, _, g_in, data_mb, _ = take(state, inputs, j, q, "res", None)
+            reads, at_rd, _, g_in, data_mb, _ = take(state, r, j, q, "res", None)
             params_jq = prog.params(j, q)(prepared)
             # A fresh trace gives the VJP's structure and its parameter leaves; its forward is
             # dead code (every other residual comes from the pool) and XLA removes it.
@@ -270,7 +253,7 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
             return (bufs, act_buf, grad_buf, mid, acc, loss), no_send, send
         return go
 
-    def idle(state, inputs):
+    def idle(state, r):
         return state, no_send, no_send
 
     branches = [idle]
@@ -291,25 +274,10 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
             got = jnp.where(s == wrap_dst, wrapped, got)
         return got
 
-    def tick(carry, xs):
-        pools_, act_buf, grad_buf, mid, acc, loss = carry
-        if blocks:
-            r, at_rd, at_wr = (x[s] for x in xs)
-            reads = tuple(jax.lax.dynamic_slice_in_dim(pools_[i], at_rd[i], block[i], 0)
-                          for i in range(K))
-            olds = tuple(jax.lax.dynamic_slice_in_dim(pools_[i], at_wr[i], block[i], 0)
-                         for i in range(K))
-            got = (jax.lax.dynamic_index_in_dim(act_buf, r[ACT_READ], 0, False),
-                   jax.lax.dynamic_index_in_dim(grad_buf, r[GRAD_READ], 0, False),
-                   data_M[r[MB]])
-            (writes, _, _, mid, acc, loss), send_act, send_grad = jax.lax.switch(
-                r[BRANCH], branches, (olds, None, None, mid, acc, loss), (r, reads, *got))
-            pools_ = tuple(jax.lax.dynamic_update_slice_in_dim(pools_[i], writes[i], at_wr[i], 0)
-                           for i in range(K))
-        else:
-            r = xs[s]
-            (pools_, act_buf, grad_buf, mid, acc, loss), send_act, send_grad = jax.lax.switch(
-                r[BRANCH], branches, carry, (r,))
+    def tick(carry, rows_t):
+        r = rows_t[s]
+        (pools_, act_buf, grad_buf, mid, acc, loss), send_act, send_grad = jax.lax.switch(
+            r[BRANCH], branches, carry, r)
         got_act = move(send_act, shift_act, (S - 1, 0), 0)
         got_grad = move(send_grad, shift_grad, (0, S - 1), S - 1)
         act_buf = jax.lax.dynamic_update_index_in_dim(act_buf, got_act, r[ACT_STORE], 0)
@@ -322,8 +290,5 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
     # The gradient between the parts of a split backward (empty when no backward is split).
     mid = empty(act_aval.shape if split else (0,), act_aval.dtype)
     carry = (pools, act_buf, grad_buf, mid, acc0, jnp.zeros((), jnp.float32))
-    rows = jnp.asarray(p.rows)
-    # With blocks each tick also takes its rows of the blocks it reads and writes.
-    xs = (rows, *map(jnp.asarray, lay.block_rows(p, prog.parts))) if blocks else rows
-    carry, _ = jax.lax.scan(tick, carry, xs)
+    carry, _ = jax.lax.scan(tick, carry, jnp.asarray(p.rows))
     return carry[5], carry[4]

@@ -132,7 +132,8 @@ def test_search_and_plan_section_round_trip():
     sp = best.stage_plan
     assert par.backward_ticks == sp.backward_ticks == d["pipeline"]["backward_ticks"] >= 1
     assert sp.makespan == pytest.approx(simulate(sp.schedule, sp.microbatches, sp.chunks, sp.f,
-                                                 sp.b, sp.r, sp.p2p, k=sp.backward_ticks)[0])
+                                                 sp.b, sp.r, sp.p2p, k=sp.backward_ticks,
+                                                 ends=sp.ends)[0])
     assert par.layers is None  # one strategy: the runtime's default for every layer
     # A plan whose layers differ runs each layer's own strategy inside the stages.
     mixed = dict(d, layers=[{"schedule": "oases", "sub_batches": 2, "remat": "none"}]

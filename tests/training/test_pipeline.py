@@ -36,8 +36,7 @@ def _reference(cfg, graphdef, params, tokens):
 
 
 def _pipelined(cfg, params, tokens, mesh_text, schedule, *, tp="megatron", layers=None,
-               ratios=None, poison=False, backward_ticks=0, rules="tp", plan=None,
-               blocks=None):
+               ratios=None, poison=False, backward_ticks=0, rules="tp", plan=None):
     mesh = make_mesh(mesh_text, jax.devices())
     rules = get_rules(rules)
     pipe = ps.pipeline_spec(cfg, schedule=schedule, stages=mesh.shape["stage"],
@@ -50,8 +49,7 @@ def _pipelined(cfg, params, tokens, mesh_text, schedule, *, tp="megatron", layer
 
     def step(p, t):
         with use_parallel(parallel):
-            return ps.pipeline_grads(cfg, pipe, parallel, p, t, groups, poison=poison,
-                                     blocks=blocks)
+            return ps.pipeline_grads(cfg, pipe, parallel, p, t, groups, poison=poison)
 
     with jax.set_mesh(mesh):
         loss, grads = jax.jit(step)(staged, tokens)
@@ -190,13 +188,7 @@ def test_per_layer_plan_inside_the_stages(model, schedule, layers, ratios, monke
         assert set(seen) == {(s.schedule, s.sub_batches, s.remat) for s in plan}
 
 
-# The executor's two pool modes (`executor.pool_blocks`): blocks out of the switch (CPU
-# devices, every other test here) and pools through the switch (GPUs).
-MODES = [pytest.param(True, id="blocks"), pytest.param(False, id="pools-in-switch")]
-
-
-@pytest.mark.parametrize("blocks", MODES)
-def test_nan_bubbles_uneven_stages_and_stage_aware_remat(model, blocks):
+def test_nan_bubbles_uneven_stages_and_stage_aware_remat(model):
     """Every receive buffer, residual pool and bubble transfer starts as NaN: nothing a
     correct plan reads. Uneven stages (2,3,1,2: padding rows) and Merak's ratios from r0=0.8
     (stages recompute 1, 2, 0, 0 of their layers) give the same numbers."""
@@ -204,27 +196,26 @@ def test_nan_bubbles_uneven_stages_and_stage_aware_remat(model, blocks):
     tokens = _tokens(cfg, 5)
     _assert_equal(_reference(cfg, graphdef, params, tokens),
                   _pipelined(cfg, params, tokens, "data=2,stage=4", "1f1b", layers="2,3,1,2",
-                             ratios="0.8", poison=True, blocks=blocks))
+                             ratios="0.8", poison=True))
 
 
-@pytest.mark.parametrize("blocks", MODES)
-def test_interleaved_shared_pools_in_both_modes(model, blocks):
+def test_interleaved_shared_pools(model):
     """Interleaved with two chunks a device on data=4,stage=2: the chunks share pools whose
-    users keep different counts of leaves (the embedding's chunk, the head's), so a block
-    is larger than some users' slots; NaN-filled buffers, uneven stages (2,6)."""
+    users keep different counts of leaves (the embedding's chunk, the head's), each user's
+    slots at its own rows; NaN-filled buffers, uneven stages (2,6), each backward over two
+    ticks."""
     cfg, graphdef, params = model
     tokens = _tokens(cfg, 4)
     _assert_equal(_reference(cfg, graphdef, params, tokens),
                   _pipelined(cfg, params, tokens, "data=4,stage=2", "interleaved", layers="2,6",
-                             poison=True, blocks=blocks))
+                             poison=True, backward_ticks=2))
 
 
-@pytest.mark.parametrize("blocks", MODES)
 @pytest.mark.parametrize(("schedule", "ticks"), [("1f1b", 2), ("merak", 3)])
-def test_backward_over_two_or_three_ticks(model, schedule, ticks, blocks):
+def test_backward_over_two_or_three_ticks(model, schedule, ticks):
     """A stage's backward split over two or three ticks (its layers in parts, the head in the
     last stage's top part; uneven stages 3,5) gives the same numbers as the one-device model
-    (the other tests run one tick, interleaved the matmul-work rule's two)."""
+    (the other tests run one tick)."""
     cfg, graphdef, params = model
     tokens = _tokens(cfg, 3)
     pipe = ps.pipeline_spec(cfg, schedule=schedule, stages=2, microbatches=3,
@@ -234,7 +225,7 @@ def test_backward_over_two_or_three_ticks(model, schedule, ticks, blocks):
     assert parts == ({"B"} if ticks == 1 else {f"B{i}" for i in range(ticks)})
     _assert_equal(_reference(cfg, graphdef, params, tokens),
                   _pipelined(cfg, params, tokens, "data=2,stage=2,tensor=2", schedule,
-                             layers="3,5", backward_ticks=ticks, blocks=blocks))
+                             layers="3,5", backward_ticks=ticks))
 
 
 def test_layout_round_trip(model):
