@@ -13,10 +13,10 @@ Everything stateful is addressed by slots allocated offline (`plan`): received a
 gradients wait in small receive buffers, residuals in pools shared between the virtual stages a
 device holds. Residual leaves that are the stage's parameters themselves are never stored (the
 backward re-traces the VJP and takes them from the live parameters), so no micro-batch keeps a
-copy of the weights. Gradients accumulate in one local buffer per stage. The pools either go
-through the switch, whose branches read and write them in place (the program compiles with
-XLA's copy insertion by region analysis, `pools.compiler_options`, without which it copied the
-pools whole every tick).
+copy of the weights. Gradients accumulate in one local buffer per stage. The pools go through
+the switch, whose branches read and write them in place (the program compiles with XLA's copy
+insertion by region analysis, `pools.compiler_options`, without which it copied the pools
+whole every tick).
 """
 
 from __future__ import annotations
