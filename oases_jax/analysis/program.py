@@ -27,6 +27,8 @@ TRIVIAL = frozenset({
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
     "replica-id", "opt-barrier", "add-dependency", "domain",
 })
+# A fusion parameter used only through these reads what they return, not the whole operand.
+SLICES = ("slice", "dynamic-slice")
 _GEMM_TARGET = re.compile(r"gemm|matmul|cublas", re.I)
 
 
@@ -152,7 +154,9 @@ class Program:
     def traffic_bytes(self, comp: Computation, instr: Instr) -> int:
         """HBM bytes an op reads and writes. Slices read only what they return, and in-place
         updates write only the update: a loop body that slices one layer out of stacked weights
-        reads one layer, not the stack."""
+        reads one layer, not the stack, and an accumulate into part of a buffer (a fusion that
+        slices the buffer and updates the same buffer in place, `acc.at[c].add(g)`) reads the
+        part it slices."""
         if instr.opcode == "dynamic-slice":
             return 2 * instr.result_bytes
         if instr.opcode == "dynamic-update-slice" and len(instr.operands) > 1:
@@ -176,12 +180,12 @@ class Program:
             index = int(param.operand_text or 0)
             full = self.operand_bytes(comp, instr, index) if index < len(instr.operands) else 0
             uses = uses_of(param.name)
-            if uses and all(u.opcode == "dynamic-slice" and u.operands[0] == via
-                            for u, via in uses):
+            if uses and all(u.opcode in SLICES and u.operands[0] == via for u, via in uses):
                 total += sum(u.result_bytes for u, _ in uses)
-            elif uses and all(u.opcode == "dynamic-update-slice" and u.operands[0] == via
-                              for u, via in uses):
-                total += 0  # updated in place
+            elif uses and all(u.opcode in (*SLICES, "dynamic-update-slice")
+                              and u.operands[0] == via for u, via in uses):
+                # updated in place, read only where sliced
+                total += sum(u.result_bytes for u, _ in uses if u.opcode in SLICES)
             else:
                 total += full
         root = body.root

@@ -98,3 +98,35 @@ ENTRY %main (t: (f32[48,1024,256], f32[1024,256])) -> bf16[1024,256] {
     assert f.operands == ["t"] and f.elements == (1,)
     assert program.traffic_bytes(comp, f) == MIB + MIB // 2
     assert comp.by_name["t"].element_bytes(0) == 48 * MIB
+
+
+@pytest.mark.parametrize("read", [
+    "dynamic-slice(%p0, %p2, %z, %z), dynamic_slice_sizes={1,1024,256}",
+    "slice(%p0), slice={[1:2], [0:1024], [0:256]}"])
+def test_accumulate_into_part_of_a_buffer_reads_that_part(read):
+    """`acc.at[c].add(g)` compiles to a fusion that slices the accumulator (a dynamic slice, or a
+    static one when c is known) and updates the same buffer in place: it reads the 1 MiB part
+    and the 1 MiB update and writes the part (3 MiB), not the whole 2 MiB buffer besides (the
+    tick executor's accumulate into one of two chunks)."""
+    text = """HloModule m, entry_computation_layout={()->f32[2,1024,256]{2,1,0}}
+
+%fused_acc (p0: f32[2,1024,256], p1: f32[1,1024,256], p2: s32[]) -> f32[2,1024,256] {
+  %p0 = f32[2,1024,256]{2,1,0} parameter(0)
+  %p1 = f32[1,1024,256]{2,1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  %old = f32[1,1024,256]{2,1,0} READ
+  %new = f32[1,1024,256]{2,1,0} add(%old, %p1)
+  ROOT %out = f32[2,1024,256]{2,1,0} dynamic-update-slice(%p0, %new, %p2, %z, %z)
+}
+
+ENTRY %main (acc: f32[2,1024,256], g: f32[1,1024,256], c: s32[]) -> f32[2,1024,256] {
+  %acc = f32[2,1024,256]{2,1,0} parameter(0)
+  %g = f32[1,1024,256]{2,1,0} parameter(1)
+  %c = s32[] parameter(2)
+  ROOT %f = f32[2,1024,256]{2,1,0} fusion(%acc, %g, %c), kind=kLoop, calls=%fused_acc
+}
+"""
+    program = Program(text.replace("READ", read))
+    comp = program.comp(program.module.entry)
+    assert program.traffic_bytes(comp, comp.by_name["f"]) == 3 * MIB + 4
