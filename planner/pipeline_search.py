@@ -203,7 +203,7 @@ def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int
         strategy = _strategy(cfg, layout, hw, megatron_only)  # None on a primepar square
         if strategy is None and not layout.primepar:
             continue
-        x = stage_inputs(cfg, layout, hw, strategy) if strategy is not None else None
+        x_tick = stage_inputs(cfg, layout, hw, strategy) if strategy is not None else None
         p2p = transfer_s(cfg, layout, hw, strategy, S) if strategy is not None else 0.0
         for sch in pipelines:
             if sch == "interleaved" and (S < 2 or cfg.n_layers % (CHUNKS * S)):
@@ -227,8 +227,8 @@ def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int
                 continue
             if strategy is None:
                 continue  # the square's permutes cannot sit in the tick executor's switch
-            est = _screen(cfg, hw, S, layout, strategy, x, p2p, sch)
-            screened.append((est, S, layout, strategy, x, p2p, sch))
+            est = _screen(cfg, hw, S, layout, strategy, x_tick, p2p, sch)
+            screened.append((est, S, layout, strategy, x_tick, p2p, sch))
     screened.sort(key=lambda c: c[0])
     out, tried = [], 0
     for _, S, layout, strategy, x, p2p, sch in screened:

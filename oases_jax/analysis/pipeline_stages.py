@@ -214,15 +214,14 @@ def stage_memory(program: Program, plan: Plan, residuals: Mapping[int, Sequence[
     loop = loop or find_tick_loop(program, plan)
     V = plan.virtual
     lay = pool_layout(plan, {j: [residuals[j]] for j in range(V)}, stashes)
-    rows = dict(lay.size)
     carry = _carry_arrays(program, loop) if loop else []
     taken: collections.Counter = collections.Counter()
     pools = []
-    for leaf in sorted(k for k, n in rows.items() if n):
-        dims = _match(rows[leaf], leaf, carry, taken, divisors)
+    for leaf in sorted(k for k, n in lay.size.items() if n):
+        dims = _match(lay.size[leaf], leaf, carry, taken, divisors)
         if dims is not None:
             taken[(dims, _HLO_DTYPE.get(leaf[1], leaf[1]))] += 1
-        pools.append(Pool(leaf, rows[leaf], dims))
+        pools.append(Pool(leaf, lay.size[leaf], dims))
     per_leaf = {p.leaf: p.leaf_bytes for p in pools}
 
     def leaf_bytes(leaf) -> int:
