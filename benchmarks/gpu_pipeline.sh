@@ -9,7 +9,8 @@
 #   inspect_hlo.py --model gpt2-1.5b --dtype bfloat16 --remat full --target h100:1 --mesh data=1
 #     --batch-size 8 --seq-len 1024 --microbatches M --op-trace runs/trace_mM --op-trace-steps 2
 #   bash benchmarks/gpu_pipeline.sh OUT_DIR [PART...]
-# PARTs (default all): full_m4 full_m8 none_m4 llama_m4 accum
+# PARTs (default all but merak_m4): full_m4 full_m8 none_m4 llama_m4 accum merak_m4 (Merak's
+# schedule beside 1F1B, with the planner's datasheet prediction of each)
 # Writes OUT_DIR/log.txt and OUT_DIR/pipeline_gpu.tgz (each run's table and JSON; the device
 # tool returns at most 8 files). Runs from the repository root with the machine's own jax.
 # The GPU image has no pydantic: carry its wheels (pydantic, pydantic_core, annotated_types,
@@ -36,6 +37,8 @@ want full_m8 && run "pipeline_gpt2-1.5b_${tag}x1_full_m8" --model gpt2-1.5b --re
   --pipeline gpipe,1f1b "${common[@]}"
 want none_m4 && run "pipeline_gpt2-1.5b_${tag}x1_none_m4" --model gpt2-1.5b --remat none --microbatches 4 \
   --pipeline 1f1b "${common[@]}"
+want merak_m4 && run "pipeline_gpt2-1.5b_${tag}x1_merak_m4" --model gpt2-1.5b --remat full --microbatches 4 \
+  --pipeline 1f1b,merak --predict datasheet "${common[@]}"
 want llama_m4 && run "pipeline_llama2-7b-l8_${tag}x1_none_m4" --model llama2-7b --model-set n_layers=8 \
   --remat none --microbatches 4 --pipeline 1f1b "${common[@]}"
 if want accum; then
