@@ -152,6 +152,8 @@ class _Stages:
         static = x.shared_bytes + lmax * x.block_bytes
         per_mb = self.held[s] / self.v
         head = x.last_temp if last else 0.0
+        if self.name == "merak" and not last:
+            return self._whole(s, i, j, f, b, static, per_mb)
         counts = (remat,) if remat is not None else self._remat_counts(i, j, per_mb,
                                                                        self.budget - static)
         for k in counts:
@@ -162,6 +164,19 @@ class _Stages:
             if mem <= self.budget * (1 + 1e-12):
                 return f, b, float(self.R[i + k] - self.R[i]), k, mem
         return None
+
+    def _whole(self, s: int, i: int, j: int, f: float, b: float, static: float, per_mb: float
+               ) -> tuple[float, float, float, int, float] | None:
+        """A stage Merak's schedule recomputes whole (every stage but the last): each held
+        micro-batch keeps only its input, its R re-runs the whole forward (`f`, the embedding's
+        on stage 0 too) and keeps every residual of one micro-batch until its B; all its
+        layers count as recomputed (ratio 1), whatever the budget asks."""
+        x = self.x
+        temp = max(self.temp[i:j], default=0.0)
+        mem = static + per_mb * float(x.act_remat[i]) + float(self.A[j] - self.A[i]) + temp
+        if mem > self.budget * (1 + 1e-12):
+            return None
+        return f, b, f, j - i, mem
 
     def _remat_counts(self, i: int, j: int, per_mb: float, room: float):
         """0, then from the least k >= 1 whose activation saving reaches the excess over the

@@ -85,10 +85,14 @@ def backward_ticks(name: str, microbatches: int, chunks: int, f: Sequence[float]
 
 def _program_costs(name: str, f, b, r) -> tuple[tuple, tuple, tuple[bool, ...]]:
     """(F, B, recompute flags) as the executor runs the schedule: only Merak's schedule has
-    recompute actions of its own (`R`, `RrG`); the others recompute a stage's rematted layers
+    recompute actions of its own (`R`, `RrG`: every stage but the last recomputed whole, r its
+    whole forward); the others, and Merak's last stage, recompute a stage's rematted layers
     inside its backward (`training.pipeline_step`), so their B is b + r and they have no R."""
     if name == "merak":
-        return tuple(f), tuple(b), tuple(x > 0 for x in r)
+        last = len(f) - 1
+        return (tuple(f), tuple(bb + (rr if s == last else 0.0)
+                                for s, (bb, rr) in enumerate(zip(b, r, strict=True))),
+                tuple(s < last for s in range(len(f))))
     return tuple(f), tuple(bb + rr for bb, rr in zip(b, r, strict=True)), (False,) * len(f)
 
 
@@ -174,7 +178,10 @@ def simulate_events(name: str, microbatches: int, chunks: int, f: Sequence[float
     (`oases_jax.pipeline.table.place`) in floats, for speed; `oases_jax.pipeline.events.
     simulate` gives the same in exact fractions."""
     S = len(f)
-    sch = build(name, S, microbatches, chunks, tuple(x > 0 for x in r))
+    flags = tuple(x > 0 for x in r)
+    if name == "merak":  # its last stage recomputes inside its backward, as the program runs it
+        _, b, flags = _program_costs(name, f, b, r)
+    sch = build(name, S, microbatches, chunks, flags)
     v = sch.chunks
     first_f, first_b, last_f, last_b = ends
     fc, bc, rc = chunk_costs(f, v, first_f, last_f), chunk_costs(b, v, first_b, last_b), \

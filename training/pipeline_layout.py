@@ -61,11 +61,22 @@ class PipelineSpec:
 
     def recomputed(self) -> tuple[int, ...]:
         """Per virtual stage, its first layers recomputed in the backward (stage-aware remat;
-        a chunk recomputes its device's ratio of its own layers)."""
+        a chunk recomputes its device's ratio of its own layers); 0 on a stage the schedule
+        recomputes whole (`whole`), whose R already rebuilds every residual."""
         if self.ratios is None:
             return (0,) * self.virtual
-        n = self.virtual_layers()
-        return tuple(math.floor(n[j] * self.ratios[j % self.stages]) for j in range(self.virtual))
+        n, whole = self.virtual_layers(), self.whole()
+        return tuple(0 if whole[j] else math.floor(n[j] * self.ratios[j % self.stages])
+                     for j in range(self.virtual))
+
+    def whole(self) -> tuple[bool, ...]:
+        """Per virtual stage, whether the schedule recomputes every micro-batch of it (R or
+        RrG from its stashed input, e.g. every stage but the last under Merak's schedule). Such
+        a stage runs its layers without checkpoints: its R keeps the residuals its backward
+        reads, which a checkpointed layer would recompute a second time."""
+        done = self.schedule_table().recomputed()
+        return tuple(all((mb, j) in done for mb in range(self.microbatches))
+                     for j in range(self.virtual))
 
     def schedule_table(self) -> schedules.Schedule:
         build = schedules.get(self.schedule)

@@ -112,11 +112,11 @@ def backward_parts(cfg: ModelConfig, pipe: PipelineSpec
     whole backward in one tick (docs/parallelism.md "Time": the compiled programs' B is near
     F). A stage never has more parts than items."""
     V = pipe.virtual
-    n_j, k_j = pipe.virtual_layers(), pipe.recomputed()
+    n_j, k_j, whole = pipe.virtual_layers(), pipe.recomputed(), pipe.whole()
     head = _head_weight(cfg)
-    share = _RECOMPUTE_SHARE.get(cfg.remat, 0.0)
     out = []
     for j in range(V):
+        share = 0.0 if whole[j] else _RECOMPUTE_SHARE.get(cfg.remat, 0.0)
         bwd = [2.0 + (1.0 if i < k_j[j] else share) for i in range(n_j[j])]
         bwd += [2.0 * head] if j == V - 1 else []
         k = max(1, min(len(bwd), pipe.backward_ticks or 1))
@@ -151,7 +151,7 @@ def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruc
                   ) -> executor.StageProgram:
     S = pipe.stages
     gd_blocks, gd_norm, _ = _graphdefs(cfg)
-    n_j, k_j = pipe.virtual_layers(), pipe.recomputed()
+    n_j, k_j, whole = pipe.virtual_layers(), pipe.recomputed(), pipe.whole()
     parts = backward_parts(cfg, pipe)
     dt = jnp.dtype(cfg.dtype)
     head_key = "embed" if cfg.tied else "head"
@@ -250,9 +250,10 @@ def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruc
             if j == 0 and q == 0:
                 x = Transformer.embed_tokens(stand_in, pair_B2L[:, 0])
             fns = block_fns(gd_blocks)
-            # Layers below k are recomputed in the backward (stage-aware remat).
+            # Layers below k are recomputed in the backward (stage-aware remat); a stage the
+            # schedule recomputes whole keeps every residual (its R is the recompute).
             for key, first, end in ranges(j, q):
-                remat = "full" if key == "remat" else None
+                remat = "none" if whole[j] else "full" if key == "remat" else None
                 with _layer_plan(starts[j] + first, end - first, remat):
                     x = run_stack(fns, pj["blocks"][key], x, scan=cfg.scan_layers,
                                   remat_default=remat or cfg.remat)
@@ -272,8 +273,9 @@ def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruc
 def _layer_plan(first: int, n: int, remat: str | None):
     """Under a per-layer plan (`Parallel.layers`), the active parallel narrowed to the model's
     layers [first, first + n), which one range of a stage runs; `remat` ("full": the range the
-    stage-aware ratios recompute) overrides each layer's own policy. Without one, nothing
-    changes (the range runs the default strategy under `remat_default`)."""
+    stage-aware ratios recompute; "none": a stage its schedule recomputes whole) overrides each
+    layer's own policy. Without one, nothing changes (the range runs the default strategy under
+    `remat_default`)."""
     parallel = active_parallel()
     if parallel is None or parallel.layers is None:
         yield

@@ -15,6 +15,7 @@ from planner.stage_partition import (
     _Stages,
     bottleneck,
     build,
+    fixed,
     partition,
     simulate,
 )
@@ -190,6 +191,29 @@ def test_memory_forces_recompute_on_early_stages():
     assert plan.ratios == (Fraction(3, 4), Fraction(0))
     assert plan.memory == (pytest.approx(4 + 2 * (1.5 + 2)), pytest.approx(4 + 8))
     assert plan.r == (3.0, 0.0)
+
+
+def test_merak_recomputes_every_stage_but_the_last_whole():
+    """As the program runs Merak's schedule: a stage before the last keeps one input per held
+    micro-batch and re-runs its whole forward in R (r = f, all its layers recomputed, whatever
+    the budget needs), holding one micro-batch's residuals until its B; the last stage has no
+    R and recomputes its rematted layers inside its backward. 8 layers of f=1, b=2, r=0.7, 2
+    bytes kept (0.5 rematted), 1 byte of state each, 2 stages of 4, M=4, no budget: stage 0
+    holds its peak in-flight micro-batches' inputs (0.5 each) + 4 x 2 of one micro-batch's
+    residuals + 4 of state; stage 1 none recomputed, 1 x 8 + 4. With full remat asked of the
+    last stage (`fixed`, remat 4) its backward runs 2 x 4 + 0.7 x 4."""
+    x = StageInputs.uniform(8, f=1.0, b=2.0, r=0.7, act=2.0, act_remat=0.5, block_bytes=1.0)
+    held = _Stages(x, "merak", 2, 4, 1, math.inf).held[0]
+    plan = fixed(x, schedule="merak", counts=(4, 4), remat=(0, 0), microbatches=4)
+    assert plan.remat == (4, 0) and plan.ratios == (Fraction(1), Fraction(0))
+    assert plan.r == (4.0, 0.0) and plan.b == (8.0, 8.0)
+    assert plan.memory == (pytest.approx(4 + held * 0.5 + 8), pytest.approx(4 + 8))
+    full = fixed(x, schedule="merak", counts=(4, 4), remat=(4, 4), microbatches=4)
+    assert full.r == (4.0, pytest.approx(2.8)) and full.remat == (4, 4)
+    step = simulate("merak", 4, 1, full.f, full.b, full.r)[0]
+    # The last stage's backward, 8 + 2.8, is what the lockstep ticks see: no R of its own.
+    plain = simulate("merak", 4, 1, full.f, (8.0, 8.0), (4.0, 0.0))[0]
+    assert step > plain
 
 
 def test_interleaved_keeps_chunks_equal():

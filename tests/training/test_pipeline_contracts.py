@@ -35,10 +35,11 @@ def rerun_share(cfg=CFG, seq=SEQ) -> float:
     return 1 - 2 * d * f / (8 * d * d + 4 * d * f + 4 * seq * d)
 
 
-def compiled(ratios: str | None, backward_ticks: int = 0, remat: str = "none"):
+def compiled(ratios: str | None, backward_ticks: int = 0, remat: str = "none",
+             pipeline: str = "1f1b"):
     spec = CompileSpec(model=CFG.replace(remat=remat), batch_size=8, seq_len=SEQ, microbatches=4,
                        parallel=ParallelConfig(mesh=MESH, rules="tp", schedule="megatron",
-                                               pipeline="1f1b", stage_layers=LAYERS,
+                                               pipeline=pipeline, stage_layers=LAYERS,
                                                remat_ratios=ratios,
                                                backward_ticks=backward_ticks))
     mesh = make_mesh(MESH, jax.devices())
@@ -132,3 +133,18 @@ def test_full_remat_keeps_each_layers_input():
     residuals, stashes = stage_layouts(spec, mesh)
     assert stashes[0] == [] and all(len(stashes[j]) == 1 for j in (1, 2, 3))
     assert pipeline_stages.base_kind("B1") == "B"
+
+
+def test_merak_recomputes_a_stage_once_under_full_remat():
+    """Merak's schedule recomputes every stage but the last whole (its R actions). Under
+    `--remat full` those stages' layers run without checkpoints, so R is their only recompute
+    (before, a checkpointed layer was recomputed a second time inside the backward: 1.68x the
+    forward on stage 0 of a 2-stage `small`); the last stage, which has no R, follows the policy
+    inside its backward; the ratios do not apply to a stage recomputed whole."""
+    spec, mesh, analysis, program = compiled("0.8", backward_ticks=1, remat="full",
+                                             pipeline="merak")
+    f = stage_account(spec, mesh, program, analysis.peak_memory_bytes)["flops"]
+    fwd, r, b = (np.array(f[k]) for k in ("forward", "recompute_r", "recompute_b"))
+    assert r[:3] == pytest.approx(fwd[:3], rel=1e-6)
+    assert b[:3] == pytest.approx([0.0] * 3, abs=1e-6 * fwd.max())
+    assert r[3] == 0 and 0 < b[3] < rerun_share() * fwd[3]  # its one layer, not the head
