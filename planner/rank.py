@@ -58,12 +58,16 @@ def predict_step_s(cfg: ModelConfig, hw: Hardware, *, mesh: str, rules: str, sch
 def predict_pipeline_step_s(cfg: ModelConfig, hw: Hardware, *, mesh: str, rules: str,
                             schedule: str, pipeline: str, microbatches: int, global_batch: int,
                             seq_len: int, stage_layers: str | None = None,
-                            virtual_stages: int = 0) -> float | None:
+                            virtual_stages: int = 0, remat_ratios: str | None = None
+                            ) -> float | None:
     """Predicted seconds of one step of a pipelined variant, priced as the 3D search prices its
     plans (`planner.pipeline_search`): its stages as given (uniform by default), every layer
-    recomputed under `remat=full` and none under `none`; None if not modelled (another remat
-    policy, axes beyond stage x data x tensor, a schedule the stages do not run)."""
-    from oases_jax.pipeline.remat import parse_stage_layers
+    recomputed under `remat=full`, under `none` the first floor(n_i r_i) layers of stage i by
+    the stage-aware `remat_ratios` (none without them); under Merak's schedule every stage but
+    the last is recomputed whole whatever is asked, as the program runs it. None if not modelled
+    (another remat policy, axes beyond stage x data x tensor, a schedule the stages do not
+    run)."""
+    from oases_jax.pipeline.remat import parse_ratios, parse_stage_layers, recomputed_layers
     from planner.pipeline_search import CHUNKS, price, stage_inputs, transfer_s
     from planner.spmd_stages import SPMD, SPMD_1F1B, spmd_fixed, spmd_head_s, spmd_weight_pass_s
     from planner.stage_partition import fixed
@@ -80,7 +84,14 @@ def predict_pipeline_step_s(cfg: ModelConfig, hw: Hardware, *, mesh: str, rules:
     strategy = LayerSpec(schedule=schedule if tensor > 1 else "megatron")
     x = stage_inputs(cfg, layout, hw, strategy, pools=pipeline != SPMD_1F1B)
     p2p = transfer_s(cfg, layout, hw, strategy, stages)
-    remat = list(counts) if cfg.remat == "full" else [0] * stages
+    if cfg.remat == "full":
+        remat = list(counts)
+    elif remat_ratios:
+        ratios = parse_ratios(remat_ratios, stages, shifted=pipeline == "merak")
+        per_chunk = [n // chunks for n in counts]  # a chunk recomputes its device's ratio
+        remat = [k * chunks for k in recomputed_layers(per_chunk, ratios)]
+    else:
+        remat = [0] * stages
     if pipeline in (SPMD, SPMD_1F1B):
         sp = spmd_fixed(x, counts, remat, microbatches, p2p, float("inf"),
                         spmd_head_s(cfg, layout, hw, strategy, stages, pipeline), pipeline,

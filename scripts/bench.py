@@ -169,7 +169,7 @@ def add_predictions(report: dict, cfg, hw, source: str) -> None:
                 cfg.model, hw, mesh=r["mesh"], rules=r["rules"], schedule=r["schedule"],
                 pipeline=r["pipeline"], microbatches=r.get("microbatches") or cfg.microbatches,
                 global_batch=cfg.batch_size, seq_len=cfg.seq_len, stage_layers=cfg.stage_layers,
-                virtual_stages=cfg.virtual_stages)
+                virtual_stages=cfg.virtual_stages, remat_ratios=cfg.remat_ratios)
             continue
         r["predicted_s"] = predict_step_s(
             cfg.model, hw, mesh=r["mesh"], rules=r["rules"], schedule=r["schedule"],

@@ -88,3 +88,34 @@ def test_a_pipelined_variant_is_priced_as_the_3d_search_prices_it():
                                    **kw) is None
     assert predict_pipeline_step_s(cfg, hw, mesh="stage=2,tp_row=2,tp_col=2", rules="primepar",
                                    schedule="primepar", pipeline="1f1b", **kw) is None
+
+
+def test_a_pipelined_variant_prices_its_stage_aware_ratios():
+    """bench.py --predict with --remat-ratios: stage i recomputes its first floor(n_i r_i)
+    layers, as the program runs it; Merak's rule from r0 = 0.5 on 2 stages gives 0.5 and 0."""
+    from planner.pipeline_search import price, stage_inputs, transfer_s
+    from planner.stage_partition import fixed
+
+    cfg = get_preset("small")
+    hw = Hardware.of(get_cluster("h100-8"))
+    kw = {"global_batch": 32, "seq_len": 128, "microbatches": 4}
+    lay = Layout(data=4, **kw)
+    spec = LayerSpec(schedule="megatron")
+    x = stage_inputs(cfg, lay, hw, spec)
+    p2p = transfer_s(cfg, lay, hw, spec, 2)
+    half = cfg.n_layers // 2
+
+    def expect(schedule, remat):
+        sp = fixed(x, schedule=schedule, counts=[half, half], remat=remat, microbatches=4,
+                   p2p=p2p)
+        return price(cfg, hw, 2, lay, spec, sp, x, p2p).step_s
+
+    def got(schedule, ratios):
+        return predict_pipeline_step_s(cfg, hw, mesh="stage=2,data=4", rules="tp",
+                                       schedule="megatron", pipeline=schedule,
+                                       remat_ratios=ratios, **kw)
+
+    assert got("1f1b", "0.5") == expect("1f1b", [half // 2, 0]) != got("1f1b", None)
+    assert got("1f1b", None) == expect("1f1b", [0, 0])
+    # Merak's stage 0 is recomputed whole by its schedule whatever its ratio.
+    assert got("merak", "0.5") == got("merak", None) == expect("merak", [half, 0])
