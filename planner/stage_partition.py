@@ -45,6 +45,11 @@ class StageInputs:
     act_remat: tuple[float, ...]
     temp: tuple[float, ...]
     temp_remat: tuple[float, ...]
+    # What a layer's forward spends storing its residuals for the backward (inside `f`), and
+    # what it saves of that when rematted (it stores only its input); the backward's saving in
+    # loads is inside `r`. Zero where nothing is stored between ticks.
+    store: tuple[float, ...] = ()
+    store_save: tuple[float, ...] = ()
     block_bytes: float = 0.0
     shared_bytes: float = 0.0
     first_f: float = 0.0
@@ -56,15 +61,21 @@ class StageInputs:
     # simulator's ticks then price by processor sharing; None on GPUs.
     shared: SharedCores | None = None
 
+    def __post_init__(self):
+        n = len(self.f)
+        for name in ("store", "store_save"):
+            if not getattr(self, name):
+                object.__setattr__(self, name, (0.0,) * n)
+
     @classmethod
     def uniform(cls, n_layers: int, *, f: float, b: float, r: float = 0.0, act: float = 0.0,
                 act_remat: float = 0.0, temp: float = 0.0, temp_remat: float = 0.0,
-                **ends: float) -> StageInputs:
+                store: float = 0.0, store_save: float = 0.0, **ends: float) -> StageInputs:
         """`n_layers` identical layers."""
         n = n_layers
         return cls(f=(f,) * n, b=(b,) * n, r=(r,) * n, act=(act,) * n,
                    act_remat=(act_remat,) * n, temp=(temp,) * n, temp_remat=(temp_remat,) * n,
-                   **ends)
+                   store=(store,) * n, store_save=(store_save,) * n, **ends)
 
     @property
     def n_layers(self) -> int:
@@ -135,6 +146,7 @@ class _Stages:
         self.held = peak_inflight(name, stages, microbatches, chunks)
         cum = lambda a: np.concatenate([[0.0], np.cumsum(np.asarray(a, float))])  # noqa: E731
         self.F, self.B, self.R = cum(x.f), cum(x.b), cum(x.r)
+        self.STORE, self.STORE_SAVE = cum(x.store), cum(x.store_save)
         self.A, self.SAVE = cum(x.act), cum(np.subtract(x.act, x.act_remat))
         # Python lists: max() over a short slice is a few times faster than np.max, and the
         # partition DPs call it hundreds of thousands of times.
@@ -162,7 +174,9 @@ class _Stages:
             mem = static + per_mb * (self.A[j] - self.A[i] - (self.SAVE[i + k] - self.SAVE[i])) \
                 + temp
             if mem <= self.budget * (1 + 1e-12):
-                return f, b, float(self.R[i + k] - self.R[i]), k, mem
+                # A rematted layer's forward stores only its input.
+                saved = float(self.STORE_SAVE[i + k] - self.STORE_SAVE[i])
+                return f - saved, b, float(self.R[i + k] - self.R[i]), k, mem
         return None
 
     def _whole(self, s: int, i: int, j: int, f: float, b: float, static: float, per_mb: float
@@ -176,7 +190,8 @@ class _Stages:
         mem = static + per_mb * float(x.act_remat[i]) + float(self.A[j] - self.A[i]) + temp
         if mem > self.budget * (1 + 1e-12):
             return None
-        return f, b, f, j - i, mem
+        # F stashes the input and stores no residual; R runs the forward and stores them all.
+        return f - float(self.STORE[j] - self.STORE[i]), b, f, j - i, mem
 
     def _remat_counts(self, i: int, j: int, per_mb: float, room: float):
         """0, then from the least k >= 1 whose activation saving reaches the excess over the
