@@ -76,6 +76,18 @@ class PipelineCandidate:
 # its stage's weights, which these passes absorbed as 0.9 more each.)
 RESIDUAL_STORE_PASSES = 4.85
 RESIDUAL_LOAD_PASSES = 3.4
+# With tensor parallelism inside the stages the compiled branches (the same GPipe programs with
+# 20 heads, data=4,stage=2,tensor=2 and data=2,stage=2,tensor=4, after copy insertion by region
+# analysis) spend fewer passes per kept byte of the layer model: 4.2-4.4 and 3.3 at tensor=2,
+# 3.6-3.7 and 2.4-2.7 at tensor=4 (the middle of each range here; a larger degree takes 4's).
+# Priced at tensor=1's they put tensor plans up to 9% high.
+RESIDUAL_PASSES_BY_TENSOR = {1: (RESIDUAL_STORE_PASSES, RESIDUAL_LOAD_PASSES), 2: (4.3, 3.3),
+                             4: (3.65, 2.55)}
+
+
+def residual_passes(tensor: int) -> tuple[float, float]:
+    """(store, load) passes per kept byte at this tensor degree inside the stages."""
+    return RESIDUAL_PASSES_BY_TENSOR[max(t for t in RESIDUAL_PASSES_BY_TENSOR if t <= tensor)]
 
 
 def stage_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware,
@@ -91,17 +103,18 @@ def stage_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware,
     none, full = (dataclasses.replace(strategy, remat=r) for r in ("none", "full"))
     c0, c1 = lm.time(none), lm.time(full)
     # The executor's forward stores what a layer keeps in its pools and its backward loads it
-    # (RESIDUAL_STORE_PASSES, RESIDUAL_LOAD_PASSES). A recomputed layer keeps only its input:
+    # (`residual_passes`). A recomputed layer keeps only its input:
     # its forward's saving is `store_save`, its backward's is taken off r (which stays at least
     # 0). Priced as the whole before: GPT-2 1.5B with full remat as a one-stage pipeline on one
     # H200 was priced 23% above accumulation over the same micro-batches and measured 0.8%.
     act, act_remat = c0.act_bytes, c1.act_bytes
+    store_passes, load_passes = residual_passes(layout.tensor)
 
     def store(nbytes):
-        return hw.mem_s(RESIDUAL_STORE_PASSES * nbytes) if pools else 0.0
+        return hw.mem_s(store_passes * nbytes) if pools else 0.0
 
     def load(nbytes):
-        return hw.mem_s(RESIDUAL_LOAD_PASSES * nbytes) if pools else 0.0
+        return hw.mem_s(load_passes * nbytes) if pools else 0.0
 
     store_s, load_s = store(act), load(act)
     head_s, head_temp = head_cost(cfg, layout, hw)

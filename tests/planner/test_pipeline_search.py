@@ -15,6 +15,7 @@ from planner.pipeline_search import (
     PIPELINES,
     megatron_3d,
     price,
+    residual_passes,
     search_3d,
     stage_inputs,
     transfer_s,
@@ -416,3 +417,25 @@ def test_1f1b_spmd_prices_its_weight_passes_by_hand():
             for sch in ("1f1b_spmd", "gpipe_spmd") for w in (0.0, tick)}
     assert span[("1f1b_spmd", tick)] - span[("1f1b_spmd", 0.0)] == pytest.approx(5 * tick)
     assert span[("gpipe_spmd", tick)] == span[("gpipe_spmd", 0.0)]
+
+
+def test_residual_passes_follow_the_tensor_degree():
+    """A stage's forward stores what each layer keeps at the passes fitted to the compiled
+    branches of its tensor degree (4.85 / 3.4 without tensor, 4.3 / 3.3 at 2, 3.65 / 2.55 from
+    4), its backward loads it; a rematted layer stores and loads its input alone."""
+    from planner.layer_cost import LayerModel
+
+    h = hw("h100-8")
+    for t, (st, ld) in ((1, (4.85, 3.4)), (2, (4.3, 3.3)), (4, (3.65, 2.55)), (8, (3.65, 2.55))):
+        assert residual_passes(t) == (st, ld)
+        lay = Layout(data=8 // t, tensor=t, microbatches=4, global_batch=32, seq_len=1024)
+        spec = LayerSpec(schedule="megatron")
+        x = stage_inputs(CFG, lay, h, spec)
+        lm = LayerModel(CFG, lay, h)
+        c0, c1 = lm.time(spec), lm.time(dataclasses.replace(spec, remat="full"))
+        assert x.f[0] == pytest.approx(c0.fwd_s + h.mem_s(st * c0.act_bytes))
+        assert x.b[0] == pytest.approx(c0.bwd_s + h.mem_s(ld * c0.act_bytes))
+        assert x.store_save[0] == pytest.approx(h.mem_s(st * c0.act_bytes)
+                                                - h.mem_s(st * c1.act_bytes))
+        assert x.r[0] == pytest.approx(max(c1.bwd_s - c0.bwd_s - h.mem_s(ld * c0.act_bytes)
+                                           + h.mem_s(ld * c1.act_bytes), 0.0))
