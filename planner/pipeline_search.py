@@ -103,10 +103,14 @@ def stage_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware,
     none, full = (dataclasses.replace(strategy, remat=r) for r in ("none", "full"))
     c0, c1 = lm.time(none), lm.time(full)
     # The executor's forward stores what a layer keeps in its pools and its backward loads it
-    # (`residual_passes`). A recomputed layer keeps only its input:
-    # its forward's saving is `store_save`, its backward's is taken off r (which stays at least
-    # 0). Priced as the whole before: GPT-2 1.5B with full remat as a one-stage pipeline on one
-    # H200 was priced 23% above accumulation over the same micro-batches and measured 0.8%.
+    # (`residual_passes`). A recomputed layer's forward stores only its input (its saving is
+    # `store_save`; priced as the whole before, GPT-2 1.5B with full remat as a one-stage
+    # pipeline on one H200 was priced 23% above accumulation over the same micro-batches and
+    # measured 0.8%). Its backward is priced as the layer model's rematted one, whose
+    # recompute already nets out the activations it no longer reads: compiled, a rematted
+    # stage's B branch costs 0.10-0.14 ms a layer over the plain one (GPT-2 1.5B, h100:16,
+    # stage=2,data=8, M=4), the layer model's r 0.07 ms; taking the pool's load passes off too
+    # priced it below the plain one.
     act, act_remat = c0.act_bytes, c1.act_bytes
     store_passes, load_passes = residual_passes(layout.tensor)
 
@@ -116,7 +120,7 @@ def stage_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware,
     def load(nbytes):
         return hw.mem_s(load_passes * nbytes) if pools else 0.0
 
-    store_s, load_s = store(act), load(act)
+    store_s = store(act)
     head_s, head_temp = head_cost(cfg, layout, hw)
     per_param = 16 + (4 if layout.microbatches > 1 else 0)
     e = elem_bytes(cfg)
@@ -126,8 +130,8 @@ def stage_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware,
     fsdp_f, fsdp_b, gathered = (fsdp_layer_s(cfg, layout, hw, c0.fwd_s, c0.bwd_s) if f > 1
                                 else (0.0, 0.0, 0.0))
     return StageInputs.uniform(
-        cfg.n_layers, f=c0.fwd_s + store_s + fsdp_f, b=c0.bwd_s + load_s + fsdp_b,
-        r=max(c1.bwd_s - c0.bwd_s - (load_s - load(act_remat)), 0.0),
+        cfg.n_layers, f=c0.fwd_s + store_s + fsdp_f, b=c0.bwd_s + load(act) + fsdp_b,
+        r=max(c1.bwd_s - c0.bwd_s, 0.0),
         act=act, act_remat=act_remat, temp=c0.temp_bytes, temp_remat=c1.temp_bytes,
         store=store_s, store_save=store_s - store(act_remat),
         block_bytes=(per_param + (e if e < 4 else 0)) * blocks / cfg.n_layers / t / f + gathered,

@@ -28,8 +28,8 @@ class StageInputs:
     temp: tuple[float, ...]
     temp_remat: tuple[float, ...]
     # What a layer's forward spends storing its residuals for the backward (inside `f`), and
-    # what it saves of that when rematted (it stores only its input); the backward's saving in
-    # loads is inside `r`. Zero where nothing is stored between ticks.
+    # what it saves of that when rematted (it stores only its input). Zero where nothing is
+    # stored between ticks.
     store: tuple[float, ...] = ()
     store_save: tuple[float, ...] = ()
     block_bytes: float = 0.0
