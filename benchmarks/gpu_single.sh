@@ -4,8 +4,12 @@
 # and MFU, with the planner's datasheet prediction beside each measured step and the measured
 # time of each op category beside its roofline price (bench.py --op-times).
 #   bash benchmarks/gpu_single.sh OUT_DIR [PART...]
-# PARTs (default all but ab): profile profile_t8 gpt2_full gpt2_save_proj gpt2_none llama_l8
-# llama_l8_none ab.
+# PARTs (default all but ab and profile_small): profile profile_t8 gpt2_full gpt2_save_proj
+# gpt2_none llama_l8 llama_l8_none ab profile_small.
+# `profile_small` measures the memory passes at the sizes of one micro-batch's norms and biases
+# (1-64 MiB) and the GEMMs at 2048 rows (a micro-batch of 2 x 1024): the per-pass overhead that
+# the non-GEMM kernels of small micro-batches pay (2.8-5.4 us a norm or bias launch, fitted to
+# GPT-2 1.5B's steps at M=1 and M=4 on one H200; benchmarks/results/README.md).
 # `ab` times this tree against BASE_TREE side by side (benchmarks/gpu_ab.sh: GPT-2 1.5B with full
 # remat and without, the 8-layer Llama-2 7B shape): the single-GPU efficiency table. Make the base
 # tree here and carry it, e.g. for the program before the non-GEMM work (commit 4a68fba):
@@ -29,6 +33,9 @@ want profile && step "profile_${tag}-1_gpt2-1.5b" python3 scripts/calibrate.py -
 want profile_t8 && step "profile_${tag}-1_gpt2-1.5b_t8" python3 scripts/calibrate.py --model gpt2-1.5b --tokens 8192 \
   --tensor 8 --square-sizes 1024 --dtypes bfloat16,float32 --memory-sizes 16M,256M \
   --out "$out/profile_${tag}-1_gpt2-1.5b_t8.json"
+want profile_small && step "profile_${tag}-1_small" python3 scripts/calibrate.py --model gpt2-1.5b \
+  --tokens 2048 --square-sizes 1024 --dtypes bfloat16 --memory-sizes 1M,2M,4M,8M,16M,64M \
+  --out "$out/profile_${tag}-1_small.json"
 for remat in full save_proj none; do
   want "gpt2_$remat" && step "bench_gpt2-1.5b_${tag}x1_${remat}" python3 scripts/bench.py --model gpt2-1.5b \
     --dtype bfloat16 --remat "$remat" --batch-size 8 --seq-len 1024 --rounds 5 --warmup 2 \
