@@ -67,10 +67,11 @@ def predict_pipeline_step_s(cfg: ModelConfig, hw: Hardware, *, mesh: str, rules:
     the last is recomputed whole whatever is asked, as the program runs it. None if not modelled
     (another remat policy, axes beyond stage x data x tensor, a schedule the stages do not
     run)."""
-    from oases_jax.pipeline.remat import parse_ratios, parse_stage_layers, recomputed_layers
+    from oases_jax.pipeline.remat import parse_ratios, parse_stage_layers
     from planner.pipeline_search import CHUNKS, price, stage_inputs, transfer_s
     from planner.spmd_stages import SPMD, SPMD_1F1B, spmd_fixed, spmd_head_s, spmd_weight_pass_s
     from planner.stage_partition import fixed
+    from training.pipeline_layout import PipelineSpec
 
     spec = parse_mesh(mesh)
     inside = ",".join(f"{n}={s}" for n, s in spec.axes if n != "stage") or "data=1"
@@ -86,10 +87,12 @@ def predict_pipeline_step_s(cfg: ModelConfig, hw: Hardware, *, mesh: str, rules:
     p2p = transfer_s(cfg, layout, hw, strategy, stages)
     if cfg.remat == "full":
         remat = list(counts)
-    elif remat_ratios:
-        ratios = parse_ratios(remat_ratios, stages, shifted=pipeline == "merak")
-        per_chunk = [n // chunks for n in counts]  # a chunk recomputes its device's ratio
-        remat = [k * chunks for k in recomputed_layers(per_chunk, ratios)]
+    elif remat_ratios:  # the layers the runtime recomputes, summed over a device's chunks
+        pipe = PipelineSpec(schedule=pipeline, stages=stages, microbatches=microbatches,
+                            layers=counts, chunks=chunks,
+                            ratios=parse_ratios(remat_ratios, stages, shifted=pipeline == "merak"))
+        k = pipe.recomputed()
+        remat = [sum(k[c * stages + s] for c in range(chunks)) for s in range(stages)]
     else:
         remat = [0] * stages
     if pipeline in (SPMD, SPMD_1F1B):

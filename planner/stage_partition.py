@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from oases_jax.errors import UserError
-from planner.stage_sim import build, peak_inflight, simulate
+from planner.stage_sim import build, peak_inflight, simulate, whole_stages
 from planner.stage_types import StageInputs, StagePlan
 
 __all__ = ["StageInputs", "StagePlan", "bottleneck", "build", "fixed", "partition",
@@ -34,6 +34,7 @@ class _Stages:
         self.x, self.S, self.M, self.v, self.budget = x, stages, microbatches, chunks, budget
         self.name = name
         self.held = peak_inflight(name, stages, microbatches, chunks)
+        self.whole = whole_stages(name, stages, microbatches, chunks)
         cum = lambda a: np.concatenate([[0.0], np.cumsum(np.asarray(a, float))])  # noqa: E731
         self.F, self.B, self.R = cum(x.f), cum(x.b), cum(x.r)
         self.STORE, self.STORE_SAVE = cum(x.store), cum(x.store_save)
@@ -54,8 +55,8 @@ class _Stages:
         static = x.shared_bytes + lmax * x.block_bytes
         per_mb = self.held[s] / self.v
         head = x.last_temp if last else 0.0
-        if self.name == "merak" and not last:
-            return self._whole(s, i, j, f, b, static, per_mb)
+        if self.whole[s]:
+            return self._whole(i, j, f, b, static, per_mb)
         counts = (remat,) if remat is not None else self._remat_counts(i, j, per_mb,
                                                                        self.budget - static)
         for k in counts:
@@ -69,9 +70,9 @@ class _Stages:
                 return f - saved, b, float(self.R[i + k] - self.R[i]), k, mem
         return None
 
-    def _whole(self, s: int, i: int, j: int, f: float, b: float, static: float, per_mb: float
+    def _whole(self, i: int, j: int, f: float, b: float, static: float, per_mb: float
                ) -> tuple[float, float, float, int, float] | None:
-        """A stage Merak's schedule recomputes whole (every stage but the last): each held
+        """A stage the schedule recomputes whole (`stage_sim.whole_stages`): each held
         micro-batch keeps only its input, its R re-runs the whole forward (`f`, the embedding's
         on stage 0 too) and keeps every residual of one micro-batch until its B; all its
         layers count as recomputed (ratio 1), whatever the budget asks."""

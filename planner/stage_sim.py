@@ -83,17 +83,23 @@ def backward_ticks(name: str, microbatches: int, chunks: int, f: Sequence[float]
                                        ends=ends)[0], k))
 
 
-def _program_costs(name: str, f, b, r) -> tuple[tuple, tuple, tuple[bool, ...]]:
-    """(F, B, recompute flags) as the executor runs the schedule: only Merak's schedule has
-    recompute actions of its own (`R`, `RrG`: every stage but the last recomputed whole, r its
-    whole forward); the others, and Merak's last stage, recompute a stage's rematted layers
-    inside its backward (`training.pipeline_step`), so their B is b + r and they have no R."""
-    if name == "merak":
-        last = len(f) - 1
-        return (tuple(f), tuple(bb + (rr if s == last else 0.0)
-                                for s, (bb, rr) in enumerate(zip(b, r, strict=True))),
-                tuple(s < last for s in range(len(f))))
-    return tuple(f), tuple(bb + rr for bb, rr in zip(b, r, strict=True)), (False,) * len(f)
+@functools.lru_cache(maxsize=512)
+def whole_stages(name: str, stages: int, microbatches: int, chunks: int = 1
+                 ) -> tuple[bool, ...]:
+    """Per physical stage, whether the schedule the runtime builds recomputes it whole
+    (`Schedule.whole` on each of its chunks): every stage but the last under Merak's."""
+    w = build(name, stages, microbatches, chunks).whole()
+    return tuple(all(w[c * stages + s] for c in range(len(w) // stages))
+                 for s in range(stages))
+
+
+def _program_costs(f, b, r, whole: Sequence[bool]) -> tuple[tuple, tuple, tuple[bool, ...]]:
+    """(F, B, recompute flags) as the executor runs the schedule: a stage it recomputes whole
+    (`whole_stages`) has R actions of its own (r its whole forward); the others recompute their
+    rematted layers inside their backward (`training.pipeline_step`), so their B is b + r."""
+    return (tuple(f), tuple(bb + (0.0 if w else rr) for bb, rr, w in zip(b, r, whole,
+                                                                        strict=True)),
+            tuple(whole))
 
 
 def chunk_costs(x: Sequence[float], chunks: int, first: float = 0.0, last: float = 0.0
@@ -152,7 +158,7 @@ def simulate(name: str, microbatches: int, chunks: int, f: Sequence[float],
                              shared=shared)
                     for kk in tick_choices(name, f, b, r)), key=lambda got: got[0])
     S = len(f)
-    f, b_run, recompute = _program_costs(name, f, b, r)
+    f, b_run, recompute = _program_costs(f, b, r, whole_stages(name, S, microbatches, chunks))
     v = build(name, S, microbatches, chunks, recompute).chunks
     first_f, first_b, last_f, last_b = ends
     fc = chunk_costs(f, v, first_f, last_f)
@@ -179,8 +185,9 @@ def simulate_events(name: str, microbatches: int, chunks: int, f: Sequence[float
     simulate` gives the same in exact fractions."""
     S = len(f)
     flags = tuple(x > 0 for x in r)
-    if name == "merak":  # its last stage recomputes inside its backward, as the program runs it
-        _, b, flags = _program_costs(name, f, b, r)
+    whole = whole_stages(name, S, microbatches, chunks)
+    if any(whole):  # a stage not recomputed whole recomputes inside its backward
+        _, b, flags = _program_costs(f, b, r, whole)
     sch = build(name, S, microbatches, chunks, flags)
     v = sch.chunks
     first_f, first_b, last_f, last_b = ends

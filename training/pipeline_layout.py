@@ -70,13 +70,9 @@ class PipelineSpec:
                      for j in range(self.virtual))
 
     def whole(self) -> tuple[bool, ...]:
-        """Per virtual stage, whether the schedule recomputes every micro-batch of it (R or
-        RrG from its stashed input, e.g. every stage but the last under Merak's schedule). Such
-        a stage runs its layers without checkpoints: its R keeps the residuals its backward
-        reads, which a checkpointed layer would recompute a second time."""
-        done = self.schedule_table().recomputed()
-        return tuple(all((mb, j) in done for mb in range(self.microbatches))
-                     for j in range(self.virtual))
+        """Per virtual stage, whether the schedule recomputes it whole (`Schedule.whole`): its
+        layers run without checkpoints, which would recompute them a second time."""
+        return self.schedule_table().whole()
 
     def schedule_table(self) -> schedules.Schedule:
         build = schedules.get(self.schedule)

@@ -57,6 +57,15 @@ class Schedule:
         return {(a.mb, vstage(s, a, self.stages)) for s, acts in enumerate(self.actions)
                 for a in acts if a.kind in RECOMPUTES}
 
+    def whole(self) -> tuple[bool, ...]:
+        """Per virtual stage, whether every micro-batch of it is recomputed (R or RrG from its
+        stashed input; every stage but the last under Merak's schedule). Such a stage's R keeps
+        the residuals its backward reads: the runtime runs its layers without checkpoints and
+        the planner prices its recompute as the whole forward."""
+        done = self.recomputed()
+        return tuple(all((mb, j) in done for mb in range(self.microbatches))
+                     for j in range(self.virtual))
+
     def ticks(self, backward_ticks: int | Sequence[int] = 1) -> TickTable:
         return tick_table(self, backward_ticks)
 
