@@ -106,7 +106,7 @@ def pipeline_plan_json(c: PipelineCandidate, *, model: str, cfg: ModelConfig, cl
         "pipeline": {"schedule": sp.schedule, "stages": sp.stages,
                      "stage_layers": list(sp.layers),
                      "remat_ratios": [str(r) for r in sp.ratios], "virtual_stages": sp.chunks,
-                     "backward_ticks": sp.backward_ticks,
+                     "backward_ticks": sp.backward_ticks, "fused_ticks": sp.fused_ticks,
                      "predicted_pipeline_s": sp.makespan,
                      "predicted_stage_memory_bytes": list(sp.memory), "exact": sp.exact},
         "predicted_step_s": c.step_s, "predicted_peak_memory_bytes": c.peak_memory_bytes,
@@ -163,7 +163,8 @@ class Plan:
                 stage_layers=",".join(map(str, pipe["stage_layers"])),
                 virtual_stages=pipe.get("virtual_stages", 1) if pipe["schedule"] ==
                 "interleaved" else 0, remat_ratios=",".join(pipe["remat_ratios"]),
-                backward_ticks=pipe.get("backward_ticks") or 0)
+                backward_ticks=pipe.get("backward_ticks") or 0,
+                fused_ticks=_fused_flag(pipe.get("fused_ticks")))
         return ParallelConfig(mesh=self.mesh, rules=self.rules, schedule=self.schedule,
                               layers=tuple(self.layers))
 
@@ -244,3 +245,9 @@ def report_3d(cands: list[PipelineCandidate], megatron: list[PipelineCandidate],
     else:
         lines.append("no 3D plan fits")
     return "\n".join(lines)
+
+
+def _fused_flag(fused: bool | None) -> str:
+    """A plan's `fused_ticks` as `--fused-ticks` takes it (None: plans before it, the runtime's
+    rule)."""
+    return "auto" if fused is None else ("on" if fused else "off")

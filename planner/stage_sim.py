@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-from oases_jax.pipeline import schedules
+from oases_jax.pipeline import events, schedules
 from oases_jax.pipeline.table import Schedule, place
 from oases_jax.pipeline.validate import inflight
 from planner.prices import SharedCores
@@ -48,8 +48,18 @@ def _build(name: str, stages: int, microbatches: int, chunks: int,
 
 
 @functools.lru_cache(maxsize=512)
+def fused(name: str, stages: int, microbatches: int, chunks: int = 1) -> bool:
+    """Whether the runtime runs the schedule on its fused tick table when the plan does not
+    say (`events.fused_by_default`, what `PipelineSpec.fused` asks too): what the planner
+    prices, so that a plan's memory and step are those of the table it runs."""
+    return events.fused_by_default(build(name, stages, microbatches, chunks))
+
+
+@functools.lru_cache(maxsize=512)
 def peak_inflight(name: str, stages: int, microbatches: int, chunks: int = 1) -> tuple[int, ...]:
-    """Most (micro-batch, chunk) inputs each stage holds at once under the schedule; under
+    """Most (micro-batch, chunk) inputs each stage holds at once under the schedule, along the
+    tick table the runtime runs (a fused tick stores its forward before its backward frees a
+    slot: one more than the lists' count on 1F1B's stages before the last); under
     gpipe_spmd every stage saves the residuals of all M+S-1 ticks (its bubble ticks' too: the
     scan's autodiff keeps every iteration's); under 1f1b_spmd one (the stage inputs it keeps
     are not residuals)."""
@@ -57,7 +67,18 @@ def peak_inflight(name: str, stages: int, microbatches: int, chunks: int = 1) ->
         return (microbatches + stages - 1,) * stages
     if name == "1f1b_spmd":  # one micro-batch's residuals, in its backward's recompute
         return (1,) * stages
-    return inflight(build(name, stages, microbatches, chunks))[0]
+    sch = build(name, stages, microbatches, chunks)
+    return inflight(sch, sch.ticks(fuse=fused(name, stages, microbatches, chunks)))[0]
+
+
+def table_choices(name: str, microbatches: int, chunks: int, f: Sequence[float],
+                  b: Sequence[float], r: Sequence[float]) -> tuple[tuple[int, bool], ...]:
+    """(k, fused) tick tables a plan may run: each backward span of `tick_choices`, the one-tick
+    backward on the table `fused` chooses (`pipeline.table`: fused, a forward, a recompute and
+    a backward may share a tick on a stage). Not chosen by these costs: the stages' memory
+    (`peak_inflight`) depends on the table, and the partitioner fixes it before it prices."""
+    fuse = fused(name, len(f), microbatches, chunks)
+    return tuple((k, fuse and k == 1) for k in tick_choices(name, f, b, r))
 
 
 def tick_choices(name: str, f: Sequence[float], b: Sequence[float],
@@ -73,14 +94,21 @@ def tick_choices(name: str, f: Sequence[float], b: Sequence[float],
     return (1,)
 
 
+def table_choice(name: str, microbatches: int, chunks: int, f: Sequence[float],
+                 b: Sequence[float], r: Sequence[float], p2p: float = 0.0,
+                 ends: Ends = NO_ENDS) -> tuple[int, bool]:
+    """The (k, fused) of `table_choices` with the shortest lockstep step (the fewest ticks,
+    then unfused, on a tie): what `simulate` priced and the plan records."""
+    return min(table_choices(name, microbatches, chunks, f, b, r),
+               key=lambda kf: (simulate(name, microbatches, chunks, f, b, r, p2p, k=kf[0],
+                                        fuse=kf[1], ends=ends)[0], kf))
+
+
 def backward_ticks(name: str, microbatches: int, chunks: int, f: Sequence[float],
                    b: Sequence[float], r: Sequence[float], p2p: float = 0.0,
                    ends: Ends = NO_ENDS) -> int:
-    """The choice of `tick_choices` with the shortest lockstep step (the fewest ticks on a
-    tie): what `simulate` priced and the plan records."""
-    return min(tick_choices(name, f, b, r),
-               key=lambda k: (simulate(name, microbatches, chunks, f, b, r, p2p, k=k,
-                                       ends=ends)[0], k))
+    """The backward span of `table_choice`."""
+    return table_choice(name, microbatches, chunks, f, b, r, p2p, ends)[0]
 
 
 @functools.lru_cache(maxsize=512)
@@ -123,14 +151,15 @@ def chunk_costs(x: Sequence[float], chunks: int, first: float = 0.0, last: float
 
 @functools.lru_cache(maxsize=512)
 def _ticks(name: str, stages: int, microbatches: int, chunks: int,
-           recompute: tuple[bool, ...] | None, k: int
+           recompute: tuple[bool, ...] | None, k: int, fuse: bool = False
            ) -> tuple[tuple[tuple[tuple[int, str], ...], bool], ...]:
-    """Per tick: the (stage, kind, chunk) of every non-idle cell, and whether anything moves
-    after it."""
-    table = build(name, stages, microbatches, chunks, recompute).ticks(k)
-    return tuple((tuple((s, a.kind, a.chunk) for s, a in enumerate(row) if a.kind != "IDLE"),
-                  bool(moves))
-                 for row, moves in zip(table.ticks, table.transfers, strict=True))
+    """Per tick: the (stage, kind, chunk) of every non-idle cell of its lanes, and whether
+    anything moves after it."""
+    table = build(name, stages, microbatches, chunks, recompute).ticks(k, fuse)
+    L = table.lanes
+    return tuple((tuple((s, a.kind, a.chunk) for row in rows for s, a in enumerate(row)
+                        if a.kind != "IDLE"), bool(table.transfers[t * L + L - 1]))
+                 for t, rows in enumerate(table.tick_rows()))
 
 
 def permutes_per_tick(chunks: int) -> int:
@@ -144,19 +173,24 @@ def permutes_per_tick(chunks: int) -> int:
 
 def simulate(name: str, microbatches: int, chunks: int, f: Sequence[float],
              b: Sequence[float], r: Sequence[float], p2p: float = 0.0,
-             k: int | None = None, ends: Ends = NO_ENDS, shared: SharedCores | None = None
-             ) -> tuple[float, tuple[float, ...]]:
+             k: int | None = None, ends: Ends = NO_ENDS, shared: SharedCores | None = None,
+             fuse: bool | None = None) -> tuple[float, tuple[float, ...]]:
     """(step, per-stage finish) of the schedule's tick table in lockstep with these per-stage
     costs (module docstring), each backward over `k` ticks (default: the best of
-    `tick_choices`): what the compiled program's tick loop takes. `ends`: the embedding's
-    forward and backward inside stage 0's f and b and the head's inside the last stage's,
-    which run on one chunk each (`chunk_costs`). `shared`: the devices share a host's cores
+    `table_choices`), the table fused or not (`fuse`; default: `fused`'s choice for a one-tick
+    backward, else unfused): what the compiled program's tick loop
+    takes; a fused tick lasts as long as its slowest stage's lanes together. `ends`: the
+    embedding's forward and backward inside stage 0's f and b and the head's inside the last
+    stage's, which run on one chunk each (`chunk_costs`). `shared`: the devices share a host's cores
     (CPU devices), so a tick lasts as long as its stages' work takes on the cores they share
     (`SharedCores.tick`) rather than its slowest stage's."""
     if k is None:
         return min((simulate(name, microbatches, chunks, f, b, r, p2p, k=kk, ends=ends,
-                             shared=shared)
-                    for kk in tick_choices(name, f, b, r)), key=lambda got: got[0])
+                             shared=shared, fuse=ff if fuse is None else fuse and kk == 1)
+                    for kk, ff in table_choices(name, microbatches, chunks, f, b, r)),
+                   key=lambda got: got[0])
+    if fuse is None:
+        fuse = k == 1 and fused(name, len(f), microbatches, chunks)
     S = len(f)
     f, b_run, recompute = _program_costs(f, b, r, whole_stages(name, S, microbatches, chunks))
     v = build(name, S, microbatches, chunks, recompute).chunks
@@ -167,8 +201,11 @@ def simulate(name: str, microbatches: int, chunks: int, f: Sequence[float],
     cost = {"F": fc, "PF": fc, "R": rc, "RrG": rc, "B": bc, "W": ((0.0,) * v,) * S}
     total, finish = 0.0, [0.0] * S
     per_tick = p2p * permutes_per_tick(v) if S > 1 else 0.0
-    for cells, _ in _ticks(name, S, microbatches, chunks, _flags_key(name, recompute), k):
-        work = [cost[kind][s][c] for s, kind, c in cells]
+    for cells, _ in _ticks(name, S, microbatches, chunks, _flags_key(name, recompute), k, fuse):
+        per = [0.0] * S
+        for s, kind, c in cells:
+            per[s] += cost[kind][s][c]
+        work = [per[s] for s in sorted({s for s, _, _ in cells})]
         total += shared.tick(work, S) if shared else max(work, default=0.0)
         for s, _, _ in cells:
             finish[s] = total

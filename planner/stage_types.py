@@ -7,7 +7,7 @@ import dataclasses
 from fractions import Fraction
 
 from planner.prices import SharedCores
-from planner.stage_sim import NO_ENDS, Ends, backward_ticks
+from planner.stage_sim import NO_ENDS, Ends, table_choice
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -106,11 +106,19 @@ class StagePlan:
         return max(loads) / (sum(loads) / len(loads))
 
     @property
+    def tick_table(self) -> tuple[int, bool]:
+        """(ticks each backward spans, fused table) of the program this plan runs: the choice
+        its step was simulated with (`stage_sim.table_choice`); the plan records both."""
+        return table_choice(self.schedule, self.microbatches, self.chunks, self.f, self.b,
+                            self.r, self.p2p, self.ends)
+
+    @property
     def backward_ticks(self) -> int:
-        """The ticks each backward spans in the program this plan runs: the choice its step
-        was simulated with (`stage_sim.backward_ticks`); the plan records it."""
-        return backward_ticks(self.schedule, self.microbatches, self.chunks, self.f, self.b,
-                              self.r, self.p2p, self.ends)
+        return self.tick_table[0]
+
+    @property
+    def fused_ticks(self) -> bool:
+        return self.tick_table[1]
 
     @property
     def ratios(self) -> tuple[Fraction, ...]:

@@ -50,6 +50,7 @@ class VerifiedStage:
         return {"label": c.summary(), "rank": self.rank, "predicted_step_s": c.step_s,
                 "predicted_peak_memory_bytes": c.peak_memory_bytes,
                 "backward_ticks": c.stage_plan.backward_ticks,
+                "fused_ticks": c.stage_plan.fused_ticks,
                 "simulated_step_s": self.simulated_step_s, "xla_step_s": self.xla_step_s,
                 "compiled_peak_memory_bytes": self.peak_memory_bytes,
                 "idle_fraction": self.idle_fraction,
@@ -138,7 +139,8 @@ def table(rows: list[VerifiedStage]) -> str:
         idle = ", ".join(f"{x:.1%}" for x in r.idle_fraction or ()) or "-"
         event = ", ".join(f"{x:.1%}" for x in r.event_idle_fraction or ()) or "-"
         xla = f"{r.xla_step_s * 1e3:.1f} ms" if r.xla_step_s else "-"
-        lines.append(f"| {r.rank} | {c.summary()} | {c.stage_plan.backward_ticks} | "
+        k = f"{c.stage_plan.backward_ticks}{' fused' if c.stage_plan.fused_ticks else ''}"
+        lines.append(f"| {r.rank} | {c.summary()} | {k} | "
                      f"{c.step_s * 1e3:.1f} ms | {r.simulated_step_s * 1e3:.1f} ms | "
                      f"{r.ratio:.2f} | {xla} | {r.peak_memory_bytes / 2**30:.1f} | "
                      f"{idle} / {event} |")

@@ -47,6 +47,9 @@ def parse_args(argv=None):
     g.add_argument("--virtual-stages", type=int, default=0,
                    help="pipelined variants: interleaved's chunks per stage (default 2)")
     g.add_argument("--remat-ratios", help="pipelined variants: stage-aware recompute ratios")
+    g.add_argument("--fused-ticks", default="auto", metavar="A,B,...",
+                   help="pipelined variants: tick tables, each of auto, on, off (e.g. on,off: "
+                        "every pipeline fused and unfused side by side; default auto)")
     g.add_argument("--plan", action="append", default=[], metavar="FILE",
                    help="a variant that runs a plan JSON from scripts/plan.py (repeatable): its "
                         "mesh, layer strategies, pipeline section and micro-batches; its "
@@ -100,8 +103,14 @@ def build_config(args):
         # Every pipeline schedule with every tensor-parallel schedule inside its stages
         # (e.g. --pipeline gpipe_spmd --schedules megatron,collective_matmul).
         schedules = args.schedules.split(",") if args.schedules else ["megatron"]
+        fused = [f.strip() for f in args.fused_ticks.split(",")]
+        bad = [f for f in fused if f not in ("auto", "on", "off")]
+        if bad:
+            raise UserError(f"unknown --fused-ticks {bad[0]!r}: give auto, on or off (or a "
+                            f"comma list of them)")
         variants += [VariantSpec(mesh=args.mesh, rules=args.rules, schedule=s.strip(),
-                                 pipeline=p) for p in pipelines for s in schedules]
+                                 pipeline=p, fused_ticks=f)
+                     for p in pipelines for s in schedules for f in fused]
     elif args.schedules is not None or not variants:
         # primepar needs a tp_row x tp_col square: give it as a --variant with such a mesh.
         default = list(registry.names(square=False))

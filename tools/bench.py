@@ -16,6 +16,7 @@ from models.config import ModelConfig
 from models.sharding import init_sharded
 from oases_jax.errors import UserError
 from oases_jax.mesh import make_mesh, parse_mesh
+from oases_jax.pipeline import SPMD_PIPELINES
 from oases_jax.rules import get_rules
 from tools.op_times import for_variant, kept_dir
 from training.config import OptimConfig, ParallelConfig
@@ -36,6 +37,7 @@ class VariantSpec:
     schedule: str = "megatron"
     label: str | None = None  # None: derived from what differs between the variants
     pipeline: str | None = None  # pipeline schedule (training.pipeline_step); None: none
+    fused_ticks: str = "auto"  # a pipelined variant's tick table (--fused-ticks)
     # A plan's variant (bench.py --plan): its whole parallel config, micro-batch count and
     # predicted step; None: built from the fields above and BenchConfig's settings.
     parallel: ParallelConfig | None = None
@@ -137,14 +139,15 @@ def _short_mesh(mesh: str) -> str:
 
 def _labels(specs: list[VariantSpec], meshes: list[str], rules: list[str]) -> list[str]:
     """Given labels are kept; others show the parts that differ (the rule set each runs)."""
-    parts = [(_short_mesh(m), r, s.schedule, s.pipeline or "")
+    parts = [(_short_mesh(m), r, s.schedule, s.pipeline or "", s.pipeline and
+              {"auto": "", "on": "fused", "off": "unfused"}[s.fused_ticks] or "")
              for s, m, r in zip(specs, meshes, rules, strict=True)]
-    differ = [len({p[i] for p in parts}) > 1 for i in range(4)]
+    differ = [len({p[i] for p in parts}) > 1 for i in range(5)]
     if not any(differ):
-        differ = [True] * 3 + [False]
+        differ = [True] * 3 + [False] * 2
     labels, seen = [], {}
     for spec, p in zip(specs, parts, strict=True):
-        label = spec.label or "/".join(x for x, d in zip(p, differ, strict=True) if d)
+        label = spec.label or "/".join(x for x, d in zip(p, differ, strict=True) if d and x)
         seen[label] = seen.get(label, 0) + 1
         labels.append(label if seen[label] == 1 else f"{label}#{seen[label]}")
     return labels
@@ -158,7 +161,7 @@ def parallel_config(spec: VariantSpec, cfg: BenchConfig | None = None) -> Parall
     extra = {}
     if spec.pipeline and cfg is not None:
         extra = {"stage_layers": cfg.stage_layers, "virtual_stages": cfg.virtual_stages,
-                 "remat_ratios": cfg.remat_ratios}
+                 "remat_ratios": cfg.remat_ratios, "fused_ticks": spec.fused_ticks}
     return ParallelConfig(mesh=spec.mesh, rules=spec.rules, schedule=spec.schedule,
                           pipeline=spec.pipeline, **extra)
 
@@ -177,16 +180,10 @@ def resolve_variants(specs: tuple[VariantSpec, ...], n_devices: int,
             mesh = parse_mesh(spec.mesh).resolve(n_devices)
             meshes.append(str(mesh))
             if parallel.pipeline and cfg is not None:
-                from training.pipeline_step import pipeline_spec
+                from training.pipeline_step import spec_for
 
-                pipeline_spec(cfg.model, schedule=parallel.pipeline,
-                              stages=dict(mesh.axes).get("stage", 1),
-                              microbatches=spec.microbatches or cfg.microbatches,
-                              stage_layers=parallel.stage_layers,
-                              chunks=parallel.virtual_stages or (
-                                  2 if parallel.pipeline == "interleaved" else 1),
-                              remat_ratios=parallel.remat_ratios,
-                              backward_ticks=parallel.backward_ticks)
+                spec_for(cfg.model, parallel, spec.microbatches or cfg.microbatches,
+                         dict(mesh.axes).get("stage", 1))
         except UserError as e:
             raise UserError(f"variant {where}: {e}") from None
         rules.append(parallel.rules_name)
@@ -207,6 +204,7 @@ class Variant:
     batches: list[jax.Array]  # batch k for step k, identical values in every variant
     compile_s: float
     steps_done: int = 0
+    fused: bool | None = None  # a tick-executor pipeline's table: fused or not
 
     def run_step(self) -> None:
         batch = self.batches[self.steps_done]
@@ -235,6 +233,7 @@ def build_variant(cfg: BenchConfig, spec: Resolved, sampler: BatchSampler) -> Va
 
             pipe = pipeline_step.spec_for(cfg.model, prog.spec.parallel, m, mesh)
             params = pipeline_step.layout(pipe, fns, rules, mesh)[0](params)
+            fused = None if spec.pipeline in SPMD_PIPELINES else pipe.fused()  # its table
         state = new_state(params, fns, cfg.seed)
     except UserError as e:
         raise UserError(f"variant {spec.label}: {e}") from None
@@ -243,7 +242,7 @@ def build_variant(cfg: BenchConfig, spec: Resolved, sampler: BatchSampler) -> Va
     compile_s = lower_s + time.perf_counter() - t0
     batches = [sampler.device_batch(k, fns.batch_sharding, m)
                for k in range(cfg.total_steps)]
-    return Variant(spec=spec, step=step, state=state, batches=batches, compile_s=compile_s)
+    return Variant(spec, step, state, batches, compile_s, fused=fused if spec.pipeline else None)
 
 
 def prepare(cfg: BenchConfig, log: Callable[[str], None] = lambda _: None) -> list[Variant]:
@@ -305,6 +304,7 @@ def summarize(cfg: BenchConfig, variants: list[Variant], samples: list[list[floa
                 "rules": v.spec.rules,
                 "schedule": v.spec.schedule,
                 "pipeline": v.spec.pipeline,
+                **({"fused_ticks": v.fused} if v.spec.pipeline else {}),
                 "microbatches": v.spec.microbatches(cfg),
                 **({"plan_predicted_s": v.spec.source.predicted_s}
                    if v.spec.source.predicted_s is not None else {}),

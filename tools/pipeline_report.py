@@ -150,8 +150,9 @@ def shares(report: dict) -> dict:
     S, step = p["stages"], p["step_s"]
     rec = []
     for s in range(S):
-        r_time = sum(cost[row[s][0]] for row in p["rows"] if kinds[row[s][0]] == "R")
-        b_time = sum(cost[row[s][0]] for row in p["rows"] if kinds[row[s][0]] == "B")
+        cells = [lane[s][0] for tick in p["rows"] for lane in tick]  # every lane of every tick
+        r_time = sum(cost[b] for b in cells if kinds[b] == "R")
+        b_time = sum(cost[b] for b in cells if kinds[b] == "B")
         in_b = f["recompute_b"][s] / f["backward"][s] if f["backward"][s] else 0.0
         rec.append(r_time + b_time * max(in_b, 0.0))
     idle = [p["switch_s"] - b for b in p["busy_s"]]
@@ -184,12 +185,14 @@ def schedules_table(reports: list[dict]) -> str:
         p, sh = r["pipeline"], shares(r)
         idle = ", ".join(f"{i:.1%}" for i in sh["idle_per_stage"])
         lines.append(
-            f"{p['schedule']:<12} {p['ticks']:5d} {p['step_s'] * ms:11.1f} "
+            f"{p['schedule']:<12} {str(p['ticks']) + ('f' if p.get('lanes', 1) > 1 else ''):>5} "
+            f"{p['step_s'] * ms:11.1f} "
             f"{p['step_s'] / _step(first):6.2f} {xla} {sh['bubble']:7.1%} "
             f"{sh['exposed_comm']:8.1%} {sh['recompute']:7.1%} "
             f"{p['events']['makespan_s'] * ms + p['outside_s'] * ms:9.1f} "
             f"{r['peak_memory_bytes'] / gib:8.2f}  {idle}")
-    lines.append("our step: outside the tick loop + every tick (its slowest stage's branch + the "
+    lines.append("ticks: 10f = 10 fused ticks (lanes: forward, recompute, backward); our step: "
+                 "outside the tick loop + every tick (its slowest stage's branches + the "
                  "permutes); event: the event simulator with the same branch costs (stages run "
                  "ahead) + outside; bubble, exposed comm and recompute: shares of our step "
                  "(gpipe_spmd, 1f1b_spmd, no tick switch: the whole program's simulated step)")

@@ -78,7 +78,8 @@ def pipeline_lines(r: dict) -> list[str]:
     branches = ", ".join(f"{b['kind']}{b['virtual_stage']} {b['step_s'] * 1e3:.2f}"
                          for b in p["branches"][1:])
     return [
-        f"pipeline {p['schedule']} S={p['stages']} M={p['microbatches']}, {p['ticks']} ticks: "
+        f"pipeline {p['schedule']} S={p['stages']} M={p['microbatches']}, {p['ticks']} "
+        f"{'fused ticks of ' + str(p['lanes']) + ' lanes' if p.get('lanes', 1) > 1 else 'ticks'}: "
         f"step {_fmt_s(p['step_s'])} = outside the loop {_fmt_s(p['outside_s'])} + loop "
         f"{_fmt_s(p['loop_s'])}",
         f"  branches (ms): {branches}; rest of a tick {p['rest_s'] * 1e3:.3f} ms",

@@ -79,13 +79,15 @@ class ParallelConfig:
     layers: tuple[LayerSpec, ...] | None = None
     # Pipeline parallelism over the mesh's `stage` axis (`training.pipeline_step`): the schedule
     # (None: no pipeline), per-stage layer counts (None: uniform), chunks per stage
-    # (interleaved; 0: 2), stage-aware recompute ratios (r0, or one per stage), and the ticks a
-    # backward spans (0: one).
+    # (interleaved; 0: 2), stage-aware recompute ratios (r0, or one per stage), the ticks a
+    # backward spans (0: one) and whether a tick holds a forward, a recompute and a backward
+    # ("auto": when that is faster in lockstep, `PipelineSpec.fused`).
     pipeline: str | None = None
     stage_layers: str | None = None
     virtual_stages: int = 0
     remat_ratios: str | None = None
     backward_ticks: int = 0
+    fused_ticks: str = "auto"
 
     def __post_init__(self):
         spec = registry.get(self.schedule)
@@ -176,7 +178,9 @@ def _check_pipeline(par: ParallelConfig) -> None:
         for flag, value in (("--stage-layers", par.stage_layers),
                             ("--remat-ratios", par.remat_ratios),
                             ("--virtual-stages", par.virtual_stages or None),
-                            ("--backward-ticks", par.backward_ticks or None)):
+                            ("--backward-ticks", par.backward_ticks or None),
+                            ("--fused-ticks", None if par.fused_ticks == "auto"
+                             else par.fused_ticks)):
             if value is not None:
                 raise UserError(f"{flag} {value} needs --pipeline and a stage mesh axis")
         return
@@ -207,7 +211,9 @@ def _check_pipeline(par: ParallelConfig) -> None:
     if spmd:
         for flag, value in (("--stage-layers", par.stage_layers),
                             ("--remat-ratios", par.remat_ratios),
-                            ("--backward-ticks", par.backward_ticks or None)):
+                            ("--backward-ticks", par.backward_ticks or None),
+                            ("--fused-ticks", None if par.fused_ticks == "auto"
+                             else par.fused_ticks)):
             if value is not None:
                 raise UserError(f"--pipeline {par.pipeline} runs one program on every stage: "
                                 f"equal stages under --remat, one backward; drop {flag} {value}")
@@ -228,6 +234,11 @@ def _check_pipeline(par: ParallelConfig) -> None:
     if not 0 <= par.backward_ticks <= 8:
         raise UserError(f"--backward-ticks {par.backward_ticks} must be 1 to 8 (or 0: the "
                         f"schedule's default)")
+    if par.fused_ticks not in ("auto", "on", "off"):
+        raise UserError(f"unknown --fused-ticks {par.fused_ticks!r}: choose auto, on or off")
+    if par.fused_ticks == "on" and par.backward_ticks > 1:
+        raise UserError(f"--fused-ticks on runs each backward in one tick, not "
+                        f"--backward-ticks {par.backward_ticks}; drop one of them")
 
 
 def _check_square_mesh(schedule: str, mesh: str, rules: str) -> None:

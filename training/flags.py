@@ -45,10 +45,14 @@ def add_layout_flags(group) -> None:
     group.add_argument("--backward-ticks", type=int, default=0,
                        help="pipelines: ticks one stage's backward spans, its layers split into "
                        "that many parts balanced by cost (default 0: one tick)")
+    group.add_argument("--fused-ticks", default="auto", choices=("auto", "on", "off"),
+                       help="pipelines: let one tick hold a stage's forward, recompute and "
+                       "backward, so lockstep ticks are as long on every stage (default auto: "
+                       "where that is faster in lockstep)")
 
 
 def layout_kwargs(args: argparse.Namespace) -> dict:
     """The `ParallelConfig` fields `add_layout_flags` sets."""
     return {k: getattr(args, k) for k in ("moe_schedule", "moe_chunks", "pipeline",
                                           "stage_layers", "virtual_stages", "remat_ratios",
-                                          "backward_ticks")}
+                                          "backward_ticks", "fused_ticks")}

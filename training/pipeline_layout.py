@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from models.config import ModelConfig
 from models.transformer import Transformer
 from oases_jax.errors import UserError
-from oases_jax.pipeline import schedules
+from oases_jax.pipeline import events, schedules
 from oases_jax.rules import ShardingRules, outer_axes, spec_divides
 from oases_jax.stacks import Parallel, use_parallel
 
@@ -42,6 +42,16 @@ class PipelineSpec:
     chunks: int = 1
     ratios: tuple[Fraction, ...] | None = None  # stage-aware remat; None: none
     backward_ticks: int = 0  # ticks a backward spans; 0: the schedule's default (`backward_parts`)
+    fuse: bool | None = None  # fused tick table (`pipeline.table`); None: `fused()` chooses
+
+    def fused(self) -> bool:
+        """Whether the executor runs the fused tick table: as set, else when it is the faster
+        in lockstep (`events.fused_by_default`); never with a backward split over ticks."""
+        if self.backward_ticks > 1:
+            return False
+        if self.fuse is not None:
+            return self.fuse
+        return events.fused_by_default(self.schedule_table())
 
     @property
     def virtual(self) -> int:

@@ -56,7 +56,8 @@ __all__ = ["STAGE", "PipelineSpec", "backward_parts", "build_pipeline_step_fns",
 
 def pipeline_spec(cfg: ModelConfig, *, schedule: str, stages: int, microbatches: int,
                   stage_layers: str | Sequence[int] | None = None, chunks: int = 1,
-                  remat_ratios: str | None = None, backward_ticks: int = 0) -> PipelineSpec:
+                  remat_ratios: str | None = None, backward_ticks: int = 0,
+                  fused_ticks: str = "auto") -> PipelineSpec:
     """Checked pipeline settings (one-line UserErrors naming the value and the fix)."""
     if cfg.moe:
         raise UserError("--pipeline does not run MoE models yet; drop --pipeline or use a dense "
@@ -82,7 +83,8 @@ def pipeline_spec(cfg: ModelConfig, *, schedule: str, stages: int, microbatches:
         ratios = pipe_remat.parse_ratios(remat_ratios, stages, shifted=schedule == "merak")
     _graphdefs(cfg)
     return PipelineSpec(schedule=schedule, stages=stages, microbatches=microbatches,
-                        layers=layers, chunks=chunks, ratios=ratios, backward_ticks=backward_ticks)
+                        layers=layers, chunks=chunks, ratios=ratios, backward_ticks=backward_ticks,
+                        fuse=None if fused_ticks == "auto" else fused_ticks == "on")
 
 
 # --- The stage program of the transformer -------------------------------------------------------
@@ -144,7 +146,8 @@ def _balanced(costs: list[float], k: int) -> tuple[tuple[int, int], ...]:
 
 def step_plan(cfg: ModelConfig, pipe: PipelineSpec) -> executor.Plan:
     """The executor plan the pipelined step runs (what the analysis of its program reads)."""
-    return executor.plan(pipe.schedule_table(), tuple(map(len, backward_parts(cfg, pipe))))
+    return executor.plan(pipe.schedule_table(), tuple(map(len, backward_parts(cfg, pipe))),
+                         fuse=pipe.fused())
 
 
 def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruct
@@ -301,14 +304,18 @@ def pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,
 # --- The train step ------------------------------------------------------------------------------
 
 
-def spec_for(cfg: ModelConfig, parallel_cfg, microbatches: int, mesh: Mesh) -> PipelineSpec:
-    """The pipeline a run asks for (`ParallelConfig.pipeline` and friends) on `mesh`."""
-    return pipeline_spec(cfg, schedule=parallel_cfg.pipeline, stages=mesh.shape.get(STAGE, 1),
+def spec_for(cfg: ModelConfig, parallel_cfg, microbatches: int, mesh: Mesh | int
+             ) -> PipelineSpec:
+    """The pipeline a run asks for (`ParallelConfig.pipeline` and friends) on `mesh` (or on
+    that many stages)."""
+    stages = mesh if isinstance(mesh, int) else mesh.shape.get(STAGE, 1)
+    return pipeline_spec(cfg, schedule=parallel_cfg.pipeline, stages=stages,
                          microbatches=microbatches, stage_layers=parallel_cfg.stage_layers,
                          chunks=parallel_cfg.virtual_stages or (
                              2 if parallel_cfg.pipeline == "interleaved" else 1),
                          remat_ratios=parallel_cfg.remat_ratios,
-                         backward_ticks=parallel_cfg.backward_ticks)
+                         backward_ticks=parallel_cfg.backward_ticks,
+                         fused_ticks=parallel_cfg.fused_ticks)
 
 
 def build_pipeline_step_fns(cfg: ModelConfig, tx: optax.GradientTransformation,

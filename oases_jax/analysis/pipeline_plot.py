@@ -6,6 +6,8 @@ only when drawing."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from oases_jax.analysis.pipeline_stages import base_kind
 from oases_jax.analysis.pipeline_time import PipelineTime
 from oases_jax.pipeline.executor import BRANCH, MB
@@ -17,10 +19,10 @@ NAMES = {"F": "forward (F)", "FS": "forward, input stashed (F/PF)",
 
 def timeline_json(pt: PipelineTime) -> dict:
     """What `draw` needs beyond `PipelineTime.to_json()`: per tick its start in the loop and
-    length, and per stage its branch and micro-batch (-1 on idle ticks)."""
+    length, and per tick, lane and stage the branch and micro-batch (-1 where idle)."""
     ticks = pt.ticks_s
-    rows = pt.plan.rows[..., [BRANCH, MB]].copy()
-    rows[..., 1] = [[mb if b else -1 for b, mb in row] for row in rows.tolist()]
+    rows = pt.plan.lane_rows()[..., [BRANCH, MB]].copy()
+    rows[..., 1] = np.where(rows[..., 0] > 0, rows[..., 1], -1)
     return {"tick_start_s": (ticks.cumsum() - ticks).tolist(), "tick_s": ticks.tolist(),
             "rows": rows.tolist()}
 
@@ -49,17 +51,21 @@ def draw(pipeline: dict, path: str, title: str = "") -> None:
     for t in range(T):
         start, length = p["tick_start_s"][t] * ms, p["tick_s"][t] * ms - rest
         for s in range(S):
-            b, mb = p["rows"][t][s]
             y = S - 1 - s
-            kind = base_kind(branches[b]["kind"])
-            busy = branches[b]["step_s"] * ms if b else 0.0
-            if busy:
-                ax.broken_barh([(start, busy)], (y + 0.1, 0.8), color=COLORS.get(kind, "gray"),
-                               edgecolor="white", linewidth=0.4)
+            busy = 0.0
+            for lane in p["rows"][t]:  # a fused tick's lanes run one after another
+                b, mb = lane[s]
+                if not b:
+                    continue
+                kind = base_kind(branches[b]["kind"])
+                width = branches[b]["step_s"] * ms
+                ax.broken_barh([(start + busy, width)], (y + 0.1, 0.8),
+                               color=COLORS.get(kind, "gray"), edgecolor="white", linewidth=0.4)
                 if T <= 60:
-                    ax.text(start + busy / 2, y + 0.5,
+                    ax.text(start + busy + width / 2, y + 0.5,
                             _label(branches[b]["kind"], branches[b]["virtual_stage"], mb, S,
                                    chunks), ha="center", va="center", fontsize=6, color="white")
+                busy += width
             if length > busy:
                 ax.broken_barh([(start + busy, length - busy)], (y + 0.1, 0.8),
                                facecolor="whitesmoke", edgecolor="lightgray", hatch="////",

@@ -2,15 +2,17 @@
 program").
 
 The executor (`oases_jax.pipeline.executor`) runs a schedule's tick table as one `lax.scan` over
-the T ticks; in each tick every stage runs `lax.switch(row[BRANCH], branches)` on its own row,
-and one activation and one gradient permute follow outside the switch. The whole-program
-simulator replays a conditional by its first branch, so it cannot tell what a device runs each
-tick. Here the tick loop is found (the while loop of T trips whose body holds a conditional with
-one branch computation per `Plan.branches`, in lax.switch's order: XLA's `branch_computations[i]`
-runs for index i), each branch computation and the rest of the tick body are priced alone by the
-simulator (`Simulator.replay`), and the plan's rows say which branch each stage runs:
+the T ticks; in each tick every stage runs, lane by lane (one lane unfused; forward, recompute
+and backward lanes in a fused table), `lax.switch(row[BRANCH], branches)` on its own row, and one
+activation and one gradient permute follow outside the switches. The whole-program simulator
+replays a conditional by its first branch, so it cannot tell what a device runs each tick. Here
+the tick loop is found (the while loop of T trips whose body holds one conditional per lane, in
+lane order, each with one branch computation per `Plan.branches`, in lax.switch's order: XLA's
+`branch_computations[i]` runs for index i), each branch computation (of the lane it runs in) and
+the rest of the tick body are priced alone by the simulator (`Simulator.replay`), and the plan's
+rows say which branch each stage runs in each lane:
 
-    tick_t = rest + max_s cost[rows[t, s, BRANCH]]        (SPMD: the slowest stage sets the tick)
+    tick_t = rest + max_s sum_lanes cost[rows[t, lane, s, BRANCH]]   (SPMD: the slowest stage)
     loop   = sum_t tick_t;  step = outside the loop + loop
 
 Per stage: busy = sum_t cost of its non-idle branches, idle fraction = 1 - busy / switch time
@@ -36,23 +38,31 @@ from oases_jax.pipeline.executor import BRANCH, Plan, base_kind
 class TickLoop:
     loop: Instr  # the while
     body: str  # its body computation
-    switch: Instr  # the conditional
+    switches: tuple[Instr, ...]  # the conditional of each lane
     branches: tuple[str, ...]  # branch computations, in Plan.branches' order
 
 
 def find_tick_loop(program: Program, plan: Plan) -> TickLoop | None:
-    """The while loop of `len(plan.rows)` trips whose body (or a call inside it) holds a
-    conditional with `len(plan.branches)` branch computations; None when there is none."""
-    T, n = len(plan.rows), len(plan.branches)
+    """The while loop of `plan.n_ticks` trips whose body (or a call inside it) holds one
+    conditional per lane with `len(plan.branches)` branch computations (the first that many, in
+    program order, which is lane order: each lane's switch takes the state the one before
+    returns); None when there is none. A branch is priced in the lane it runs in."""
+    T, n = plan.n_ticks, len(plan.branches)
     module = program.module
     for comp, _ in program.walk():
         for instr in comp.instrs:
             if instr.opcode != "while" or module.trip_count(instr) != T:
                 continue
             body = (instr.attr("body") or "").lstrip("%")
-            for switch in _conditionals(program, body):
-                if len(switch.called) == n:
-                    return TickLoop(instr, body, switch, tuple(switch.called))
+            switches = [c for c in _conditionals(program, body) if len(c.called) == n]
+            if len(switches) < plan.lanes:
+                continue
+            switches = switches[:plan.lanes]
+            used = plan.lane_rows()[..., BRANCH]  # [T, lanes, S]
+            lane_of = [next((lane for lane in range(plan.lanes) if (used[:, lane] == g).any()),
+                            0) for g in range(n)]
+            branches = tuple(switches[lane_of[g]].called[g] for g in range(n))
+            return TickLoop(instr, body, tuple(switches), branches)
     return None
 
 
@@ -78,9 +88,14 @@ class PipelineTime:
         return np.array([b.step_s for b in self.branch])
 
     @property
+    def per_lane(self) -> np.ndarray:
+        """[T, lanes, S] time of each stage's branch in each lane."""
+        return self.cost[self.plan.lane_rows()[..., BRANCH]]
+
+    @property
     def per_tick(self) -> np.ndarray:
-        """[T, S] time of each stage's branch."""
-        return self.cost[self.plan.rows[..., BRANCH]]
+        """[T, S] time of each stage's work in each tick (its lanes' branches)."""
+        return self.per_lane.sum(axis=1)
 
     @property
     def switch_s(self) -> float:
@@ -96,7 +111,8 @@ class PipelineTime:
 
     @property
     def busy_s(self) -> np.ndarray:
-        return np.where(self.plan.rows[..., BRANCH] > 0, self.per_tick, 0.0).sum(axis=0)
+        busy = np.where(self.plan.lane_rows()[..., BRANCH] > 0, self.per_lane, 0.0)
+        return busy.sum(axis=(0, 1))
 
     @property
     def idle_fraction(self) -> np.ndarray:
@@ -105,18 +121,20 @@ class PipelineTime:
     def share(self, kind: str) -> float:
         """`kind` branches' time over all stages' switch time."""
         kinds = np.array([base_kind(k) == kind for k, _ in self.plan.branches])
-        sel = kinds[self.plan.rows[..., BRANCH]]
+        sel = kinds[self.plan.lane_rows()[..., BRANCH]]
         total = self.plan.stages * self.switch_s
-        return float(np.where(sel, self.per_tick, 0.0).sum() / total) if total else 0.0
+        return float(np.where(sel, self.per_lane, 0.0).sum() / total) if total else 0.0
 
     @property
     def exposed_comm_s(self) -> float:
         """Communication not hidden behind compute: the rest's (permutes) every tick, plus that
-        of each tick's slowest branch (collectives inside the stage, e.g. tensor parallel)."""
-        slowest = self.plan.rows[..., BRANCH][np.arange(len(self.plan.rows)),
-                                              self.per_tick.argmax(axis=1)]
-        inside = sum(self.branch[b].exposed_comm_s for b in slowest)
-        return len(self.plan.rows) * self.rest.exposed_comm_s + float(inside)
+        of each tick's slowest stage's branches (collectives inside the stage, e.g. tensor
+        parallel)."""
+        T = self.plan.n_ticks
+        slowest = self.plan.lane_rows()[..., BRANCH][np.arange(T), :,
+                                                     self.per_tick.argmax(axis=1)]
+        inside = sum(self.branch[b].exposed_comm_s for b in slowest.ravel() if b > 0)
+        return T * self.rest.exposed_comm_s + float(inside)
 
     def stage_costs(self) -> events.Costs:
         """Per physical stage, F/B/R of one micro-batch (all its chunks) from the branch costs:
@@ -151,8 +169,9 @@ class PipelineTime:
         makespan = float(timeline.makespan)
         return {
             "schedule": p.schedule.name, "stages": p.stages,
-            "microbatches": p.schedule.microbatches, "ticks": len(p.rows),
-            "loop": self.loop.loop.name, "conditional": self.loop.switch.name,
+            "microbatches": p.schedule.microbatches, "ticks": p.n_ticks, "lanes": p.lanes,
+            "loop": self.loop.loop.name,
+            "conditionals": [sw.name for sw in self.loop.switches],
             "branches": [{"kind": k, "virtual_stage": j, "computation": c, "step_s": r.step_s,
                           "compute_s": r.compute_s, "comm_s": r.comm_s}
                          for (k, j), c, r in zip(p.branches, self.loop.branches, self.branch,
@@ -166,7 +185,7 @@ class PipelineTime:
             "bubble": float(self.idle_fraction.min()),
             "mean_idle": float(self.idle_fraction.mean()),
             "recompute_share": self.share("R"),
-            "permute_s": len(p.rows) * self.rest.comm_s,
+            "permute_s": p.n_ticks * self.rest.comm_s,
             "exposed_comm_s": self.exposed_comm_s,
             "events": {"makespan_s": makespan, "lockstep_s": lockstep,
                        "idle_fraction": [float(i / timeline.makespan) if makespan else 0.0
@@ -184,6 +203,6 @@ def pipeline_time(program: Program, cluster: ClusterSpec, plan: Plan, *,
     sim = Simulator(program, cluster, max_events=0, compute_cost=compute_cost,
                     comm_cost=comm_cost)
     branch = [sim.replay(c) for c in loop.branches]
-    rest = sim.replay(loop.body, skip=frozenset({loop.switch.name}))
+    rest = sim.replay(loop.body, skip=frozenset(sw.name for sw in loop.switches))
     outside = sim.replay(program.module.entry, skip=frozenset({loop.loop.name}))
     return PipelineTime(plan, loop, branch, rest, outside)

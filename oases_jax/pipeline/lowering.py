@@ -41,6 +41,18 @@ class Plan:
     table: TickTable  # what the rows were lowered from (backward spans included)
 
     @property
+    def lanes(self) -> int:
+        return self.table.lanes
+
+    @property
+    def n_ticks(self) -> int:
+        return self.table.n_ticks
+
+    def lane_rows(self) -> np.ndarray:
+        """The rows as [T, lanes, S, 8]: tick t runs lane 0's switch, then lane 1's, ..."""
+        return self.rows.reshape(self.n_ticks, self.lanes, *self.rows.shape[1:])
+
+    @property
     def stages(self) -> int:
         return self.schedule.stages
 
@@ -78,14 +90,17 @@ class _Slots:
         self.free.append(slot)
 
 
-def plan(schedule: Schedule, backward_ticks: int | tuple[int, ...] = 1) -> Plan:
+def plan(schedule: Schedule, backward_ticks: int | tuple[int, ...] = 1,
+         fuse: bool = False) -> Plan:
     """Lower a schedule's tick table to executor rows with statically allocated slots. A
     backward of virtual stage j spans `backward_ticks[j]` ticks (`TickTable`): branch `B<p>`
-    runs its part p, all parts read the one residual slot, part 0 the received gradient."""
+    runs its part p, all parts read the one residual slot, part 0 the received gradient.
+    `fuse`: the fused table (`tick_table`), one row per lane of each tick (forwards in lane 0,
+    backwards in the last)."""
     if schedule.split_backward:
         raise UserError(f"the {schedule.name} schedule splits the backward into B and W, which "
                         f"the executor does not run yet: use 1f1b, gpipe, interleaved or merak")
-    table = schedule.ticks(backward_ticks)
+    table = schedule.ticks(backward_ticks, fuse)
     S, V = schedule.stages, schedule.virtual
     recomputed = schedule.recomputed()
     branches: list[tuple[str, int]] = [("IDLE", -1)]
@@ -169,4 +184,5 @@ def plan(schedule: Schedule, backward_ticks: int | tuple[int, ...] = 1) -> Plan:
     rows[..., ACT_STORE] = np.where(stored[0], rows[..., ACT_STORE], act_slots)
     rows[..., GRAD_STORE] = np.where(stored[1], rows[..., GRAD_STORE], grad_slots)
     return Plan(schedule, tuple(branches), rows, tuple(r.used for r in res),
-                tuple(s.used for s in stash), act_slots, grad_slots, table)
+                tuple(s.used for s in stash), act_slots, grad_slots, table,
+                )

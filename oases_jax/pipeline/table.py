@@ -7,6 +7,12 @@ the start times are ticks, and the `TickTable` gives, for each global tick, each
 switches on each stage's op code, and moves the tick's transfers with one ppermute per direction
 between ticks.
 
+A fused tick table (`fuse=True`, which the executor runs where it is the faster in lockstep:
+`events.fused_by_default`) lets a tick hold up to one action per lane on a stage (`LANE`: a forward, a recompute, a backward), run lane by lane before
+the tick's transfers. In 1F1B's steady state every stage then runs one forward and one backward a
+tick, so lockstep ticks are as long on every stage and the SPMD program idles where the event
+simulator does, rather than wherever a forward shares a tick with another stage's backward.
+
 A non-circular schedule (GPipe, 1F1B, Merak's, ZB-H1) has no wrap-around edge: activations only
 go device s -> s+1 and gradients s -> s-1, so each direction is a shift of S-1 pairs, never a
 ring (a ring over `stage` is what XLA's cycle decomposer can zero, openxla/xla#45222). Only
@@ -66,12 +72,12 @@ class Schedule:
         return tuple(all((mb, j) in done for mb in range(self.microbatches))
                      for j in range(self.virtual))
 
-    def ticks(self, backward_ticks: int | Sequence[int] = 1) -> TickTable:
-        return tick_table(self, backward_ticks)
+    def ticks(self, backward_ticks: int | Sequence[int] = 1, fuse: bool = False) -> TickTable:
+        return tick_table(self, backward_ticks, fuse)
 
-    def pretty(self) -> str:
+    def pretty(self, fuse: bool = False) -> str:
         """One row per stage, one column per tick (see `TickTable.pretty`)."""
-        return self.ticks().pretty()
+        return self.ticks(fuse=fuse).pretty()
 
 
 Placement = dict[tuple[int, int], tuple[Fraction, Fraction]]  # (stage, index) -> start, finish
@@ -170,10 +176,19 @@ def _no_latency(transfer: Transfer) -> Fraction:
     return Fraction(0)
 
 
+# The lane of each kind in a fused tick: a stage runs at most one action per lane a tick, lanes in
+# this order (so a forward, its recompute and its backward may share a tick on the last stage).
+LANE = {"F": 0, "PF": 0, "R": 1, "RrG": 1, "B": 2, "W": 3}
+
+
 @dataclasses.dataclass(frozen=True)
 class TickTable:
-    """`ticks[t][s]`: stage s's action at tick t (IDLE when it waits); `transfers[t]`: what
-    moves after tick t; `consumed[x]`: the tick whose action first reads transfer x.
+    """`ticks[i][s]`: stage s's action at row i (IDLE when it waits); `transfers[i]`: what
+    moves after row i; `consumed[x]`: the row whose action first reads transfer x.
+
+    A row is one lane of a tick: tick t is rows t*lanes .. t*lanes + lanes-1, run in order, and
+    only the last lane's row has transfers after it. An unfused table has one lane (a row is a
+    tick); a fused one (`tick_table(fuse=True)`) one per kind of work its schedule has (`LANE`).
 
     A backward may span several consecutive ticks (`backward_ticks`: k per virtual stage): its
     stage's layers are split into k parts, part `parts[t][s]` of the backward runs at tick t
@@ -187,6 +202,16 @@ class TickTable:
     consumed: dict[Transfer, int]
     parts: tuple[tuple[int, ...], ...] = ()
     backward_ticks: tuple[int, ...] = ()  # per virtual stage; () means 1 everywhere
+    lanes: int = 1
+
+    @property
+    def n_ticks(self) -> int:
+        return len(self.ticks) // self.lanes
+
+    def tick_rows(self) -> list[tuple[tuple[Action, ...], ...]]:
+        """Per tick, its lanes' rows."""
+        L = self.lanes
+        return [self.ticks[t * L:(t + 1) * L] for t in range(self.n_ticks)]
 
     def span(self, j: int) -> int:
         """Ticks one backward of virtual stage j takes."""
@@ -232,34 +257,46 @@ class TickTable:
 
     def pretty(self) -> str:
         """One row per stage, one column per tick; `F3` is micro-batch 3's forward (`F3.1` its
-        chunk 1 when devices hold several), `.` an idle tick."""
+        chunk 1 when devices hold several), `.` an idle tick, `F3+B1` a fused tick's lanes."""
         sch = self.schedule
 
         def cell(t, s, a):
             split = a.kind == "B" and self.span(vstage(s, a, sch.stages)) > 1
             return a.label(sch.chunks) + ("abcdefgh"[self.part(t, s)] if split else "")
 
-        cells = [[cell(t, s, a) for s, a in enumerate(row)] for t, row in enumerate(self.ticks)]
+        L = self.lanes
+        cells = [["+".join(cell(t * L + lane, s, rows[lane][s]) for lane in range(L)
+                           if rows[lane][s].kind != "IDLE") or "."
+                  for s in range(sch.stages)] for t, rows in enumerate(self.tick_rows())]
         width = max([len(str(len(cells) - 1)), *(len(c) for row in cells for c in row)])
         head = f"{sch.name}: S={sch.stages} stages, M={sch.microbatches} micro-batches"
         head += f", v={sch.chunks} chunks per stage" if sch.chunks > 1 else ""
+        head += ", fused ticks" if L > 1 else ""
         lines = [head, "tick    " + " ".join(f"{t:>{width}}" for t in range(len(cells)))]
         for s in range(sch.stages):
             lines.append(f"stage {s:<2d}" + " ".join(f"{row[s]:>{width}}" for row in cells))
         return "\n".join(lines)
 
 
-def tick_table(schedule: Schedule, backward_ticks: int | Sequence[int] = 1) -> TickTable:
+def tick_table(schedule: Schedule, backward_ticks: int | Sequence[int] = 1,
+               fuse: bool = False) -> TickTable:
     """Place every action on whole ticks: an action runs at the first tick after everything it
-    waits for, and transfers happen between ticks. Every action takes one tick except a
+    waits for, and transfers happen between ticks. Unfused, every action takes one tick except a
     backward of virtual stage j, which takes `backward_ticks[j]` (one number: every stage) run
-    back to back on its device. Raises InvalidSchedule on a deadlock."""
+    back to back on its device. Fused (`_fused`), a tick holds up to one action per lane.
+    Raises InvalidSchedule on a deadlock."""
     S, V = schedule.stages, schedule.virtual
     spans = ((backward_ticks,) * V if isinstance(backward_ticks, int)
              else tuple(backward_ticks))
     if len(spans) != V or any(not isinstance(k, int) or k < 1 for k in spans):
         raise InvalidSchedule(f"backward_ticks={backward_ticks!r} must be a positive integer or "
                               f"one per virtual stage ({V})")
+    split = any(k > 1 for k in spans)
+    if fuse:
+        if split:
+            raise InvalidSchedule(f"backward_ticks={backward_ticks!r}: a fused tick table runs "
+                                  f"each backward in one tick; use 1 or unfused ticks")
+        return _fused(schedule)
 
     def duration(stage: int, action: Action) -> Fraction:
         return Fraction(spans[vstage(stage, action, S)] if action.kind == "B" else 1)
@@ -278,6 +315,64 @@ def tick_table(schedule: Schedule, backward_ticks: int | Sequence[int] = 1) -> T
         sends[int(finish) - 1].extend(a.sends)
         for x in a.recvs:
             consumed[x] = int(start)
-    split = any(k > 1 for k in spans)
     return TickTable(schedule, tuple(map(tuple, grid)), tuple(map(tuple, sends)), consumed,
                      tuple(map(tuple, parts)) if split else (), spans if split else ())
+
+
+def _fused(schedule: Schedule) -> TickTable:
+    """The fused tick table: tick by tick, each stage takes the longest run of its next actions
+    that fit the tick, one per lane (`LANE`), each with its inputs ready: made on another device
+    in an earlier tick (transfers move between ticks), or on this one earlier or in a lower
+    lane of this tick. Lanes run in order, so a run may hold a forward listed after a backward
+    when neither needs the other (1F1B's steady state: F(m+k) and B(m) in one tick)."""
+    S, V = schedule.stages, schedule.virtual
+    used = sorted({LANE[a.kind] for acts in schedule.actions for a in acts})
+    lane_of = {kind: used.index(lane) for kind, lane in LANE.items() if lane in used}
+    L = max(len(used), 1)
+    recomputed = schedule.recomputed()
+    done: dict[tuple[str, int, int], tuple[int, int]] = {}  # event -> (tick, lane)
+    nxt = [0] * S
+    cells: list[list[list[Action]]] = []  # [tick][lane][stage]
+    left = sum(map(len, schedule.actions))
+    t = 0
+    while left:
+        row = [[IDLE] * S for _ in range(L)]
+        placed = 0
+        for s, acts in enumerate(schedule.actions):
+            taken: set[int] = set()
+            while nxt[s] < len(acts):
+                a = acts[nxt[s]]
+                lane = lane_of[a.kind]
+                j = vstage(s, a, S)
+                needs = inputs(a.kind, a.mb, j, V, (a.mb, j) in recomputed)
+                if lane in taken or not all(
+                        key in done and (done[key][0] < t or (
+                            not remote and done[key][0] == t and done[key][1] < lane))
+                        for key, remote in needs):
+                    break
+                key = event(a.kind, a.mb, j)
+                if key in done:
+                    raise InvalidSchedule(f"stage {s} runs {a.label(schedule.chunks)} twice "
+                                          f"(or another action produces its {key[0]})")
+                # Seen at once by this stage's later lanes; another stage's remote inputs
+                # need an earlier tick, so they cannot take it this tick.
+                done[key] = (t, lane)
+                taken.add(lane)
+                row[lane][s] = a
+                placed += 1
+                nxt[s] += 1
+        if not placed:
+            raise InvalidSchedule(_deadlock(schedule, nxt, done, recomputed))
+        left -= placed
+        cells.append(row)
+        t += 1
+    grid = [row for tick in cells for row in tick]
+    sends: list[list[Transfer]] = [[] for _ in grid]
+    consumed: dict[Transfer, int] = {}
+    for i, row in enumerate(grid):
+        for a in row:
+            sends[(i // L) * L + L - 1].extend(a.sends)
+            for x in a.recvs:
+                consumed[x] = i
+    return TickTable(schedule, tuple(map(tuple, grid)), tuple(map(tuple, sends)), consumed,
+                     lanes=L)

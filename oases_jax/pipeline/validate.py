@@ -30,14 +30,19 @@ class Report:
     peak_live: tuple[int, ...]
 
 
-def inflight(schedule: Schedule) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(peak_inflight, peak_live) per stage, counted along each stage's order: a micro-batch's
-    chunk is held from its forward until its backward is complete (B, or W when split)."""
+def inflight(schedule: Schedule, table: TickTable | None = None
+             ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(peak_inflight, peak_live) per stage, counted along each stage's order (its list, or
+    the rows of `table`, where a fused tick's forward comes before its backward): a micro-
+    batch's chunk is held from its forward until its backward is complete (B, or W when
+    split)."""
     S = schedule.stages
     recomputed = schedule.recomputed()
     last = "W" if schedule.split_backward else "B"
     peaks_in, peaks_live = [], []
-    for s, acts in enumerate(schedule.actions):
+    orders = schedule.actions if table is None else [
+        [row[s] for row in table.ticks if row[s].kind != "IDLE"] for s in range(S)]
+    for s, acts in enumerate(orders):
         held: set[tuple[int, int]] = set()
         live: set[tuple[int, int]] = set()
         peak_in = peak_live = 0

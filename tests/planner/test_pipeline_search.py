@@ -128,13 +128,16 @@ def test_search_and_plan_section_round_trip():
     assert par.pipeline == best.stage_plan.schedule and par.layers is None
     assert par.stage_layers == ",".join(map(str, best.stage_plan.layers))
     assert p.microbatches == best.layout.microbatches
-    # The plan spans each backward over the ticks it was priced with, and the run reads it;
-    # a plan without the field runs the runtime's rule.
+    # The plan spans each backward over the ticks it was priced with, on the (fused or not)
+    # tick table it was priced with, and the run reads both; a plan without the fields runs
+    # the runtime's rule.
     sp = best.stage_plan
     assert par.backward_ticks == sp.backward_ticks == d["pipeline"]["backward_ticks"] >= 1
+    assert d["pipeline"]["fused_ticks"] == sp.fused_ticks
+    assert par.fused_ticks == ("on" if sp.fused_ticks else "off")
     assert sp.makespan == pytest.approx(simulate(sp.schedule, sp.microbatches, sp.chunks, sp.f,
                                                  sp.b, sp.r, sp.p2p, k=sp.backward_ticks,
-                                                 ends=sp.ends)[0])
+                                                 fuse=sp.fused_ticks, ends=sp.ends)[0])
     assert par.layers is None  # one strategy: the runtime's default for every layer
     # A plan whose layers differ runs each layer's own strategy inside the stages.
     mixed = dict(d, layers=[{"schedule": "oases", "sub_batches": 2, "remat": "none"}]
@@ -143,10 +146,12 @@ def test_search_and_plan_section_round_trip():
     assert got.layers is not None and got.layers[0] == LayerSpec(schedule="oases",
                                                                  sub_batches=2)
     assert got.layers[1:] == tuple(p.layers[1:]) and got.pipeline == par.pipeline
-    split = dict(d, pipeline=dict(d["pipeline"], backward_ticks=3))
+    split = dict(d, pipeline=dict(d["pipeline"], backward_ticks=3, fused_ticks=False))
     assert plans.from_json(split).parallel().backward_ticks == 3
-    legacy = dict(d, pipeline={k: v for k, v in d["pipeline"].items() if k != "backward_ticks"})
+    legacy = dict(d, pipeline={k: v for k, v in d["pipeline"].items()
+                               if k not in ("backward_ticks", "fused_ticks")})
     assert plans.from_json(legacy).parallel().backward_ticks == 0
+    assert plans.from_json(legacy).parallel().fused_ticks == "auto"
     bad = dict(d, pipeline=dict(d["pipeline"], stage_layers=[1] * best.stages))
     with pytest.raises(UserError, match="sum to the plan's 48 layers"):
         plans.from_json(bad)

@@ -19,7 +19,13 @@ from planner.stage_partition import (
     partition,
     simulate,
 )
-from planner.stage_sim import backward_ticks, simulate_events, tick_choices
+from planner.stage_sim import (
+    backward_ticks,
+    fused,
+    peak_inflight,
+    simulate_events,
+    tick_choices,
+)
 
 
 def compositions(L: int, S: int):
@@ -93,11 +99,11 @@ def test_matches_brute_force_under_memory():
 
 def test_float_simulators_equal_exact():
     """The planner's step is the executor's tick table in lockstep (`events.lockstep_makespan`
-    in exact fractions) plus the permutes the executor issues every tick, and its run-ahead
-    bound the event simulator's makespan; interleaved
-    gets one tick per backward (the plan's choice, `tick_choices`), and other spans are priced on
-    request. Outside Merak's schedule a stage recomputes inside its backward (no R actions): B
-    is b + r there."""
+    in exact fractions, fused ticks their lanes' sum) plus the permutes the executor issues
+    every tick, and its run-ahead bound the event simulator's makespan; every schedule gets one
+    tick per backward (the plan's choice, `tick_choices`) on the table the runtime's rule picks
+    (`fused`: here interleaved's), and other spans and tables are priced on request. Outside
+    Merak's schedule a stage recomputes inside its backward (no R actions): B is b + r there."""
     f, b, r = (3, 2, 2, 4), (6, 4, 4, 9), (0, 2, 0, 0)
 
     def sch_of(name, chunks, r):
@@ -112,12 +118,14 @@ def test_float_simulators_equal_exact():
         assert backward_ticks(name, 8, chunks, f, b, r, 1.0) == 1 == tick_choices(name, f, b,
                                                                                    r)[0]
         sch = sch_of(name, chunks, r)
-        for k in (None, 1, 2):  # None: the plan's choice
-            got = simulate(name, 8, chunks, f, b, r, 1.0, k=k)[0]
-            table = sch.ticks(k or 1)
+        assert fused(name, 4, 8, chunks) == (name == "interleaved")
+        for k, fuse in ((None, None), (1, None), (1, False), (1, True), (2, None)):
+            got = simulate(name, 8, chunks, f, b, r, 1.0, k=k, fuse=fuse)[0]
+            table = sch.ticks(k or 1, fused(name, 4, 8, chunks) and (k or 1) == 1
+                              if fuse is None else fuse)
             # ... plus the executor's permutes, every tick: 2, or 4 with chunks.
             assert got == pytest.approx(float(events.lockstep_makespan(table, costs_of(name)))
-                                        + len(table.ticks) * (2 if chunks == 1 else 4))
+                                        + table.n_ticks * (2 if chunks == 1 else 4))
         if name != "merak":  # the event model's own reading: R actions where r > 0
             sch = build(name, 4, 8, chunks, tuple(x > 0 for x in r))
         ahead = simulate_events(name, 8, chunks, f, b, r, 1.0)[0]
@@ -162,7 +170,7 @@ def test_interleaved_head_runs_on_the_last_chunk():
     """With v chunks per device the head runs on virtual stage vS-1 alone, not spread over the
     last device's chunks. Interleaved, S=2, M=2, v=2 (tick table in the comments), f=(4, 6),
     b=(8, 12), the head's 2 and 4 of stage 1's: its chunks run F 2 and 4, B 4 and 8; stage
-    0's F 2, B 4. By hand, tick by tick (the longest cell):
+    0's F 2, B 4. By hand, unfused tick by tick (the longest cell):
         0 F0.0: 2 | 1 F1.0 F0.0: 2 | 2 F0.1 F1.0: 2 | 3 F1.1 F0.1: 2, 4 -> 4 | 4 B0.1: 8
         5 B0.1 F1.1: 4, 4 | 6 B1.1: 8 | 7 B1.1 B0.0: 4, 4 | 8 B0.0 B1.0: 4 | 9 B1.0: 4
     = 42, stage 1 done at 38. Spread over both chunks (F 3, B 6 each) it is 43."""
@@ -170,9 +178,9 @@ def test_interleaved_head_runs_on_the_last_chunk():
 
     assert chunk_costs((4.0, 6.0), 2, 1.0, 2.0) == ((2.5, 1.5), (2.0, 4.0))
     f, b, r = (4.0, 6.0), (8.0, 12.0), (0.0, 0.0)
-    assert simulate("interleaved", 2, 2, f, b, r, k=1, ends=(0.0, 0.0, 2.0, 4.0)) \
-        == (42.0, (42.0, 38.0))
-    assert simulate("interleaved", 2, 2, f, b, r, k=1)[0] == 43.0
+    assert simulate("interleaved", 2, 2, f, b, r, k=1, ends=(0.0, 0.0, 2.0, 4.0),
+                    fuse=False) == (42.0, (42.0, 38.0))
+    assert simulate("interleaved", 2, 2, f, b, r, k=1, fuse=False)[0] == 43.0
     # One chunk per device: where the head sits inside the stage changes nothing.
     assert simulate("1f1b", 8, 1, (5, 5, 5, 4), (10, 10, 10, 8), (0,) * 4,
                     ends=(1.0, 2.0, 3.0, 6.0))[0] == 198.0
@@ -181,16 +189,19 @@ def test_interleaved_head_runs_on_the_last_chunk():
 
 
 def test_memory_forces_recompute_on_early_stages():
-    """1F1B holds S - s micro-batches on stage s. 8 layers keeping 2 bytes each (0.5 when
-    rematted), 1 byte of state per layer, a 12-byte budget, 2 stages of 4: stage 0 (2 in
-    flight) needs 4 + 2 (0.5 k + 2 (4 - k)) = 20 - 3k <= 12, so k = 3; stage 1 (1 in flight)
-    4 + 8 = 12 fits without recompute."""
+    """1F1B's lists hold S - s micro-batches on stage s; at S=2 it runs its fused tick table
+    (`stage_sim.fused`), where stage 0 stores its third forward in the tick its first backward
+    frees a slot: 3 in flight. 8 layers keeping 2 bytes each (0.5 when rematted), 1 byte of
+    state per layer, a 12-byte budget, 2 stages of 4: stage 0 needs 4 + 3 (0.5 k + 2 (4 - k))
+    = 28 - 4.5k <= 12, so k = 4 (k = 3: 14.5); stage 1 (1 in flight) 4 + 8 = 12 fits without
+    recompute. On the unfused table (2 in flight) 20 - 3k <= 12 gives k = 3."""
     x = StageInputs.uniform(8, f=1.0, b=2.0, r=1.0, act=2.0, act_remat=0.5, block_bytes=1.0)
+    assert peak_inflight("1f1b", 2, 4) == (3, 1)
     plan = partition(x, schedule="1f1b", stages=2, microbatches=4, budget=12.0)
-    assert plan.layers == (4, 4) and plan.remat == (3, 0)
-    assert plan.ratios == (Fraction(3, 4), Fraction(0))
-    assert plan.memory == (pytest.approx(4 + 2 * (1.5 + 2)), pytest.approx(4 + 8))
-    assert plan.r == (3.0, 0.0)
+    assert plan.layers == (4, 4) and plan.remat == (4, 0)
+    assert plan.ratios == (Fraction(1), Fraction(0))
+    assert plan.memory == (pytest.approx(4 + 3 * 2.0), pytest.approx(4 + 8))
+    assert plan.r == (4.0, 0.0)
 
 
 def test_merak_recomputes_every_stage_but_the_last_whole():
@@ -250,6 +261,8 @@ def test_shared_cores_price_the_bubble_by_the_work_left():
     assert simulate("gpipe", 4, 1, f, b, r)[0] == pytest.approx(15.0)
     host = SharedCores(devices=8, cores=2)
     assert simulate("gpipe", 4, 1, f, b, r, shared=host)[0] == pytest.approx(12.0)
-    # 1F1B's mixed ticks (F on one stage, B on the other) cost their mean there, not their max.
-    assert simulate("1f1b", 4, 1, f, b, r, shared=host)[0] == pytest.approx(12.0)
-    assert simulate("1f1b", 4, 1, f, b, r)[0] > 15.0
+    # 1F1B's unfused mixed ticks (F on one stage, B on the other) cost their mean there, not
+    # their max; its fused ticks (F and B on each stage in steady state) are GPipe's 15.
+    assert simulate("1f1b", 4, 1, f, b, r, shared=host, fuse=False)[0] == pytest.approx(12.0)
+    assert simulate("1f1b", 4, 1, f, b, r, fuse=False)[0] > 15.0
+    assert simulate("1f1b", 4, 1, f, b, r)[0] == pytest.approx(15.0)

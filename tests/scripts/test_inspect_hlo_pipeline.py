@@ -56,8 +56,9 @@ def test_shares_of_the_step_by_hand():
          "outside_s": 2.0, "busy_s": [5.0, 3.0], "exposed_comm_s": 1.0,
          "branches": [branch("IDLE", -1, 0.0), branch("F", 0, 1.0), branch("B", 0, 3.0),
                       branch("F", 1, 1.0), branch("B1", 1, 2.0), branch("R", 0, 1.0)],
-         "rows": [[[1, 0], [0, -1]], [[0, -1], [3, 0]], [[0, -1], [4, 0]], [[5, 0], [0, -1]],
-                  [[2, 0], [0, -1]]],
+         # per tick, per lane (one), per stage: (branch, micro-batch)
+         "rows": [[[[1, 0], [0, -1]]], [[[0, -1], [3, 0]]], [[[0, -1], [4, 0]]],
+                  [[[5, 0], [0, -1]]], [[[2, 0], [0, -1]]]],
          "per_stage": {"flops": {"recompute_b": [6.0, 0.0], "backward": [30.0, 20.0]}},
          "events": {"makespan_s": 7.0}}
     sh = shares({"pipeline": p})

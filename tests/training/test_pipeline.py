@@ -36,12 +36,14 @@ def _reference(cfg, graphdef, params, tokens):
 
 
 def _pipelined(cfg, params, tokens, mesh_text, schedule, *, tp="megatron", layers=None,
-               ratios=None, poison=False, backward_ticks=0, rules="tp", plan=None):
+               ratios=None, poison=False, backward_ticks=0, rules="tp", plan=None,
+               fused_ticks="auto"):
     mesh = make_mesh(mesh_text, jax.devices())
     rules = get_rules(rules)
     pipe = ps.pipeline_spec(cfg, schedule=schedule, stages=mesh.shape["stage"],
                             microbatches=tokens.shape[0], stage_layers=layers,
-                            remat_ratios=ratios, backward_ticks=backward_ticks)
+                            remat_ratios=ratios, backward_ticks=backward_ticks,
+                            fused_ticks=fused_ticks)
     parallel = Parallel(mesh, rules, LayerSpec(schedule=tp), plan)
     groups = accumulation_groups(rules, mesh)
     staged = jax.device_put(ps.to_stages(params, pipe),
@@ -98,6 +100,31 @@ def test_pipeline_equals_one_device(model, mesh, schedule, m):
     tokens = _tokens(cfg, _m(m, _stages(mesh)))
     _assert_equal(_reference(cfg, graphdef, params, tokens),
                   _pipelined(cfg, params, tokens, mesh, schedule))
+
+
+FUSED = [  # (mesh, schedule, M, --fused-ticks): each the table its default does not pick
+    pytest.param("data=2,stage=2,tensor=2", "1f1b", "S+1", "off"),
+    pytest.param("data=2,stage=2,tensor=2", "merak", "2S+3", "on"),  # three lanes: F, R, B
+    pytest.param("data=2,stage=4", "1f1b", "S", "on", marks=pytest.mark.slow),
+    pytest.param("data=2,stage=4", "interleaved", "S", "off", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("mesh", "schedule", "m", "fused"), FUSED)
+def test_fused_and_unfused_tick_tables(model, mesh, schedule, m, fused):
+    """Both tick tables of a schedule compute the same step: a fused tick's lanes (forward,
+    recompute, backward; `--fused-ticks`) run in order on a stage, with NaN-filled bubbles and
+    buffers."""
+    cfg, graphdef, params = model
+    S = _stages(mesh)
+    pipe = ps.pipeline_spec(cfg, schedule=schedule, stages=S, microbatches=_m(m, S),
+                            fused_ticks=fused)
+    assert pipe.fused() == (fused == "on") != ps.pipeline_spec(
+        cfg, schedule=schedule, stages=S, microbatches=_m(m, S)).fused()
+    tokens = _tokens(cfg, _m(m, S))
+    _assert_equal(_reference(cfg, graphdef, params, tokens),
+                  _pipelined(cfg, params, tokens, mesh, schedule, poison=True,
+                             fused_ticks=fused))
 
 
 @pytest.mark.slow

@@ -96,7 +96,9 @@ def test_timeline_png_one_row_per_stage(merak_rule, tmp_path):
     plan, _ = step_plan(spec, mesh)
     timed = pipeline_time(program, get_cluster("h100:8"), plan)
     report = {**timed.to_json(), **pipeline_plot.timeline_json(timed)}
-    assert len(report["rows"]) == report["ticks"] and len(report["rows"][0]) == 4
+    # Per tick, per lane (one: Merak's table is unfused by default), per stage.
+    assert len(report["rows"]) == report["ticks"] and len(report["rows"][0]) == report["lanes"]
+    assert len(report["rows"][0][0]) == 4
     assert report["tick_start_s"][-1] + report["tick_s"][-1] == pytest.approx(report["loop_s"])
     out = tmp_path / "stages.png"
     pipeline_plot.draw(report, str(out), title="tiny")

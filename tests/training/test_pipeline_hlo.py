@@ -52,16 +52,21 @@ def _tick_loop(module):
 
 
 def _tick_copies(module, body) -> tuple[int, int]:
-    """(bytes the tick body and its switch's idle branch copy, the most any other branch
+    """(bytes the tick body and its switches' idle branches copy, the most any other branch
     copies), not counting what they call (the layer scans' own loops, fusions). A pool copied
-    through the switch shows in all of them: the idle branch only passes the pools on."""
-    (switch,) = [i for i in body.instrs if i.opcode == "conditional"]
+    through a switch shows in all of them: an idle branch only passes the pools on. A fused
+    tick table has one switch per lane."""
+    switches = [i for i in body.instrs if i.opcode == "conditional"]
+    assert switches
 
     def copied(comp) -> int:
         return sum(i.result_bytes for i in comp.instrs if i.opcode in ("copy", "copy-start"))
 
-    idle, *work = (module.computations[c] for c in switch.called)
-    return copied(body) + copied(idle), max(map(copied, work))
+    passed, worked = copied(body), 0
+    for switch in switches:
+        idle, *work = (module.computations[c] for c in switch.called)
+        passed, worked = passed + copied(idle), max(worked, *map(copied, work))
+    return passed, worked
 
 
 def test_transfers_neighbours_and_one_data_reduction(one_f_one_b):
@@ -246,8 +251,9 @@ def test_no_pool_copied_every_tick(schedule):
     """The residual pools go through the tick's switch in place: the program compiles with copy
     insertion by region analysis (`pools.compiler_options`). Without it XLA:CPU copied every
     pool after the switch, every tick (39 MiB a tick per device at M=16, stage=2 on `small`),
-    and every branch copied them too. The copies of the tick body and its idle branch must come
-    to under 5% of what the loop carries (they were 72-88% each, with the idle branch's pass
+    and every branch copied them too. Interleaved runs its fused tick table (two switches a
+    tick, `--fused-ticks`), whose lanes pass the pools on in place too. The copies of the tick
+    body and its idle branches must come to under 5% of what the loop carries (they were 72-88% each, with the idle branch's pass
     over the same pools), and a working branch's to under 10% (72-94%; what stays is one
     micro-batch's residuals on their way into the pools, 5.6%)."""
     devices = jax.devices()

@@ -155,7 +155,7 @@ def stage_program(cut: Cut, layers_fn, pipe: PipelineSpec, act: jax.ShapeDtypeSt
 def grads_fn(mesh: Mesh, pipe: PipelineSpec, prog: executor.StageProgram, groups: int):
     """(params, batch [M, b, ...]) -> (mean loss, mean gradients) in the stage layout."""
     manual = {STAGE} | ({"data"} if groups > 1 else set())
-    plan = executor.plan(pipe.schedule_table())
+    plan = executor.plan(pipe.schedule_table(), fuse=pipe.fused())
     batch_spec = P(None, "data") if groups > 1 else P()
 
     def grads(params, batch_M):

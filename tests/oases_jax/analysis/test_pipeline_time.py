@@ -53,14 +53,15 @@ def test_branch_computations_follow_switch_index():
         assert op in ops and not (set(UNARY) - {op}) & ops, (op, branch, ops)
 
 
-def _program(schedule: str, m: int, ticks: int = 1, cfg=CFG):
+def _program(schedule: str, m: int, ticks: int = 1, cfg=CFG, fused: str = "off"):
     spec = CompileSpec(model=cfg, parallel=ParallelConfig(mesh=MESH, rules="tp",
                                                           schedule="megatron", pipeline=schedule,
-                                                          backward_ticks=ticks),
+                                                          backward_ticks=ticks,
+                                                          fused_ticks=fused),
                        batch_size=4 * m, seq_len=16, microbatches=m)
     mesh = make_mesh(MESH, jax.devices()[:4])
     compiled = lower(spec, mesh).compile()
-    plan = executor.plan(schedules.get(schedule)(2, m), ticks)
+    plan = executor.plan(schedules.get(schedule)(2, m), ticks, fuse=fused == "on")
     return Program(compiled.as_text(), (("data", 2), ("stage", 2))), plan
 
 
@@ -72,6 +73,11 @@ def gpipe():
 @pytest.fixture(scope="module")
 def one_f_one_b():
     return _program("1f1b", 4)
+
+
+@pytest.fixture(scope="module")
+def one_f_one_b_fused():
+    return _program("1f1b", 4, fused="on")
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +168,24 @@ def test_one_f_one_b_lockstep_exceeds_the_event_step(one_f_one_b):
     assert timeline.makespan == Fraction(15)
     assert r["busy_s"] == [12.0, 12.0]
     assert r["idle_fraction"] == pytest.approx([1 - 12 / hand] * 2)
+
+
+def test_fused_ticks_meet_the_event_step(one_f_one_b_fused):
+    """The same 1F1B on its fused tick table (F0 | F1, F0+B0 | F2+B0, F1+B1 | F3+B1, F2+B2 |
+    B2, F3+B3 | B3): the tick loop holds two switches (forward lane, backward lane), a tick
+    lasts as long as its slowest stage's lanes together, and with F=1, B=2 the compiled
+    program's switch time is the event simulator's (M+S-1)(F+B) = 15, each stage idling as the
+    event model says (3 of 15)."""
+    program, plan = one_f_one_b_fused
+    assert plan.lanes == 2 and plan.n_ticks == 6 and len(plan.rows) == 12
+    loop = find_tick_loop(program, plan)
+    assert len(loop.switches) == 2 and program.module.trip_count(loop.loop) == 6
+    pt = _timed(program, plan, {("F", 0): 1.0, ("F", 1): 1.0, ("B", 0): 2.0, ("B", 1): 2.0})
+    r = pt.to_json()
+    assert r["switch_s"] == r["events"]["lockstep_s"] == r["events"]["makespan_s"] == 15
+    assert r["idle_fraction"] == pytest.approx(r["events"]["idle_fraction"])
+    assert r["idle_fraction"] == pytest.approx([3 / 15, 3 / 15])
+    assert pt.per_tick.tolist() == [[1, 0], [1, 3], [3, 3], [3, 3], [2, 3], [2, 0]]
 
 
 def test_split_backward_ticks_meet_the_event_step(one_f_one_b_split):

@@ -165,3 +165,84 @@ def test_split_backward_sends_after_its_last_part():
     for x, t in last.items():
         assert table.ticks[t][1].kind == "B" and table.part(t, 1) == 1
         assert table.consumed[x] > t
+
+
+def test_fused_tick_table_by_hand():
+    """1F1B S=2, M=4 on fused ticks: the last stage runs F(m) and B(m) in one tick, stage 0
+    F(m+2) before B(m) in one (lanes: forward, then backward). With F=1, B=2 the ticks take
+    1, 3, 3, 3, 3, 2 = 15 = (M+S-1)(F+B), the event model's step, where one action a tick
+    takes 18; and stage 0 holds 3 micro-batches' residuals at once, against the lists' 2."""
+    from oases_jax.pipeline.validate import inflight
+
+    sch = schedules.one_f_one_b(2, 4)
+    table = sch.ticks(fuse=True)
+    assert table.lanes == 2 and table.n_ticks == 6
+    cells = [["+".join(r[s].label() for r in tick if r[s].kind != "IDLE") or "."
+              for tick in table.tick_rows()] for s in range(2)]
+    assert cells == [["F0", "F1", "F2+B0", "F3+B1", "B2", "B3"],
+                     [".", "F0+B0", "F1+B1", "F2+B2", "F3+B3", "."]]
+    costs = Costs(f=1, b=2)
+    assert lockstep_makespan(table, costs) == simulate(sch, costs).makespan == 15
+    assert lockstep_makespan(sch.ticks(), costs) == 18
+    assert inflight(sch, table)[0] == (3, 1) and inflight(sch)[0] == (2, 1)
+    # Transfers leave after a tick's last lane and are read in a later tick.
+    L = table.lanes
+    for t, moves in enumerate(table.transfers):
+        assert not moves or t % L == L - 1
+        for x in moves:
+            assert table.consumed[x] // L > t // L
+    assert "F2+B0" in table.pretty() and "fused ticks" in table.pretty()
+
+
+@pytest.mark.parametrize("name,S,M,v", [("gpipe", 4, 5, 1), ("1f1b", 2, 3, 1), ("1f1b", 4, 8, 1),
+                                        ("merak", 4, 8, 1), ("merak", 2, 5, 1),
+                                        ("interleaved", 2, 4, 2), ("interleaved", 4, 8, 2),
+                                        ("zb_h1", 4, 8, 1)])
+def test_fused_tables_are_valid(name, S, M, v):
+    """Every action once, on its own stage, in a lane of its kind; every input made on another
+    device in an earlier tick or on its own in an earlier tick or lower lane; each transfer
+    read after the tick that sends it (the validator's timing checks hold row by row)."""
+    from oases_jax.pipeline.table import LANE
+    from oases_jax.pipeline.validate import _timing
+
+    sch = schedules.interleaved(S, M, v) if name == "interleaved" else schedules.get(name)(S, M)
+    table = sch.ticks(fuse=True)
+    assert _timing(table) == []
+    for s, acts in enumerate(sch.actions):
+        placed = [row[s] for row in table.ticks if row[s].kind != "IDLE"]
+        assert sorted(map(repr, placed)) == sorted(map(repr, acts))
+    kinds = [sorted({LANE[row[s].kind] for row in table.ticks[lane::table.lanes]
+                     for s in range(S) if row[s].kind != "IDLE"}) for lane in range(table.lanes)]
+    assert all(len(k) == 1 for k in kinds) and kinds == sorted(kinds)
+
+
+@pytest.mark.parametrize("S", [2, 3])
+@pytest.mark.parametrize("M", [2, 3, 5, 8])
+@pytest.mark.parametrize("f,b", COSTS)
+def test_fused_1f1b_at_two_stages_is_the_event_model(S, M, f, b):
+    """At S=2 every steady fused tick is F + B on both stages: the lockstep step is the event
+    model's (M+S-1)(F+B) exactly; at S=3 it is no longer (a message waits a whole tick)."""
+    if M < S:
+        pytest.skip("1F1B needs M >= S")
+    sch = schedules.one_f_one_b(S, M)
+    costs = Costs(f=f, b=b)
+    got = lockstep_makespan(sch.ticks(fuse=True), costs)
+    assert (got == (M + S - 1) * (f + b)) == (S == 2 or M == S), got
+
+
+def test_fused_by_default_where_it_is_faster():
+    from oases_jax.pipeline.events import fused_by_default
+
+    assert fused_by_default(schedules.one_f_one_b(2, 8))
+    assert not fused_by_default(schedules.one_f_one_b(4, 8))
+    assert fused_by_default(schedules.interleaved(2, 8, 2))
+    assert fused_by_default(schedules.interleaved(4, 8, 2))
+    assert not fused_by_default(schedules.merak(2, 8))
+    assert not fused_by_default(schedules.gpipe(2, 8))
+
+
+def test_fused_table_refuses_a_split_backward():
+    from oases_jax.pipeline.actions import InvalidSchedule
+
+    with pytest.raises(InvalidSchedule, match="fused tick table runs each backward in one tick"):
+        schedules.one_f_one_b(2, 4).ticks(2, fuse=True)
