@@ -79,7 +79,8 @@ def draw(pipeline: dict, path: str, title: str = "") -> None:
     ax.set_xlabel("time in the tick loop (ms)")
     idle = ", ".join(f"{x:.0%}" for x in p["idle_fraction"])
     ax.set_title((title + "\n" if title else "")
-                 + f"{p['schedule']}: S={S}, M={p['microbatches']}, {T} ticks, loop "
+                 + f"{p['schedule']}: S={S}, M={p['microbatches']}, {T} "
+                 f"{'fused ' if p.get('lanes', 1) > 1 else ''}ticks, loop "
                  f"{p['loop_s'] * ms:.2f} ms (+{p['outside_s'] * ms:.2f} ms outside); idle per "
                  f"stage {idle}", fontsize=9)
     kinds = [k for k in COLORS if any(base_kind(b["kind"]) == k for b in branches)]

@@ -8,10 +8,11 @@ switches on each stage's op code, and moves the tick's transfers with one ppermu
 between ticks.
 
 A fused tick table (`fuse=True`, which the executor runs where it is the faster in lockstep:
-`events.fused_by_default`) lets a tick hold up to one action per lane on a stage (`LANE`: a forward, a recompute, a backward), run lane by lane before
-the tick's transfers. In 1F1B's steady state every stage then runs one forward and one backward a
-tick, so lockstep ticks are as long on every stage and the SPMD program idles where the event
-simulator does, rather than wherever a forward shares a tick with another stage's backward.
+`events.fused_by_default`) lets a tick hold up to one action per lane on a stage (`LANE`: a
+forward, a recompute, a backward), run lane by lane before the tick's transfers. In 1F1B's
+steady state every stage then runs one forward and one backward a tick, so lockstep ticks are
+as long on every stage and the SPMD program idles where the event simulator does, rather than
+wherever a forward shares a tick with another stage's backward.
 
 A non-circular schedule (GPipe, 1F1B, Merak's, ZB-H1) has no wrap-around edge: activations only
 go device s -> s+1 and gradients s -> s-1, so each direction is a shift of S-1 pairs, never a

@@ -253,9 +253,10 @@ def test_no_pool_copied_every_tick(schedule):
     pool after the switch, every tick (39 MiB a tick per device at M=16, stage=2 on `small`),
     and every branch copied them too. Interleaved runs its fused tick table (two switches a
     tick, `--fused-ticks`), whose lanes pass the pools on in place too. The copies of the tick
-    body and its idle branches must come to under 5% of what the loop carries (they were 72-88% each, with the idle branch's pass
-    over the same pools), and a working branch's to under 10% (72-94%; what stays is one
-    micro-batch's residuals on their way into the pools, 5.6%)."""
+    body and its idle branches must come to under 5% of what the loop carries (they were
+    72-88% each, with the idle branch's pass over the same pools), and a working branch's to
+    under 10% (72-94%; what stays is one micro-batch's residuals on their way into the pools,
+    5.6%)."""
     devices = jax.devices()
     m = 8
     spec = CompileSpec(model=CFG, parallel=ParallelConfig(mesh="stage=2", rules="tp",
