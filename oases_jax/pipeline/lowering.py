@@ -184,5 +184,4 @@ def plan(schedule: Schedule, backward_ticks: int | tuple[int, ...] = 1,
     rows[..., ACT_STORE] = np.where(stored[0], rows[..., ACT_STORE], act_slots)
     rows[..., GRAD_STORE] = np.where(stored[1], rows[..., GRAD_STORE], grad_slots)
     return Plan(schedule, tuple(branches), rows, tuple(r.used for r in res),
-                tuple(s.used for s in stash), act_slots, grad_slots, table,
-                )
+                tuple(s.used for s in stash), act_slots, grad_slots, table)
