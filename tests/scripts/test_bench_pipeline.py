@@ -154,3 +154,22 @@ def test_cli_measures_plans_beside_their_predictions(tmp_path):
                          "--plan", str(paths[0]))
     assert proc.returncode == 2
     assert "global batch of 16, not 8: pass --batch-size 16" in proc.stderr.strip()
+
+
+def test_fused_ticks_variants_side_by_side():
+    """`--fused-ticks on,off`: every pipeline variant once per tick table, labelled by it; an
+    unknown value exits 2 naming it."""
+    from scripts.bench import build_config, parse_args
+
+    args = ["--model", "tiny", "--mesh", "data=4,stage=2", "--microbatches", "4",
+            "--batch-size", "16", "--seq-len", "32", "--data", str(DATA),
+            "--pipeline", "1f1b,merak"]
+    cfg = build_config(parse_args([*args, "--fused-ticks", "on,off"]))
+    assert [(v.pipeline, v.fused_ticks) for v in cfg.variants] == [
+        ("1f1b", "on"), ("1f1b", "off"), ("merak", "on"), ("merak", "off")]
+    rows = resolve_variants(cfg.variants, 8, cfg)
+    assert [r.label for r in rows] == ["1f1b/fused", "1f1b/unfused", "merak/fused",
+                                       "merak/unfused"]
+    proc = run_bench_cli(*args, "--fused-ticks", "on,maybe")
+    assert proc.returncode == 2
+    assert "unknown --fused-ticks 'maybe': give auto, on or off" in proc.stderr.strip()

@@ -134,6 +134,13 @@ def test_spmd_checkpoint_resumes_under_the_tick_executor(reference, tmp_path):
      "1f1b_spmd.*6 layers do not split into 4 equal stages.*--pipeline 1f1b$"),
     (dict(mesh="stage=2,tensor=4", pipeline="1f1b_spmd", backward_ticks=2),
      "1f1b_spmd runs one program on every stage.*--backward-ticks"),
+    (dict(mesh="stage=2,tensor=4", pipeline="1f1b", fused_ticks="on", backward_ticks=2),
+     "--fused-ticks on runs each backward in one tick, not --backward-ticks 2"),
+    (dict(mesh="stage=2,tensor=4", pipeline="1f1b", fused_ticks="yes"),
+     "unknown --fused-ticks 'yes': choose auto, on or off"),
+    (dict(mesh="data=2,tensor=4", fused_ticks="on"), "--fused-ticks on needs --pipeline"),
+    (dict(mesh="stage=2,tensor=4", pipeline="gpipe_spmd", fused_ticks="off"),
+     "gpipe_spmd runs one program on every stage.*--fused-ticks off"),
     (dict(mesh="stage=2,tensor=4", pipeline="1f1b_spmd", layers=(
         LayerSpec(schedule="megatron"), LayerSpec(schedule="oases", sub_batches=2)) * 2),
      "one --schedule for every layer"),
