@@ -152,14 +152,11 @@ def chunk_costs(x: Sequence[float], chunks: int, first: float = 0.0, last: float
 @functools.lru_cache(maxsize=512)
 def _ticks(name: str, stages: int, microbatches: int, chunks: int,
            recompute: tuple[bool, ...] | None, k: int, fuse: bool = False
-           ) -> tuple[tuple[tuple[tuple[int, str], ...], bool], ...]:
-    """Per tick: the (stage, kind, chunk) of every non-idle cell of its lanes, and whether
-    anything moves after it."""
+           ) -> tuple[tuple[tuple[int, str, int], ...], ...]:
+    """Per tick: the (stage, kind, chunk) of every non-idle cell of its lanes."""
     table = build(name, stages, microbatches, chunks, recompute).ticks(k, fuse)
-    L = table.lanes
-    return tuple((tuple((s, a.kind, a.chunk) for row in rows for s, a in enumerate(row)
-                        if a.kind != "IDLE"), bool(table.transfers[t * L + L - 1]))
-                 for t, rows in enumerate(table.tick_rows()))
+    return tuple(tuple((s, a.kind, a.chunk) for row in rows for s, a in enumerate(row)
+                       if a.kind != "IDLE") for rows in table.tick_rows())
 
 
 def permutes_per_tick(chunks: int) -> int:
@@ -201,12 +198,11 @@ def simulate(name: str, microbatches: int, chunks: int, f: Sequence[float],
     cost = {"F": fc, "PF": fc, "R": rc, "RrG": rc, "B": bc, "W": ((0.0,) * v,) * S}
     total, finish = 0.0, [0.0] * S
     per_tick = p2p * permutes_per_tick(v) if S > 1 else 0.0
-    for cells, _ in _ticks(name, S, microbatches, chunks, _flags_key(name, recompute), k, fuse):
-        per = [0.0] * S
-        for s, kind, c in cells:
-            per[s] += cost[kind][s][c]
-        work = [per[s] for s in sorted({s for s, _, _ in cells})]
-        total += shared.tick(work, S) if shared else max(work, default=0.0)
+    for cells in _ticks(name, S, microbatches, chunks, _flags_key(name, recompute), k, fuse):
+        work = [0.0] * S  # per stage, its lanes together (idle stages 0: neither max nor
+        for s, kind, c in cells:  # SharedCores.tick counts them)
+            work[s] += cost[kind][s][c]
+        total += shared.tick(work, S) if shared else max(work)
         for s, _, _ in cells:
             finish[s] = total
         total += per_tick

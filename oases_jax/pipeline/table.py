@@ -279,13 +279,31 @@ class TickTable:
         return "\n".join(lines)
 
 
+_TABLES: dict[tuple, tuple[Schedule, TickTable]] = {}
+
+
 def tick_table(schedule: Schedule, backward_ticks: int | Sequence[int] = 1,
                fuse: bool = False) -> TickTable:
     """Place every action on whole ticks: an action runs at the first tick after everything it
     waits for, and transfers happen between ticks. Unfused, every action takes one tick except a
     backward of virtual stage j, which takes `backward_ticks[j]` (one number: every stage) run
     back to back on its device. Fused (`_fused`), a tick holds up to one action per lane.
-    Raises InvalidSchedule on a deadlock."""
+    Raises InvalidSchedule on a deadlock. Cached per schedule object, as `_order` is: the
+    planner asks the same schedule's tables for its choice, its memory and its step."""
+    spans = backward_ticks if isinstance(backward_ticks, int) else tuple(backward_ticks)
+    key = (id(schedule), spans, fuse)
+    hit = _TABLES.get(key)
+    if hit is not None and hit[0] is schedule:
+        return hit[1]
+    table = _tick_table(schedule, backward_ticks, fuse)
+    if len(_TABLES) > 256:
+        _TABLES.clear()
+    _TABLES[key] = (schedule, table)
+    return table
+
+
+def _tick_table(schedule: Schedule, backward_ticks: int | Sequence[int], fuse: bool
+                ) -> TickTable:
     S, V = schedule.stages, schedule.virtual
     spans = ((backward_ticks,) * V if isinstance(backward_ticks, int)
              else tuple(backward_ticks))
