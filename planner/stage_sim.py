@@ -58,8 +58,8 @@ def fused(name: str, stages: int, microbatches: int, chunks: int = 1) -> bool:
 @functools.lru_cache(maxsize=512)
 def peak_inflight(name: str, stages: int, microbatches: int, chunks: int = 1) -> tuple[int, ...]:
     """Most (micro-batch, chunk) inputs each stage holds at once under the schedule, along the
-    tick table the runtime runs (a fused tick stores its forward before its backward frees a
-    slot: one more than the lists' count on 1F1B's stages before the last); under
+    tick table the runtime runs (a fused table keeps each stage's list order, so it holds what
+    the lists do; counted along the table all the same); under
     gpipe_spmd every stage saves the residuals of all M+S-1 ticks (its bubble ticks' too: the
     scan's autodiff keeps every iteration's); under 1f1b_spmd one (the stage inputs it keeps
     are not residuals)."""
@@ -74,8 +74,8 @@ def peak_inflight(name: str, stages: int, microbatches: int, chunks: int = 1) ->
 def table_choices(name: str, microbatches: int, chunks: int, f: Sequence[float],
                   b: Sequence[float], r: Sequence[float]) -> tuple[tuple[int, bool], ...]:
     """(k, fused) tick tables a plan may run: each backward span of `tick_choices`, the one-tick
-    backward on the table `fused` chooses (`pipeline.table`: fused, a forward, a recompute and
-    a backward may share a tick on a stage). Not chosen by these costs: the stages' memory
+    backward on the table `fused` chooses (`pipeline.fuse`: fused, a stage may run a short run
+    of its actions in one tick). Not chosen by these costs: the stages' memory
     (`peak_inflight`) depends on the table, and the partitioner fixes it before it prices."""
     fuse = fused(name, len(f), microbatches, chunks)
     return tuple((k, fuse and k == 1) for k in tick_choices(name, f, b, r))
@@ -159,13 +159,14 @@ def _ticks(name: str, stages: int, microbatches: int, chunks: int,
                        if a.kind != "IDLE") for rows in table.tick_rows())
 
 
-def permutes_per_tick(chunks: int) -> int:
+def permutes_per_tick(chunks: int, sends: int = 1) -> int:
     """Stage-to-stage transfers the executor issues each tick, each priced as one
     activation: one activation and one gradient permute, and with several chunks per device
     the S-1 -> 0 edge's activation and gradient as permutes of their own (GPT-2 1.5B on
     h100:16: 0.15 ms of permutes a tick for GPipe, 0.28 ms for interleaved, at 0.074 ms per
-    activation)."""
-    return 2 if chunks == 1 else 4
+    activation); each carries `sends` activations where a fused table sends two a tick
+    (`TickTable.sends`)."""
+    return (2 if chunks == 1 else 4) * sends
 
 
 def simulate(name: str, microbatches: int, chunks: int, f: Sequence[float],
@@ -197,7 +198,8 @@ def simulate(name: str, microbatches: int, chunks: int, f: Sequence[float],
     rc = chunk_costs(r, v)
     cost = {"F": fc, "PF": fc, "R": rc, "RrG": rc, "B": bc, "W": ((0.0,) * v,) * S}
     total, finish = 0.0, [0.0] * S
-    per_tick = p2p * permutes_per_tick(v) if S > 1 else 0.0
+    sends = build(name, S, microbatches, chunks, recompute).ticks(k, fuse).sends
+    per_tick = p2p * permutes_per_tick(v, sends) if S > 1 else 0.0
     for cells in _ticks(name, S, microbatches, chunks, _flags_key(name, recompute), k, fuse):
         work = [0.0] * S  # per stage, its lanes together (idle stages 0: neither max nor
         for s, kind, c in cells:  # SharedCores.tick counts them)

@@ -191,8 +191,8 @@ def schedules_table(reports: list[dict]) -> str:
             f"{sh['exposed_comm']:8.1%} {sh['recompute']:7.1%} "
             f"{p['events']['makespan_s'] * ms + p['outside_s'] * ms:9.1f} "
             f"{r['peak_memory_bytes'] / gib:8.2f}  {idle}")
-    lines.append("ticks: 10f = 10 fused ticks (lanes: forward, recompute, backward); our step: "
-                 "outside the tick loop + every tick (its slowest stage's branches + the "
+    lines.append("ticks: 10f = 10 fused ticks (a stage runs a run of its actions, one a lane); "
+                 "our step: outside the tick loop + every tick (its slowest stage's branches + the "
                  "permutes); event: the event simulator with the same branch costs (stages run "
                  "ahead) + outside; bubble, exposed comm and recompute: shares of our step "
                  "(gpipe_spmd, 1f1b_spmd, no tick switch: the whole program's simulated step)")

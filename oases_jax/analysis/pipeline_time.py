@@ -2,10 +2,11 @@
 program").
 
 The executor (`oases_jax.pipeline.executor`) runs a schedule's tick table as one `lax.scan` over
-the T ticks; in each tick every stage runs, lane by lane (one lane unfused; forward, recompute
-and backward lanes in a fused table), `lax.switch(row[BRANCH], branches)` on its own row, and one
-activation and one gradient permute follow outside the switches. The whole-program simulator
-replays a conditional by its first branch, so it cannot tell what a device runs each tick. Here
+the T ticks; in each tick every stage runs, lane by lane (one lane unfused; in a fused table
+lane k holds the k-th action of a stage's run that tick), `lax.switch(row[BRANCH], branches)`
+on its own row, and one activation and one gradient permute follow outside the switches. The
+whole-program simulator replays a conditional by its first branch, so it cannot tell what a
+device runs each tick. Here
 the tick loop is found (the while loop of T trips whose body holds one conditional per lane, in
 lane order, each with one branch computation per `Plan.branches`, in lax.switch's order: XLA's
 `branch_computations[i]` runs for index i), each branch computation (of the lane it runs in) and
@@ -138,7 +139,8 @@ class PipelineTime:
 
     def stage_costs(self) -> events.Costs:
         """Per physical stage, F/B/R of one micro-batch (all its chunks) from the branch costs:
-        F from the F branch (FS where a stage has no F), R defaults to F."""
+        F from the F branch (FS where a stage has no F); R from the R branch on every stage
+        that has one (the others never recompute: their R is never run and is priced as F)."""
         S, V = self.plan.stages, self.plan.virtual
         cost = {kb: c for kb, c in zip(self.plan.branches, self.cost, strict=True)}
 
@@ -158,8 +160,9 @@ class PipelineTime:
                 out.append(total)
             return out
 
-        return events.Costs(f=per_stage("F", "FS") or 0, b=per_stage("B") or 0,
-                            r=per_stage("R"), p2p=0)
+        f = per_stage("F", "FS") or 0
+        r = per_stage("R", "F", "FS")
+        return events.Costs(f=f, b=per_stage("B") or 0, r=r, p2p=0)
 
     def to_json(self) -> dict:
         p = self.plan

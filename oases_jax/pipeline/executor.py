@@ -155,7 +155,17 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
     def store(bufs, what, j, q, leaves, at):
         bufs = list(bufs)
         for leaf, (i, row) in zip(leaves, rows_of(leaves, what, j, q, 0, at), strict=True):
-            bufs[i] = jax.lax.dynamic_update_index_in_dim(bufs[i], leaf, row, 0)
+            if bufs[i].shape[0] == 1:
+                # A one-row pool (Merak's: each stage frees its residuals before the next
+                # micro-batch's) updated whole is no update to XLA: the pool became the
+                # producer's value in the producer's layout (attention probabilities
+                # key-major), and every other branch, idle lanes included, and every tick
+                # transposed it back (0.94 ms each on GPT-2 1.5B, h100:16). A select keeps it
+                # one buffer in the carry's layout; splitting the update into two halves did
+                # too, but added halo permutes wherever the split dimension was sharded.
+                bufs[i] = jnp.where(row == 0, leaf[None], bufs[i])
+            else:
+                bufs[i] = jax.lax.dynamic_update_index_in_dim(bufs[i], leaf, row, 0)
         return tuple(bufs)
 
     def load(bufs, what, j, q, layout, at):
@@ -274,24 +284,43 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
             got = jnp.where(s == wrap_dst, wrapped, got)
         return got
 
-    # Each lane of a tick (one unfused; forward, recompute and backward lanes in a fused table)
-    # switches over every branch, though it only ever runs its own kinds: with each lane's
-    # switch over its own kinds alone, XLA's layout assignment gave the pools the layout the
-    # backward reads and every backward transposed whole pools (GPT-2 1.5B, h100:16, 4 layers a
-    # stage: B 1.75 -> 2.25 ms). Activations leave from lane 0 (forwards), gradients from the
-    # last (backwards).
+    # Each lane of a tick (one unfused; a stage's run of actions, one a lane, in a fused table)
+    # switches over every branch: with each lane's switch over the kinds it runs alone, XLA's
+    # layout assignment gave the pools the layout the backward reads and every backward
+    # transposed whole pools (GPT-2 1.5B, h100:16, 4 layers a stage: B 1.75 -> 2.25 ms). A
+    # stage sends up to K activations and K gradients a tick (`TickTable.sends`; a fused tick
+    # may run two forwards), the k-th from the k-th lane whose branch makes one (a fused table
+    # never splits a backward, so its B sends); one permute each way moves all K.
+    K = p.table.sends
+    sends_act = jnp.asarray([kind in ("F", "FS") and j < V - 1 for kind, j in p.branches])
+    sends_grad = jnp.asarray([kind == "B" and j > 0 for kind, j in p.branches])
+
+    def pick(outs, count, made, value):
+        """Put `value` in slot `count` of `outs` when this lane `made` one."""
+        return [jnp.where(made & (count == k), value, out) for k, out in enumerate(outs)]
+
     def tick(carry, rows_t):
-        sent = []
+        out_act, out_grad = [no_send] * K, [no_send] * K
+        n_act = n_grad = jnp.zeros((), jnp.int32)
         for lane in range(p.lanes):
-            carry, send_act, send_grad = jax.lax.switch(rows_t[lane][s][BRANCH], branches,
-                                                        carry, rows_t[lane][s])
-            sent.append((send_act, send_grad))
+            b = rows_t[lane][s][BRANCH]
+            carry, send_act, send_grad = jax.lax.switch(b, branches, carry, rows_t[lane][s])
+            if p.lanes == 1:
+                out_act, out_grad = [send_act], [send_grad]
+            else:
+                out_act = pick(out_act, n_act, sends_act[b], send_act)
+                out_grad = pick(out_grad, n_grad, sends_grad[b], send_grad)
+                n_act, n_grad = n_act + sends_act[b], n_grad + sends_grad[b]
         pools_, act_buf, grad_buf, mid, acc, loss = carry
-        r = rows_t[-1][s]  # arrivals are stored after the tick's last lane
-        got_act = move(sent[0][0], shift_act, (S - 1, 0), 0)
-        got_grad = move(sent[-1][1], shift_grad, (0, S - 1), S - 1)
-        act_buf = jax.lax.dynamic_update_index_in_dim(act_buf, got_act, r[ACT_STORE], 0)
-        grad_buf = jax.lax.dynamic_update_index_in_dim(grad_buf, got_grad, r[GRAD_STORE], 0)
+        got_act = move(jnp.stack(out_act) if K > 1 else out_act[0], shift_act, (S - 1, 0), 0)
+        got_grad = move(jnp.stack(out_grad) if K > 1 else out_grad[0], shift_grad,
+                        (0, S - 1), S - 1)
+        for k in range(K):  # the k-th arrival is stored at row L-1-k's slot (`lowering.plan`)
+            r = rows_t[-1 - k][s]
+            act_buf = jax.lax.dynamic_update_index_in_dim(
+                act_buf, got_act[k] if K > 1 else got_act, r[ACT_STORE], 0)
+            grad_buf = jax.lax.dynamic_update_index_in_dim(
+                grad_buf, got_grad[k] if K > 1 else got_grad, r[GRAD_STORE], 0)
         return (pools_, act_buf, grad_buf, mid, acc, loss), None
 
     acc0 = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), local_params)

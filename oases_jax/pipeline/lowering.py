@@ -95,8 +95,8 @@ def plan(schedule: Schedule, backward_ticks: int | tuple[int, ...] = 1,
     """Lower a schedule's tick table to executor rows with statically allocated slots. A
     backward of virtual stage j spans `backward_ticks[j]` ticks (`TickTable`): branch `B<p>`
     runs its part p, all parts read the one residual slot, part 0 the received gradient.
-    `fuse`: the fused table (`tick_table`), one row per lane of each tick (forwards in lane 0,
-    backwards in the last)."""
+    `fuse`: the fused table (`tick_table`), one row per lane of each tick (lane k the k-th
+    action of a stage's run that tick)."""
     if schedule.split_backward:
         raise UserError(f"the {schedule.name} schedule splits the backward into B and W, which "
                         f"the executor does not run yet: use 1f1b, gpipe, interleaved or merak")
@@ -167,16 +167,20 @@ def plan(schedule: Schedule, backward_ticks: int | tuple[int, ...] = 1,
                     res[j].give(int(held_res.pop((a.mb, j))))
                 if part == 0 and j + 1 < V:
                     grad[s].give(int(r[GRAD_READ]))
+        # The k-th arrival of a kind on a device after tick row t (the tick's last lane) is
+        # stored at the slot in row t-k's column (a device receives from one neighbour, in
+        # the order that neighbour's lanes sent).
+        arrived: dict[tuple[str, int], int] = {}
         for x in table.transfers[t]:
-            pending_store[t].append((x.kind, x.mb, x.dst))
-        for kind, mb, dst in pending_store[t]:
-            d = dst % S
-            slots, held, col = ((act, held_act, ACT_STORE) if kind == "act"
+            d = x.dst % S
+            k = arrived[(x.kind, d)] = arrived.get((x.kind, d), -1) + 1
+            pending_store[t - k].append((x.kind, x.mb, x.dst))
+            slots, held, col = ((act, held_act, ACT_STORE) if x.kind == "act"
                                 else (grad, held_grad, GRAD_STORE))
-            held[(mb, dst)] = rows[t, d, col] = slots[d].take()
+            held[(x.mb, x.dst)] = rows[t - k, d, col] = slots[d].take()
     act_slots = max(a.used for a in act)
     grad_slots = max(g.used for g in grad)
-    # Ticks with no arrival store into a scratch slot past the real ones.
+    # Rows with no arrival store into a scratch slot past the real ones.
     stored = np.zeros((T, S), bool), np.zeros((T, S), bool)
     for t in range(T):
         for kind, _, dst in pending_store[t]:

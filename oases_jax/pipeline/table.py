@@ -8,10 +8,11 @@ switches on each stage's op code, and moves the tick's transfers with one ppermu
 between ticks.
 
 A fused tick table (`fuse=True`, which the executor runs where it is the faster in lockstep:
-`events.fused_by_default`) lets a tick hold up to one action per lane on a stage (`LANE`: a
-forward, a recompute, a backward), run lane by lane before the tick's transfers. In 1F1B's
-steady state every stage then runs one forward and one backward a tick, so lockstep ticks are
-as long on every stage and the SPMD program idles where the event simulator does, rather than
+`events.fused_by_default`) lets a stage run a short run of its next actions in one tick (lane k
+the run's k-th), lane by lane before the tick's transfers, placed by `fuse.cuts` for the
+shortest lockstep step. In 1F1B's steady state every stage then runs one forward and one
+backward a tick, and in Merak's a recompute, a backward and a forward, so lockstep ticks are as
+long on every stage and the SPMD program idles where the event simulator does, rather than
 wherever a forward shares a tick with another stage's backward.
 
 A non-circular schedule (GPipe, 1F1B, Merak's, ZB-H1) has no wrap-around edge: activations only
@@ -23,9 +24,13 @@ interleaved schedules wrap (device S-1 -> 0 between one chunk and the next, and 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
+from collections import Counter
 from collections.abc import Callable, Sequence
 from fractions import Fraction
 
+from oases_jax.pipeline import fuse
 from oases_jax.pipeline.actions import (
     CODES,
     IDLE,
@@ -177,11 +182,6 @@ def _no_latency(transfer: Transfer) -> Fraction:
     return Fraction(0)
 
 
-# The lane of each kind in a fused tick: a stage runs at most one action per lane a tick, lanes in
-# this order (so a forward, its recompute and its backward may share a tick on the last stage).
-LANE = {"F": 0, "PF": 0, "R": 1, "RrG": 1, "B": 2, "W": 3}
-
-
 @dataclasses.dataclass(frozen=True)
 class TickTable:
     """`ticks[i][s]`: stage s's action at row i (IDLE when it waits); `transfers[i]`: what
@@ -189,7 +189,8 @@ class TickTable:
 
     A row is one lane of a tick: tick t is rows t*lanes .. t*lanes + lanes-1, run in order, and
     only the last lane's row has transfers after it. An unfused table has one lane (a row is a
-    tick); a fused one (`tick_table(fuse=True)`) one per kind of work its schedule has (`LANE`).
+    tick); a fused one (`tick_table(fuse=True)`) as many as the longest run a stage takes in one
+tick (at most the kinds of work its schedule has: `fuse.lanes`).
 
     A backward may span several consecutive ticks (`backward_ticks`: k per virtual stage): its
     stage's layers are split into k parts, part `parts[t][s]` of the backward runs at tick t
@@ -225,6 +226,15 @@ class TickTable:
         """`[T][S]` of (op code, micro-batch, chunk): the table an executor switches on
         (`actions.CODES`; IDLE is 0 with micro-batch -1)."""
         return tuple(tuple((CODES[a.kind], a.mb, a.chunk) for a in row) for row in self.ticks)
+
+    @functools.cached_property
+    def sends(self) -> int:
+        """The most activations, or gradients, one device sends after one tick: the slots of
+        each tick's permutes (two where a fused tick runs two forwards that send)."""
+        S = self.schedule.stages
+        counts = Counter((t, x.kind, x.devices(S)[0])
+                         for t, row in enumerate(self.transfers) for x in row)
+        return max(counts.values(), default=1)
 
     def pairs(self, kind: str) -> set[tuple[int, int]]:
         """The (source, destination) devices that ever carry `kind` ("act" or "grad"): the
@@ -287,7 +297,7 @@ def tick_table(schedule: Schedule, backward_ticks: int | Sequence[int] = 1,
     """Place every action on whole ticks: an action runs at the first tick after everything it
     waits for, and transfers happen between ticks. Unfused, every action takes one tick except a
     backward of virtual stage j, which takes `backward_ticks[j]` (one number: every stage) run
-    back to back on its device. Fused (`_fused`), a tick holds up to one action per lane.
+    back to back on its device. Fused (`_fused`), a tick holds a run of each stage's actions.
     Raises InvalidSchedule on a deadlock. Cached per schedule object, as `_order` is: the
     planner asks the same schedule's tables for its choice, its memory and its step."""
     spans = backward_ticks if isinstance(backward_ticks, int) else tuple(backward_ticks)
@@ -339,53 +349,29 @@ def _tick_table(schedule: Schedule, backward_ticks: int | Sequence[int], fuse: b
 
 
 def _fused(schedule: Schedule) -> TickTable:
-    """The fused tick table: tick by tick, each stage takes the longest run of its next actions
-    that fit the tick, one per lane (`LANE`), each with its inputs ready: made on another device
-    in an earlier tick (transfers move between ticks), or on this one earlier or in a lower
-    lane of this tick. Lanes run in order, so a run may hold a forward listed after a backward
-    when neither needs the other (1F1B's steady state: F(m+k) and B(m) in one tick)."""
-    S, V = schedule.stages, schedule.virtual
-    used = sorted({LANE[a.kind] for acts in schedule.actions for a in acts})
-    lane_of = {kind: used.index(lane) for kind, lane in LANE.items() if lane in used}
-    L = max(len(used), 1)
-    recomputed = schedule.recomputed()
-    done: dict[tuple[str, int, int], tuple[int, int]] = {}  # event -> (tick, lane)
-    nxt = [0] * S
-    cells: list[list[list[Action]]] = []  # [tick][lane][stage]
-    left = sum(map(len, schedule.actions))
-    t = 0
-    while left:
-        row = [[IDLE] * S for _ in range(L)]
-        placed = 0
-        for s, acts in enumerate(schedule.actions):
-            taken: set[int] = set()
-            while nxt[s] < len(acts):
-                a = acts[nxt[s]]
-                lane = lane_of[a.kind]
-                j = vstage(s, a, S)
-                needs = inputs(a.kind, a.mb, j, V, (a.mb, j) in recomputed)
-                if lane in taken or not all(
-                        key in done and (done[key][0] < t or (
-                            not remote and done[key][0] == t and done[key][1] < lane))
-                        for key, remote in needs):
-                    break
-                key = event(a.kind, a.mb, j)
-                if key in done:
-                    raise InvalidSchedule(f"stage {s} runs {a.label(schedule.chunks)} twice "
-                                          f"(or another action produces its {key[0]})")
-                # Seen at once by this stage's later lanes; another stage's remote inputs
-                # need an earlier tick, so they cannot take it this tick.
-                done[key] = (t, lane)
-                taken.add(lane)
-                row[lane][s] = a
-                placed += 1
-                nxt[s] += 1
-        if not placed:
-            raise InvalidSchedule(_deadlock(schedule, nxt, done, recomputed))
-        left -= placed
-        cells.append(row)
-        t += 1
-    grid = [row for tick in cells for row in tick]
+    """The fused tick table: each tick, each stage runs the run of its next actions that
+    `fuse.cuts` places there (the shortest lockstep step under unit costs), lane k of a tick
+    holding the k-th action of every stage's run."""
+    S = schedule.stages
+    order = [(s, i, tuple(p for p, link in deps if link is not None))
+             for s, i, _, deps in _order(schedule)]  # refuses lists that deadlock
+    # Two activations (or gradients) a tick widen every tick's permutes: taken where that
+    # saves more than `fuse.PER_SEND` a tick.
+    best = None
+    for k in (1, 2):
+        bounds, cost = fuse.cuts(schedule.actions, schedule.chunks, order, k)
+        cost += fuse.PER_SEND * (k - 1) * (len(bounds) - 1)
+        if best is None or cost < best[0]:
+            best = cost, bounds
+    steps = list(itertools.pairwise(best[1]))
+    L = max(b[s] - a[s] for a, b in steps for s in range(S))
+    grid: list[list[Action]] = []
+    for a, b in steps:
+        rows = [[IDLE] * S for _ in range(L)]
+        for s in range(S):
+            for lane, i in enumerate(range(a[s], b[s])):
+                rows[lane][s] = schedule.actions[s][i]
+        grid.extend(rows)
     sends: list[list[Transfer]] = [[] for _ in grid]
     consumed: dict[Transfer, int] = {}
     for i, row in enumerate(grid):

@@ -33,7 +33,7 @@ class Report:
 def inflight(schedule: Schedule, table: TickTable | None = None
              ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(peak_inflight, peak_live) per stage, counted along each stage's order (its list, or
-    the rows of `table`, where a fused tick's forward comes before its backward): a micro-
+    the rows of `table`, which a fused table fills in the list's order): a micro-
     batch's chunk is held from its forward until its backward is complete (B, or W when
     split)."""
     S = schedule.stages

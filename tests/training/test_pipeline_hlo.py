@@ -273,7 +273,8 @@ def test_no_pool_copied_every_tick(schedule):
 
 @pytest.mark.gpu_aot
 @pytest.mark.slow
-def test_gpu_tick_body_transposes_and_copies_no_pool():
+@pytest.mark.parametrize("pipeline", ["gpipe", "merak"])
+def test_gpu_tick_body_transposes_and_copies_no_pool(pipeline):
     """Compiled for GPUs, the switch returns the residual pools in the loop carry's layout. The
     branches load a slot with a gather: with a dynamic slice, XLA's layout assignment carried
     the layout a weight-gradient GEMM wants for its residual (token-minor) back to the whole
@@ -286,7 +287,13 @@ def test_gpu_tick_body_transposes_and_copies_no_pool():
     every pool in every branch and another after the switch, every tick (1F1B at
     data=2,stage=2,tensor=4, M=8: 226.6 ms, 197.2 with region analysis,
     `pools.compiler_options`); the body's and idle branch's copies stay under 5% of the carry,
-    a working branch's under 10%."""
+    a working branch's under 10%. Merak's pools hold one row (a stage frees its residuals
+    before the next micro-batch's): updated whole, the pool took the producer's layout
+    (attention probabilities key-major) and every idle lane transposed it back, as did the
+    tick body (0.94 ms each on 24 layers a stage); `executor.store` writes it with a select,
+    so neither the body nor an idle branch writes a large buffer. Its three lanes' idle
+    branches still copy the one-row attention-mask pool (10 MiB) and the two sends (3 MiB
+    each): 6.9% of the carry, held under 10%."""
     from oases_jax.analysis.targets import get_target, has_gpu_aot
 
     if not has_gpu_aot():
@@ -296,15 +303,17 @@ def test_gpu_tick_body_transposes_and_copies_no_pool():
                                           attention="xla")
     spec = CompileSpec(model=cfg, parallel=ParallelConfig(mesh=mesh_text, rules="tp",
                                                           schedule="megatron",
-                                                          pipeline="gpipe"),
+                                                          pipeline=pipeline),
                        batch_size=2 * m, seq_len=1024, microbatches=m)
     mesh = make_mesh(mesh_text, get_target("h100:8").devices)
     module = hlo.parse_module(lower(spec, mesh).compile().as_text())
     loop, body = _tick_loop(module)
     passive = ("get-tuple-element", "tuple", "bitcast", "conditional", "parameter", "copy",
                "copy-start", "copy-done")
-    big = [(i.opcode, i.type_text[:60]) for i in body.instrs
-           if i.opcode not in passive and i.result_bytes >= 2**24]
+    idle = [module.computations[i.called[0]] for i in body.instrs if i.opcode == "conditional"]
+    big = [(comp.name, i.opcode, i.type_text[:60]) for comp in (body, *idle)
+           for i in comp.instrs if i.opcode not in passive and i.result_bytes >= 2**24]
     assert not big, big
     (passed, worked), carried = _tick_copies(module, body), loop.result_bytes
-    assert passed < 0.05 * carried and worked < 0.1 * carried, (passed, worked, carried)
+    bound = 0.1 if pipeline == "merak" else 0.05
+    assert passed < bound * carried and worked < 0.1 * carried, (passed, worked, carried)

@@ -4,6 +4,7 @@ compile; and XLA's order of a conditional's branch computations against lax.swit
 
 from __future__ import annotations
 
+import re
 from fractions import Fraction
 
 import jax
@@ -78,6 +79,11 @@ def one_f_one_b():
 @pytest.fixture(scope="module")
 def one_f_one_b_fused():
     return _program("1f1b", 4, fused="on")
+
+
+@pytest.fixture(scope="module")
+def merak_fused():
+    return _program("merak", 3, fused="on")
 
 
 @pytest.fixture(scope="module")
@@ -171,8 +177,8 @@ def test_one_f_one_b_lockstep_exceeds_the_event_step(one_f_one_b):
 
 
 def test_fused_ticks_meet_the_event_step(one_f_one_b_fused):
-    """The same 1F1B on its fused tick table (F0 | F1, F0+B0 | F2+B0, F1+B1 | F3+B1, F2+B2 |
-    B2, F3+B3 | B3): the tick loop holds two switches (forward lane, backward lane), a tick
+    """The same 1F1B on its fused tick table (F0 | F1, F0+B0 | B0+F2, F1+B1 | B1+F3, F2+B2 |
+    B2, F3+B3 | B3): the tick loop holds two switches (a stage's first and second action), a tick
     lasts as long as its slowest stage's lanes together, and with F=1, B=2 the compiled
     program's switch time is the event simulator's (M+S-1)(F+B) = 15, each stage idling as the
     event model says (3 of 15)."""
@@ -186,6 +192,30 @@ def test_fused_ticks_meet_the_event_step(one_f_one_b_fused):
     assert r["idle_fraction"] == pytest.approx(r["events"]["idle_fraction"])
     assert r["idle_fraction"] == pytest.approx([3 / 15, 3 / 15])
     assert pt.per_tick.tolist() == [[1, 0], [1, 3], [3, 3], [3, 3], [2, 3], [2, 0]]
+
+
+def test_merak_fused_two_sends_and_per_stage_recompute(merak_fused):
+    """Merak's schedule, S=2, M=3, fused (PF0 | PF1+F2+RrG0, F0+B0 | B0+RrG1, F1+B1 | ...):
+    three switches a tick, and one tick sends two activations, so the tick body's activation
+    permute carries two. With hand costs FS0=1, F1=3, R0=5, B0=2, B1=4 the stage costs give
+    each stage its own recompute (stage 0's R branch; the last stage, which never recomputes,
+    F's), and the compiled switch time is the event model's lockstep step."""
+    program, plan = merak_fused
+    assert plan.lanes == 3 and plan.table.sends == 2
+    loop = find_tick_loop(program, plan)
+    assert len(loop.switches) == 3
+    two = re.compile(r"\[2,\d+,16,64\]")  # [K=2, rows, seq 16, width 64]
+    permutes = [i for c in program.module.computations.values() for i in c.instrs
+                if i.opcode.startswith("collective-permute") and two.search(i.type_text)]
+    assert permutes, "no permute of two activations"
+    costs = {("FS", 0): 1.0, ("F", 1): 3.0, ("R", 0): 5.0, ("B", 0): 2.0, ("B", 1): 4.0}
+    pt = _timed(program, plan, costs)
+    c = pt.stage_costs()
+    assert (c.f, c.r, c.b) == ([1.0, 3.0], [5.0, 3.0], [2.0, 4.0])
+    r = pt.to_json()
+    assert r["switch_s"] == r["events"]["lockstep_s"]
+    timeline = events.simulate(plan.schedule, c)
+    assert r["events"]["makespan_s"] == float(timeline.makespan)
 
 
 def test_split_backward_ticks_meet_the_event_step(one_f_one_b_split):
