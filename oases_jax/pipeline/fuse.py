@@ -9,7 +9,8 @@ the program's step is
 
 and the placement is a shortest path: a state is how many actions each stage has done when a
 tick starts; a tick moves every stage along a run whose inputs from other devices were made in
-earlier ticks, sending at most one activation and one gradient (one `ppermute` each way a
+earlier ticks, sending at most K activations and K gradients (one `ppermute` each way a tick
+carries K; `table._fused` searches K = 1 and 2 and takes 2 where it saves more than PER_SEND a
 tick). Doing more work in a tick is never worse (a later action's inputs only arrive sooner),
 so for each candidate tick length D (the cost of some stage's run) every stage takes the
 longest run that fits D: S * lanes successors a state. A* finds the optimum, bounding what is

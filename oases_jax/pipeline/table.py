@@ -189,8 +189,8 @@ class TickTable:
 
     A row is one lane of a tick: tick t is rows t*lanes .. t*lanes + lanes-1, run in order, and
     only the last lane's row has transfers after it. An unfused table has one lane (a row is a
-    tick); a fused one (`tick_table(fuse=True)`) as many as the longest run a stage takes in one
-tick (at most the kinds of work its schedule has: `fuse.lanes`).
+    tick); a fused one (`tick_table(fuse=True)`) as many as the longest run a stage takes in
+    one tick (at most the kinds of work its schedule has: `fuse.lanes`).
 
     A backward may span several consecutive ticks (`backward_ticks`: k per virtual stage): its
     stage's layers are split into k parts, part `parts[t][s]` of the backward runs at tick t
