@@ -122,7 +122,7 @@ def plan(schedule: Schedule, backward_ticks: int | tuple[int, ...] = 1,
     held_stash: dict[tuple[int, int], int] = {}
     held_act: dict[tuple[int, int], int] = {}  # (mb, receiving virtual stage) -> slot
     held_grad: dict[tuple[int, int], int] = {}
-    pending_store: list[list[tuple[str, int, int]]] = [[] for _ in range(T)]
+    stored = np.zeros((T, S), bool), np.zeros((T, S), bool)  # rows that store an arrival
     for t, row in enumerate(table.ticks):
         for s, a in enumerate(row):
             r = rows[t, s]
@@ -174,17 +174,13 @@ def plan(schedule: Schedule, backward_ticks: int | tuple[int, ...] = 1,
         for x in table.transfers[t]:
             d = x.dst % S
             k = arrived[(x.kind, d)] = arrived.get((x.kind, d), -1) + 1
-            pending_store[t - k].append((x.kind, x.mb, x.dst))
+            stored[x.kind != "act"][t - k, d] = True
             slots, held, col = ((act, held_act, ACT_STORE) if x.kind == "act"
                                 else (grad, held_grad, GRAD_STORE))
             held[(x.mb, x.dst)] = rows[t - k, d, col] = slots[d].take()
     act_slots = max(a.used for a in act)
     grad_slots = max(g.used for g in grad)
     # Rows with no arrival store into a scratch slot past the real ones.
-    stored = np.zeros((T, S), bool), np.zeros((T, S), bool)
-    for t in range(T):
-        for kind, _, dst in pending_store[t]:
-            stored[kind != "act"][t, dst % S] = True
     rows[..., ACT_STORE] = np.where(stored[0], rows[..., ACT_STORE], act_slots)
     rows[..., GRAD_STORE] = np.where(stored[1], rows[..., GRAD_STORE], grad_slots)
     return Plan(schedule, tuple(branches), rows, tuple(r.used for r in res),
