@@ -59,6 +59,25 @@ _NEVER_RETRIEVED = _NeverRetrieved()
 _NEVER_RETRIEVED_AFTER_WRITES = _NeverRetrieved()  # kept when a later read removes the other
 
 
+class _OrbaxNeverRetrieved(logging.Filter):
+    """Drops "exception was never retrieved" for a task that failed inside orbax. A failed
+    write's sibling tasks can be collected, and logged, on orbax's thread before the failure
+    reaches `Checkpointer._writing`, which reports it in one line; so this filter is always on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "exception was never retrieved" not in record.getMessage() or not record.exc_info:
+            return True
+        tb = record.exc_info[2]
+        while tb is not None:
+            if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
+                return False
+            tb = tb.tb_next
+        return True
+
+
+logging.getLogger("asyncio").addFilter(_OrbaxNeverRetrieved())
+
+
 def _mute(unraisable) -> None:
     """An unraisablehook that drops everything (see Checkpointer._reading)."""
 

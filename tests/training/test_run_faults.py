@@ -142,6 +142,30 @@ def test_full_tmpfs_during_a_save_is_one_line(tmp_path):
     assert proc.stdout.split("rc=5")[1].split() == [".", "..", "2"]
 
 
+def test_orbax_tasks_never_retrieved_are_dropped_before_the_failure_is_caught():
+    """A failed write's sibling tasks can be collected on orbax's thread before the failure
+    reaches the Checkpointer (the race behind a 67-line stderr on a full tmpfs): asyncio's
+    "never retrieved" log of a task that failed inside orbax is dropped from the start; one
+    that failed elsewhere is kept."""
+    import logging
+
+    from training import checkpoint
+
+    def record(filename: str) -> logging.LogRecord:
+        try:
+            exec(compile("raise ValueError('No space left on device')", filename, "exec"), {})
+        except ValueError as e:
+            exc_info = type(e), e, e.__traceback__
+        return logging.LogRecord("asyncio", logging.ERROR, "", 0,
+                                 "Task exception was never retrieved\nfuture: <Task>", None,
+                                 exc_info)
+
+    (drop,) = [f for f in logging.getLogger("asyncio").filters
+               if isinstance(f, checkpoint._OrbaxNeverRetrieved)]
+    assert not drop.filter(record(os.path.join(os.sep, "venv", "orbax", "checkpoint", "s.py")))
+    assert drop.filter(record(os.path.join(os.sep, "venv", "elsewhere", "module.py")))
+
+
 # --- one live run per output directory ----------------------------------------------------------
 
 
