@@ -88,6 +88,7 @@ class ParallelConfig:
     remat_ratios: str | None = None
     backward_ticks: int = 0
     fused_ticks: str = "auto"
+    split_head: str = "off"  # "on": the head split over the stages by vocabulary
 
     def __post_init__(self):
         spec = registry.get(self.schedule)
@@ -180,7 +181,8 @@ def _check_pipeline(par: ParallelConfig) -> None:
                             ("--virtual-stages", par.virtual_stages or None),
                             ("--backward-ticks", par.backward_ticks or None),
                             ("--fused-ticks", None if par.fused_ticks == "auto"
-                             else par.fused_ticks)):
+                             else par.fused_ticks),
+                            ("--split-head", None if par.split_head == "off" else "on")):
             if value is not None:
                 raise UserError(f"{flag} {value} needs --pipeline and a stage mesh axis")
         return
@@ -213,7 +215,8 @@ def _check_pipeline(par: ParallelConfig) -> None:
                             ("--remat-ratios", par.remat_ratios),
                             ("--backward-ticks", par.backward_ticks or None),
                             ("--fused-ticks", None if par.fused_ticks == "auto"
-                             else par.fused_ticks)):
+                             else par.fused_ticks),
+                            ("--split-head", None if par.split_head == "off" else "on")):
             if value is not None:
                 raise UserError(f"--pipeline {par.pipeline} runs one program on every stage: "
                                 f"equal stages under --remat, one backward; drop {flag} {value}")
@@ -236,6 +239,12 @@ def _check_pipeline(par: ParallelConfig) -> None:
                         f"schedule's default)")
     if par.fused_ticks not in ("auto", "on", "off"):
         raise UserError(f"unknown --fused-ticks {par.fused_ticks!r}: choose auto, on or off")
+    if par.split_head not in ("on", "off"):
+        raise UserError(f"unknown --split-head {par.split_head!r}: choose on or off")
+    if par.split_head == "on" and par.fused_ticks == "on":
+        raise UserError("--split-head on runs the head between the last stage's forward and "
+                        "backward ticks, which a fused tick holds together; drop --fused-ticks "
+                        "on")
     if par.fused_ticks == "on" and par.backward_ticks > 1:
         raise UserError(f"--fused-ticks on runs each backward in one tick, not "
                         f"--backward-ticks {par.backward_ticks}; drop one of them")

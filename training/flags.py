@@ -49,10 +49,15 @@ def add_layout_flags(group) -> None:
                        help="pipelines: let one tick hold a stage's forward, recompute and "
                        "backward, so lockstep ticks are as long on every stage (default auto: "
                        "where that is faster in lockstep)")
+    group.add_argument("--split-head", default="off", choices=("on", "off"),
+                       help="pipelines: run the head (final norm, logits, loss) on every stage, "
+                       "each its 1/S of the vocabulary, after the tick of the last stage's "
+                       "forward, so the last stage does not carry it alone (needs unfused "
+                       "ticks; default off)")
 
 
 def layout_kwargs(args: argparse.Namespace) -> dict:
     """The `ParallelConfig` fields `add_layout_flags` sets."""
     return {k: getattr(args, k) for k in ("moe_schedule", "moe_chunks", "pipeline",
                                           "stage_layers", "virtual_stages", "remat_ratios",
-                                          "backward_ticks", "fused_ticks")}
+                                          "backward_ticks", "fused_ticks", "split_head")}

@@ -43,11 +43,15 @@ class PipelineSpec:
     ratios: tuple[Fraction, ...] | None = None  # stage-aware remat; None: none
     backward_ticks: int = 0  # ticks a backward spans; 0: the schedule's default (`backward_parts`)
     fuse: bool | None = None  # fused tick table (`pipeline.table`); None: `fused()` chooses
+    # The head (final norm, logits, loss) split over every stage by vocabulary, run after the
+    # tick of the last stage's forward (`executor.HeadProgram`); False: the last stage's own.
+    split_head: bool = False
 
     def fused(self) -> bool:
         """Whether the executor runs the fused tick table: as set, else when it is the faster
-        in lockstep (`events.fused_by_default`); never with a backward split over ticks."""
-        if self.backward_ticks > 1:
+        in lockstep (`events.fused_by_default`); never with a backward split over ticks or a
+        split head (its phase sits between the last stage's forward and backward ticks)."""
+        if self.backward_ticks > 1 or self.split_head:
             return False
         if self.fuse is not None:
             return self.fuse

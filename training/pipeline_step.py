@@ -37,6 +37,7 @@ from oases_jax.rules import ShardingRules
 from oases_jax.stacks import Parallel, run_stack, use_parallel
 from oases_jax.stacks import active as active_parallel
 from training import pipeline_spmd
+from training.pipeline_head import split_head
 from training.pipeline_layout import (
     STAGE,
     PipelineSpec,
@@ -57,7 +58,7 @@ __all__ = ["STAGE", "PipelineSpec", "backward_parts", "build_pipeline_step_fns",
 def pipeline_spec(cfg: ModelConfig, *, schedule: str, stages: int, microbatches: int,
                   stage_layers: str | Sequence[int] | None = None, chunks: int = 1,
                   remat_ratios: str | None = None, backward_ticks: int = 0,
-                  fused_ticks: str = "auto") -> PipelineSpec:
+                  fused_ticks: str = "auto", split_head: str = "off") -> PipelineSpec:
     """Checked pipeline settings (one-line UserErrors naming the value and the fix)."""
     if cfg.moe:
         raise UserError("--pipeline does not run MoE models yet; drop --pipeline or use a dense "
@@ -84,7 +85,8 @@ def pipeline_spec(cfg: ModelConfig, *, schedule: str, stages: int, microbatches:
     _graphdefs(cfg)
     return PipelineSpec(schedule=schedule, stages=stages, microbatches=microbatches,
                         layers=layers, chunks=chunks, ratios=ratios, backward_ticks=backward_ticks,
-                        fuse=None if fused_ticks == "auto" else fused_ticks == "on")
+                        fuse=None if fused_ticks == "auto" else fused_ticks == "on",
+                        split_head=split_head == "on" and stages > 1)
 
 
 # --- The stage program of the transformer -------------------------------------------------------
@@ -120,7 +122,7 @@ def backward_parts(cfg: ModelConfig, pipe: PipelineSpec
     for j in range(V):
         share = 0.0 if whole[j] else _RECOMPUTE_SHARE.get(cfg.remat, 0.0)
         bwd = [2.0 + (1.0 if i < k_j[j] else share) for i in range(n_j[j])]
-        bwd += [2.0 * head] if j == V - 1 else []
+        bwd += [2.0 * head] if j == V - 1 and not pipe.split_head else []
         k = max(1, min(len(bwd), pipe.backward_ticks or 1))
         out.append(_balanced(bwd, k))
     return tuple(out)
@@ -147,11 +149,14 @@ def _balanced(costs: list[float], k: int) -> tuple[tuple[int, int], ...]:
 def step_plan(cfg: ModelConfig, pipe: PipelineSpec) -> executor.Plan:
     """The executor plan the pipelined step runs (what the analysis of its program reads)."""
     return executor.plan(pipe.schedule_table(), tuple(map(len, backward_parts(cfg, pipe))),
-                         fuse=pipe.fused())
+                         fuse=pipe.fused(), head=pipe.split_head)
 
 
-def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruct
-                  ) -> executor.StageProgram:
+def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruct,
+                  shards: int = 1) -> executor.StageProgram:
+    """The transformer's stages for the executor. `shards`: the head table's vocabulary blocks
+    over the axes inside the stages (`pipeline_spmd.vocab_shards`), which a split head
+    (`pipe.split_head`) cuts into S pieces each."""
     S = pipe.stages
     gd_blocks, gd_norm, _ = _graphdefs(cfg)
     n_j, k_j, whole = pipe.virtual_layers(), pipe.recomputed(), pipe.whole()
@@ -269,7 +274,9 @@ def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruc
         return f
 
     return executor.StageProgram(forward=forward, params=params, add_grads=add_grads, act=act,
-                                 parts=tuple(len(p) for p in parts), prepare=prepare)
+                                 parts=tuple(len(p) for p in parts), prepare=prepare,
+                                 head=split_head(cfg, pipe, shards, HEAD_TABLE)
+                                 if pipe.split_head else None)
 
 
 @contextlib.contextmanager
@@ -295,7 +302,9 @@ def pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,
     """(mean loss, mean gradients) of a batch of M micro-batches in the stage layout."""
     _, B, L1 = batch_MBL.shape
     act = jax.ShapeDtypeStruct((B // groups, L1 - 1, cfg.d_model), jnp.dtype(cfg.dtype))
-    prog = stage_program(cfg, pipe, act)
+    shards = pipeline_spmd.vocab_shards(cfg, parallel,
+                                        {STAGE} | ({"data"} if groups > 1 else set()))
+    prog = stage_program(cfg, pipe, act, shards)
     plan = step_plan(cfg, pipe)
     return over_stages(parallel, params, batch_MBL, groups, lambda p, tokens: executor.run(
         plan, prog, p, tokens, stage_axis=STAGE, poison=poison))
@@ -315,7 +324,8 @@ def spec_for(cfg: ModelConfig, parallel_cfg, microbatches: int, mesh: Mesh | int
                              2 if parallel_cfg.pipeline == "interleaved" else 1),
                          remat_ratios=parallel_cfg.remat_ratios,
                          backward_ticks=parallel_cfg.backward_ticks,
-                         fused_ticks=parallel_cfg.fused_ticks)
+                         fused_ticks=parallel_cfg.fused_ticks,
+                         split_head=parallel_cfg.split_head)
 
 
 def build_pipeline_step_fns(cfg: ModelConfig, tx: optax.GradientTransformation,

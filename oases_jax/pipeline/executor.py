@@ -34,6 +34,8 @@ from oases_jax.pipeline.lowering import (
     BRANCH,
     GRAD_READ,
     GRAD_STORE,
+    HEAD_MB,
+    HEAD_STORE,
     KINDS,
     MB,
     SLOT_IN,
@@ -44,9 +46,27 @@ from oases_jax.pipeline.lowering import (
 )
 from oases_jax.pipeline.pools import pool_layout
 
-__all__ = ["ACT_READ", "ACT_STORE", "BRANCH", "GRAD_READ", "GRAD_STORE", "KINDS", "MB",
-           "SLOT_IN", "SLOT_OUT", "Plan", "StageProgram", "base_kind", "plan", "residual_layouts",
-           "run"]
+__all__ = ["ACT_READ", "ACT_STORE", "BRANCH", "GRAD_READ", "GRAD_STORE", "HEAD_MB", "HEAD_STORE",
+           "KINDS", "MB", "SLOT_IN", "SLOT_OUT", "HeadProgram", "Plan", "StageProgram",
+           "base_kind", "plan", "residual_layouts", "run"]
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadProgram:
+    """The head (final norm, logits, loss) run by every stage on its part of the vocabulary,
+    after the tick where the last virtual stage's forward made its input (a split head).
+
+    params(prepared) -> head_params: what the head reads of the prepared parameters (this
+        device's vocabulary part), taken once per step; its VJP carries the head's gradient
+        back to them after the tick loop.
+    loss(head_params, h, data_mb) -> the micro-batch's loss, the same on every stage (the
+        collectives over the stage axis are inside).
+    add_grads(acc, grads) -> acc: the gradient of `params`' input added into the accumulator.
+    """
+
+    params: Callable[[Any], Any]
+    loss: Callable[[Any, Any, Any], Any]
+    add_grads: Callable[[Any, Any], Any]
 
 @dataclasses.dataclass(frozen=True)
 class StageProgram:
@@ -55,8 +75,9 @@ class StageProgram:
     functions, traced per branch.
 
     forward(j, q)(params_jq, x, data_mb) -> part q's output: the input of part q+1, or for the
-        last part what is sent on (j < V-1) or the micro-batch's scalar loss (j = V-1); x is
-        None for part 0 of j = 0, which reads its input from data_mb.
+        last part what is sent on (j < V-1) or the micro-batch's scalar loss (j = V-1; with a
+        split `head`, the head's input); x is None for part 0 of j = 0, which reads its input
+        from data_mb.
     prepare(local) -> prepared: what every tick reads of the device's local parameters, made
         once per step outside the tick loop (e.g. the block weights cast to the compute dtype:
         a cast inside the loop re-runs every tick, a full pass over the weights each).
@@ -73,6 +94,7 @@ class StageProgram:
     act: jax.ShapeDtypeStruct
     parts: tuple[int, ...]
     prepare: Callable[[Any], Any] = lambda local: local
+    head: HeadProgram | None = None  # a split head; None: the last stage's forward ends in it
 
 
 def _split_residuals(vjp_fn, params_j) -> tuple[list, list[bool], Any]:
@@ -124,6 +146,9 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
     `poison` fills every buffer and every bubble's transfer with NaN: a correct plan never
     reads them, so the result must not change."""
     S, V = p.stages, p.virtual
+    if p.head != (prog.head is not None):
+        raise ValueError(f"the plan {'splits' if p.head else 'does not split'} the head but the "
+                         f"stage program {'has' if prog.head else 'has no'} split head")
     if tuple(prog.parts) != tuple(p.table.span(j) for j in range(V)):
         raise ValueError(f"the stage program has {prog.parts} parts per virtual stage but the "
                          f"plan spans backwards over {[p.table.span(j) for j in range(V)]} ticks")
@@ -180,8 +205,9 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
     no_send = jnp.full(act_aval.shape, fill, act_aval.dtype)
 
     def finish(j, out, loss):
-        """A stage's output: the loss on the last stage, else the activation sent on."""
-        if j == V - 1:
+        """A stage's output: the loss on the last stage (with a split head, the head's input),
+        else the activation sent on."""
+        if j == V - 1 and prog.head is None:
             return loss + out.astype(jnp.float32), no_send
         return loss, out.astype(act_aval.dtype)
 
@@ -249,7 +275,7 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
                                                                    strict=True)])
             if part > 0:
                 ct = mid
-            elif j == V - 1:
+            elif j == V - 1 and prog.head is None:
                 ct = jnp.ones((), jnp.float32)
             else:
                 ct = g_in
@@ -299,7 +325,33 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
         """Put `value` in slot `count` of `outs` when this lane `made` one."""
         return [jnp.where(made & (count == k), value, out) for k, out in enumerate(outs)]
 
-    def tick(carry, rows_t):
+    head_params = prog.head.params(prepared) if prog.head else None
+
+    def head_phase(carry, acc_head, h_last, rows):
+        """The head of the micro-batch the last stage's forward finished this tick, on every
+        stage (each its part of the vocabulary): the loss, the head's gradient, and the
+        gradient of its input into the last stage's receive buffer. A conditional on a value
+        the same on every device (device 0's row), so every device runs its collectives or
+        none does."""
+        mb = rows[0][HEAD_MB]
+
+        def go(c):
+            (pools_, act_buf, grad_buf, mid, acc, loss), acc_h = c
+            h = jax.lax.psum(jnp.where(s == S - 1, h_last, jnp.zeros_like(h_last)), stage_axis)
+            value, vjp_fn = jax.vjp(lambda hp, x: prog.head.loss(hp, x, data_M[mb]),
+                                    head_params, h)
+            d_hp, d_h = vjp_fn(jnp.ones_like(value))
+            d_h = jax.lax.psum(d_h, stage_axis).astype(act_aval.dtype)
+            grad_buf = jax.lax.dynamic_update_index_in_dim(grad_buf, d_h, rows[s][HEAD_STORE],
+                                                           0)
+            acc_h = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), acc_h, d_hp)
+            loss = loss + jnp.where(s == S - 1, value.astype(jnp.float32), 0.0)
+            return (pools_, act_buf, grad_buf, mid, acc, loss), acc_h
+
+        return jax.lax.cond(mb >= 0, go, lambda c: c, (carry, acc_head))
+
+    def tick(full, rows_t):
+        carry, acc_head = full
         out_act, out_grad = [no_send] * K, [no_send] * K
         n_act = n_grad = jnp.zeros((), jnp.int32)
         for lane in range(p.lanes):
@@ -311,6 +363,8 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
                 out_act = pick(out_act, n_act, sends_act[b], send_act)
                 out_grad = pick(out_grad, n_grad, sends_grad[b], send_grad)
                 n_act, n_grad = n_act + sends_act[b], n_grad + sends_grad[b]
+        if prog.head is not None:  # one lane: what the last stage's forward made is its send
+            carry, acc_head = head_phase(carry, acc_head, out_act[0], rows_t[-1])
         pools_, act_buf, grad_buf, mid, acc, loss = carry
         got_act = move(jnp.stack(out_act) if K > 1 else out_act[0], shift_act, (S - 1, 0), 0)
         got_grad = move(jnp.stack(out_grad) if K > 1 else out_grad[0], shift_grad,
@@ -321,7 +375,7 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
                 act_buf, got_act[k] if K > 1 else got_act, r[ACT_STORE], 0)
             grad_buf = jax.lax.dynamic_update_index_in_dim(
                 grad_buf, got_grad[k] if K > 1 else got_grad, r[GRAD_STORE], 0)
-        return (pools_, act_buf, grad_buf, mid, acc, loss), None
+        return ((pools_, act_buf, grad_buf, mid, acc, loss), acc_head), None
 
     acc0 = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), local_params)
     act_buf = empty((p.act_slots + 1, *act_aval.shape), act_aval.dtype)
@@ -329,5 +383,7 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
     # The gradient between the parts of a split backward (empty when no backward is split).
     mid = empty(act_aval.shape if split else (0,), act_aval.dtype)
     carry = (pools, act_buf, grad_buf, mid, acc0, jnp.zeros((), jnp.float32))
-    carry, _ = jax.lax.scan(tick, carry, jnp.asarray(p.lane_rows()))
-    return carry[5], carry[4]
+    acc_head = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), head_params)
+    (carry, acc_head), _ = jax.lax.scan(tick, (carry, acc_head), jnp.asarray(p.lane_rows()))
+    acc = carry[4] if prog.head is None else prog.head.add_grads(carry[4], acc_head)
+    return carry[5], acc

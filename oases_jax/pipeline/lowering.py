@@ -13,8 +13,11 @@ from oases_jax.errors import UserError
 from oases_jax.pipeline.actions import vstage
 from oases_jax.pipeline.table import Schedule, TickTable
 
-# Columns of a plan row (one per tick and stage).
-BRANCH, MB, SLOT_IN, SLOT_OUT, ACT_READ, GRAD_READ, ACT_STORE, GRAD_STORE = range(8)
+# Columns of a plan row (one per tick and stage). HEAD_MB and HEAD_STORE (split head only): the
+# micro-batch whose head runs after this tick (-1: none; the same on every device) and the
+# receive slot its output gradient goes to on the last virtual stage's device.
+BRANCH, MB, SLOT_IN, SLOT_OUT, ACT_READ, GRAD_READ, ACT_STORE, GRAD_STORE, HEAD_MB, HEAD_STORE \
+    = range(10)
 # FS: a forward that stashes its input for a recompute; a backward spread over k ticks runs as
 # branches B0 .. B<k-1> (`base_kind` maps them back to B).
 KINDS = ("IDLE", "F", "FS", "R", "B")
@@ -33,12 +36,13 @@ class Plan:
 
     schedule: Schedule
     branches: tuple[tuple[str, int], ...]
-    rows: np.ndarray  # int32 [T, S, 8]
+    rows: np.ndarray  # int32 [T, S, 10]
     res_slots: tuple[int, ...]  # per virtual stage: residual slots
     stash_slots: tuple[int, ...]  # per virtual stage: stashed-input slots
     act_slots: int  # receive-buffer slots (the same count on every device: SPMD shapes)
     grad_slots: int
     table: TickTable  # what the rows were lowered from (backward spans included)
+    head: bool = False  # the head runs split over every stage after the tick of its input
 
     @property
     def lanes(self) -> int:
@@ -91,15 +95,21 @@ class _Slots:
 
 
 def plan(schedule: Schedule, backward_ticks: int | tuple[int, ...] = 1,
-         fuse: bool = False) -> Plan:
+         fuse: bool = False, head: bool = False) -> Plan:
     """Lower a schedule's tick table to executor rows with statically allocated slots. A
     backward of virtual stage j spans `backward_ticks[j]` ticks (`TickTable`): branch `B<p>`
     runs its part p, all parts read the one residual slot, part 0 the received gradient.
     `fuse`: the fused table (`tick_table`), one row per lane of each tick (lane k the k-th
-    action of a stage's run that tick)."""
+    action of a stage's run that tick). `head`: the head runs on every stage (its vocabulary
+    split over them) after the tick where the last virtual stage's forward made its input;
+    its output gradient is stored like a received gradient, which that stage's backward
+    reads (needs one action a tick: unfused)."""
     if schedule.split_backward:
         raise UserError(f"the {schedule.name} schedule splits the backward into B and W, which "
                         f"the executor does not run yet: use 1f1b, gpipe, interleaved or merak")
+    if head and fuse:
+        raise UserError("a split head runs after the tick of the last stage's forward, which "
+                        "a fused tick may hold with its backward: use unfused ticks")
     table = schedule.ticks(backward_ticks, fuse)
     S, V = schedule.stages, schedule.virtual
     recomputed = schedule.recomputed()
@@ -113,7 +123,8 @@ def plan(schedule: Schedule, backward_ticks: int | tuple[int, ...] = 1,
         return index[(kind, j)]
 
     T = len(table.ticks)
-    rows = np.zeros((T, S, 8), np.int32)
+    rows = np.zeros((T, S, 10), np.int32)
+    rows[..., HEAD_MB] = -1
     res = [_Slots() for _ in range(V)]
     stash = [_Slots() for _ in range(V)]
     act = [_Slots() for _ in range(S)]
@@ -123,6 +134,7 @@ def plan(schedule: Schedule, backward_ticks: int | tuple[int, ...] = 1,
     held_act: dict[tuple[int, int], int] = {}  # (mb, receiving virtual stage) -> slot
     held_grad: dict[tuple[int, int], int] = {}
     stored = np.zeros((T, S), bool), np.zeros((T, S), bool)  # rows that store an arrival
+    heads = np.zeros(T, bool)  # ticks after which a head runs
     for t, row in enumerate(table.ticks):
         for s, a in enumerate(row):
             r = rows[t, s]
@@ -146,7 +158,7 @@ def plan(schedule: Schedule, backward_ticks: int | tuple[int, ...] = 1,
                 part, k = table.part(t, s), table.span(j)
                 r[BRANCH] = branch("B" if k == 1 else f"B{part}", j)
                 r[SLOT_IN] = held_res[key]
-                if part == 0 and j + 1 < V:
+                if part == 0 and (j + 1 < V or head):
                     r[GRAD_READ] = held_grad.pop(key)
             else:
                 raise UserError(f"the executor has no {a.kind} action (schedule "
@@ -165,7 +177,7 @@ def plan(schedule: Schedule, backward_ticks: int | tuple[int, ...] = 1,
                 part, k = table.part(t, s), table.span(j)
                 if part == k - 1:
                     res[j].give(int(held_res.pop((a.mb, j))))
-                if part == 0 and j + 1 < V:
+                if part == 0 and (j + 1 < V or head):
                     grad[s].give(int(r[GRAD_READ]))
         # The k-th arrival of a kind on a device after tick row t (the tick's last lane) is
         # stored at the slot in row t-k's column (a device receives from one neighbour, in
@@ -178,10 +190,22 @@ def plan(schedule: Schedule, backward_ticks: int | tuple[int, ...] = 1,
             slots, held, col = ((act, held_act, ACT_STORE) if x.kind == "act"
                                 else (grad, held_grad, GRAD_STORE))
             held[(x.mb, x.dst)] = rows[t - k, d, col] = slots[d].take()
+        # The head after this tick: its output gradient waits in the last stage's receive
+        # buffer (its own column: an interleaved device may also receive a gradient this tick).
+        finals = [a for s, a in enumerate(row) if head and a.kind in ("F", "PF")
+                  and vstage(s, a, S) == V - 1]
+        if finals:
+            (a,) = finals  # one forward a tick on one device
+            rows[t, :, HEAD_MB] = a.mb
+            d = (V - 1) % S
+            held_grad[(a.mb, V - 1)] = rows[t, d, HEAD_STORE] = grad[d].take()
+            heads[t] = True
     act_slots = max(a.used for a in act)
     grad_slots = max(g.used for g in grad)
     # Rows with no arrival store into a scratch slot past the real ones.
     rows[..., ACT_STORE] = np.where(stored[0], rows[..., ACT_STORE], act_slots)
     rows[..., GRAD_STORE] = np.where(stored[1], rows[..., GRAD_STORE], grad_slots)
+    rows[..., HEAD_STORE] = np.where(heads[:, None] & (np.arange(S) == (V - 1) % S),
+                                     rows[..., HEAD_STORE], grad_slots)
     return Plan(schedule, tuple(branches), rows, tuple(r.used for r in res),
-                tuple(s.used for s in stash), act_slots, grad_slots, table)
+                tuple(s.used for s in stash), act_slots, grad_slots, table, head)

@@ -37,13 +37,13 @@ def _reference(cfg, graphdef, params, tokens):
 
 def _pipelined(cfg, params, tokens, mesh_text, schedule, *, tp="megatron", layers=None,
                ratios=None, poison=False, backward_ticks=0, rules="tp", plan=None,
-               fused_ticks="auto"):
+               fused_ticks="auto", split_head="off"):
     mesh = make_mesh(mesh_text, jax.devices())
     rules = get_rules(rules)
     pipe = ps.pipeline_spec(cfg, schedule=schedule, stages=mesh.shape["stage"],
                             microbatches=tokens.shape[0], stage_layers=layers,
                             remat_ratios=ratios, backward_ticks=backward_ticks,
-                            fused_ticks=fused_ticks)
+                            fused_ticks=fused_ticks, split_head=split_head)
     parallel = Parallel(mesh, rules, LayerSpec(schedule=tp), plan)
     groups = accumulation_groups(rules, mesh)
     staged = jax.device_put(ps.to_stages(params, pipe),
@@ -256,6 +256,34 @@ def test_backward_over_two_or_three_ticks(model, schedule, ticks):
     _assert_equal(_reference(cfg, graphdef, params, tokens),
                   _pipelined(cfg, params, tokens, "data=2,stage=2,tensor=2", schedule,
                              layers="3,5", backward_ticks=ticks))
+
+
+SPLIT_HEAD = [  # (mesh, schedule, M, stage layers)
+    ("data=2,stage=4", "1f1b", "S+1", "2,3,1,2"),
+    ("data=2,stage=2,tensor=2", "merak", "2S+3", None),  # the vocabulary over tensor too
+    pytest.param("data=4,stage=2", "interleaved", "S", None, marks=pytest.mark.slow),
+    pytest.param("stage=8", "gpipe", "S", None, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("mesh", "schedule", "m", "layers"), SPLIT_HEAD)
+def test_split_head(model, mesh, schedule, m, layers):
+    """`--split-head on`: the head runs on every stage, each its part of the vocabulary, after
+    the tick of the last stage's forward, and its input's gradient waits in the last stage's
+    receive buffer for the backward. The same numbers as one device, with NaN-filled bubbles
+    and buffers; the last stage's branches hold no head."""
+    cfg, graphdef, params = model
+    S = _stages(mesh)
+    pipe = ps.pipeline_spec(cfg, schedule=schedule, stages=S, microbatches=_m(m, S),
+                            stage_layers=layers, split_head="on")
+    plan = ps.step_plan(cfg, pipe)
+    assert plan.head and not pipe.fused()
+    heads = plan.rows[:, 0, ps.executor.HEAD_MB]
+    assert sorted(heads[heads >= 0]) == list(range(_m(m, S)))  # one head a micro-batch
+    tokens = _tokens(cfg, _m(m, S))
+    _assert_equal(_reference(cfg, graphdef, params, tokens),
+                  _pipelined(cfg, params, tokens, mesh, schedule, layers=layers, poison=True,
+                             split_head="on"))
 
 
 def test_layout_round_trip(model):
