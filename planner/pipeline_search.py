@@ -139,6 +139,22 @@ def stage_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware,
         last_temp=head_temp, shared=hw.shared_cores())
 
 
+def split_head_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware, strategy: LayerSpec,
+                      x: StageInputs, stages: int) -> StageInputs | None:
+    """`x` with the head split over the stages by vocabulary (`--split-head on`): no head on
+    the last stage; every device runs, once a micro-batch, the head over its 1/S of the
+    vocabulary and the two all-reduces over `stage` of the last stage's output and of its
+    gradient (1f1b_spmd's head phase, `spmd_head_s`), and keeps 1/S of the logits. None where
+    the runtime cannot split it: the padded vocabulary not into S x tensor pieces, or FSDP (its
+    table's split over data is not checked against the runtime's)."""
+    if stages < 2 or layout.fsdp > 1 or cfg.padded_vocab % (stages * layout.tensor):
+        return None
+    _, head_temp = head_cost(cfg, layout, hw)
+    phase = spmd_head_s(cfg, layout, hw, strategy, stages, SPMD_1F1B) / layout.microbatches
+    return dataclasses.replace(x, last_f=0.0, last_b=0.0, last_temp=head_temp / stages,
+                               head_phase=phase)
+
+
 def transfer_s(cfg: ModelConfig, layout: Layout, hw: Hardware, strategy: LayerSpec,
                stages: int) -> float:
     """One stage-to-stage activation (or gradient) of a micro-batch: T D e bytes per device
@@ -198,7 +214,8 @@ def _screen(cfg, hw, stages, layout, strategy, x, p2p, schedule) -> float:
     counts = [base + (i < extra) for i in range(S)]
     loads, i = [], 0
     for s, n in enumerate(counts):
-        load = sum(x.f[i:i + n]) + sum(x.b[i:i + n]) + (x.last_f + x.last_b) * (s == S - 1)
+        load = sum(x.f[i:i + n]) + sum(x.b[i:i + n]) + (x.last_f + x.last_b) * (s == S - 1) \
+            + x.head_phase
         loads.append(load)
         i += n
     v = CHUNKS if schedule == "interleaved" else 1
@@ -253,8 +270,10 @@ def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int
                 continue
             if strategy is None:
                 continue  # the square's permutes cannot sit in the tick executor's switch
-            est = _screen(cfg, hw, S, layout, strategy, x_tick, p2p, sch)
-            screened.append((est, S, layout, strategy, x_tick, p2p, sch))
+            for x in (x_tick, split_head_inputs(cfg, layout, hw, strategy, x_tick, S)):
+                if x is not None:
+                    est = _screen(cfg, hw, S, layout, strategy, x, p2p, sch)
+                    screened.append((est, S, layout, strategy, x, p2p, sch))
     screened.sort(key=lambda c: c[0])
     out, tried = [], 0
     for _, S, layout, strategy, x, p2p, sch in screened:

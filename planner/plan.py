@@ -107,6 +107,7 @@ def pipeline_plan_json(c: PipelineCandidate, *, model: str, cfg: ModelConfig, cl
                      "stage_layers": list(sp.layers),
                      "remat_ratios": [str(r) for r in sp.ratios], "virtual_stages": sp.chunks,
                      "backward_ticks": sp.backward_ticks, "fused_ticks": sp.fused_ticks,
+                     "split_head": sp.split_head,
                      "predicted_pipeline_s": sp.makespan,
                      "predicted_stage_memory_bytes": list(sp.memory), "exact": sp.exact},
         "predicted_step_s": c.step_s, "predicted_peak_memory_bytes": c.peak_memory_bytes,
@@ -164,7 +165,8 @@ class Plan:
                 virtual_stages=pipe.get("virtual_stages", 1) if pipe["schedule"] ==
                 "interleaved" else 0, remat_ratios=",".join(pipe["remat_ratios"]),
                 backward_ticks=pipe.get("backward_ticks") or 0,
-                fused_ticks=_fused_flag(pipe.get("fused_ticks")))
+                fused_ticks=_fused_flag(pipe.get("fused_ticks")),
+                split_head="on" if pipe.get("split_head") else "off")
         return ParallelConfig(mesh=self.mesh, rules=self.rules, schedule=self.schedule,
                               layers=tuple(self.layers))
 

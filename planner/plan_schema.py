@@ -74,6 +74,7 @@ class PipelineEntry(Strict):
     virtual_stages: at_most(64) = 1
     backward_ticks: at_most(8) = None  # ticks a stage's backward spans (None: the runtime's rule)
     fused_ticks: bool = None  # the fused tick table (None: the runtime's rule)
+    split_head: bool = None  # the head split over the stages by vocabulary (None: off)
     predicted_pipeline_s: NonNegativeFloat = None
     predicted_stage_memory_bytes: list[NonNegativeFloat] = None
     exact: bool = None

@@ -33,7 +33,7 @@ class _Stages:
                  budget: float):
         self.x, self.S, self.M, self.v, self.budget = x, stages, microbatches, chunks, budget
         self.name = name
-        self.held = peak_inflight(name, stages, microbatches, chunks)
+        self.held = peak_inflight(name, stages, microbatches, chunks, x.head_phase > 0)
         self.whole = whole_stages(name, stages, microbatches, chunks)
         cum = lambda a: np.concatenate([[0.0], np.cumsum(np.asarray(a, float))])  # noqa: E731
         self.F, self.B, self.R = cum(x.f), cum(x.b), cum(x.r)
@@ -54,7 +54,7 @@ class _Stages:
         b = self.B[j] - self.B[i] + (x.first_b if s == 0 else 0) + (x.last_b if last else 0)
         static = x.shared_bytes + lmax * x.block_bytes
         per_mb = self.held[s] / self.v
-        head = x.last_temp if last else 0.0
+        head = x.last_temp if last or x.head_phase else 0.0  # split: every stage's part
         if self.whole[s]:
             return self._whole(i, j, f, b, static, per_mb)
         counts = (remat,) if remat is not None else self._remat_counts(i, j, per_mb,
@@ -167,7 +167,7 @@ def partition(x: StageInputs, *, schedule: str, stages: int, microbatches: int,
                 return math.inf
             f, b, r = ([g[k] for g in got] for k in range(3))
             sims[counts] = (*simulate(schedule, microbatches, chunks, f, b, r, p2p,
-                                      ends=x.ends, shared=x.shared), got)
+                                      ends=x.ends, shared=x.shared, head=x.head_phase), got)
         return sims[counts][0]
 
     if step > 1:  # interleaved: every stage's count a multiple of v (equal chunks)
@@ -190,7 +190,7 @@ def partition(x: StageInputs, *, schedule: str, stages: int, microbatches: int,
     makespan, finish, got = sims[counts]
     f, b, r, k, mem = (tuple(g[i] for g in got) for i in range(5))
     return StagePlan(schedule, microbatches, chunks, counts, k, f, b, r, mem, makespan, finish,
-                     exact, p2p, x.ends)
+                     exact, p2p, x.ends, x.head_phase)
 
 
 def fixed(x: StageInputs, *, schedule: str, counts: Sequence[int], remat: Sequence[int],
@@ -209,9 +209,9 @@ def fixed(x: StageInputs, *, schedule: str, counts: Sequence[int], remat: Sequen
         i += n
     f, b, r, k, mem = (tuple(g[j] for g in got) for j in range(5))
     makespan, finish = simulate(schedule, microbatches, chunks, f, b, r, p2p, ends=x.ends,
-                                shared=x.shared)
+                                shared=x.shared, head=x.head_phase)
     return StagePlan(schedule, microbatches, chunks, tuple(counts), k, f, b, r, mem, makespan,
-                     finish, False, p2p, x.ends)
+                     finish, False, p2p, x.ends, x.head_phase)
 
 
 def _bottleneck_seeds(st: _Stages, L: int, S: int) -> list[tuple[int, ...]]:

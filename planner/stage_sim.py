@@ -56,7 +56,8 @@ def fused(name: str, stages: int, microbatches: int, chunks: int = 1) -> bool:
 
 
 @functools.lru_cache(maxsize=512)
-def peak_inflight(name: str, stages: int, microbatches: int, chunks: int = 1) -> tuple[int, ...]:
+def peak_inflight(name: str, stages: int, microbatches: int, chunks: int = 1,
+                  split_head: bool = False) -> tuple[int, ...]:
     """Most (micro-batch, chunk) inputs each stage holds at once under the schedule, along the
     tick table the runtime runs (a fused table keeps each stage's list order, so it holds what
     the lists do; counted along the table all the same); under
@@ -68,16 +69,18 @@ def peak_inflight(name: str, stages: int, microbatches: int, chunks: int = 1) ->
     if name == "1f1b_spmd":  # one micro-batch's residuals, in its backward's recompute
         return (1,) * stages
     sch = build(name, stages, microbatches, chunks)
-    return inflight(sch, sch.ticks(fuse=fused(name, stages, microbatches, chunks)))[0]
+    fuse = not split_head and fused(name, stages, microbatches, chunks)  # a split head: unfused
+    return inflight(sch, sch.ticks(fuse=fuse))[0]
 
 
 def table_choices(name: str, microbatches: int, chunks: int, f: Sequence[float],
-                  b: Sequence[float], r: Sequence[float]) -> tuple[tuple[int, bool], ...]:
+                  b: Sequence[float], r: Sequence[float], split_head: bool = False
+                  ) -> tuple[tuple[int, bool], ...]:
     """(k, fused) tick tables a plan may run: each backward span of `tick_choices`, the one-tick
     backward on the table `fused` chooses (`pipeline.fuse`: fused, a stage may run a short run
     of its actions in one tick). Not chosen by these costs: the stages' memory
     (`peak_inflight`) depends on the table, and the partitioner fixes it before it prices."""
-    fuse = fused(name, len(f), microbatches, chunks)
+    fuse = not split_head and fused(name, len(f), microbatches, chunks)
     return tuple((k, fuse and k == 1) for k in tick_choices(name, f, b, r))
 
 
@@ -96,12 +99,12 @@ def tick_choices(name: str, f: Sequence[float], b: Sequence[float],
 
 def table_choice(name: str, microbatches: int, chunks: int, f: Sequence[float],
                  b: Sequence[float], r: Sequence[float], p2p: float = 0.0,
-                 ends: Ends = NO_ENDS) -> tuple[int, bool]:
+                 ends: Ends = NO_ENDS, head: float = 0.0) -> tuple[int, bool]:
     """The (k, fused) of `table_choices` with the shortest lockstep step (the fewest ticks,
     then unfused, on a tie): what `simulate` priced and the plan records."""
-    return min(table_choices(name, microbatches, chunks, f, b, r),
+    return min(table_choices(name, microbatches, chunks, f, b, r, head > 0),
                key=lambda kf: (simulate(name, microbatches, chunks, f, b, r, p2p, k=kf[0],
-                                        fuse=kf[1], ends=ends)[0], kf))
+                                        fuse=kf[1], ends=ends, head=head)[0], kf))
 
 
 def backward_ticks(name: str, microbatches: int, chunks: int, f: Sequence[float],
@@ -172,7 +175,7 @@ def permutes_per_tick(chunks: int, sends: int = 1) -> int:
 def simulate(name: str, microbatches: int, chunks: int, f: Sequence[float],
              b: Sequence[float], r: Sequence[float], p2p: float = 0.0,
              k: int | None = None, ends: Ends = NO_ENDS, shared: SharedCores | None = None,
-             fuse: bool | None = None) -> tuple[float, tuple[float, ...]]:
+             fuse: bool | None = None, head: float = 0.0) -> tuple[float, tuple[float, ...]]:
     """(step, per-stage finish) of the schedule's tick table in lockstep with these per-stage
     costs (module docstring), each backward over `k` ticks (default: the best of
     `table_choices`), the table fused or not (`fuse`; default: `fused`'s choice for a one-tick
@@ -181,14 +184,17 @@ def simulate(name: str, microbatches: int, chunks: int, f: Sequence[float],
     embedding's forward and backward inside stage 0's f and b and the head's inside the last
     stage's, which run on one chunk each (`chunk_costs`). `shared`: the devices share a host's cores
     (CPU devices), so a tick lasts as long as its stages' work takes on the cores they share
-    (`SharedCores.tick`) rather than its slowest stage's."""
+    (`SharedCores.tick`) rather than its slowest stage's. `head`: a split head's phase, one
+    a micro-batch on every device between ticks (`--split-head on`, unfused ticks: the ends'
+    last_f and last_b are then 0); every stage's last action follows the last one."""
     if k is None:
         return min((simulate(name, microbatches, chunks, f, b, r, p2p, k=kk, ends=ends,
-                             shared=shared, fuse=ff if fuse is None else fuse and kk == 1)
-                    for kk, ff in table_choices(name, microbatches, chunks, f, b, r)),
+                             shared=shared, fuse=ff if fuse is None else fuse and kk == 1,
+                             head=head)
+                    for kk, ff in table_choices(name, microbatches, chunks, f, b, r, head > 0)),
                    key=lambda got: got[0])
     if fuse is None:
-        fuse = k == 1 and fused(name, len(f), microbatches, chunks)
+        fuse = k == 1 and not head and fused(name, len(f), microbatches, chunks)
     S = len(f)
     f, b_run, recompute = _program_costs(f, b, r, whole_stages(name, S, microbatches, chunks))
     v = build(name, S, microbatches, chunks, recompute).chunks
@@ -208,7 +214,8 @@ def simulate(name: str, microbatches: int, chunks: int, f: Sequence[float],
         for s, _, _ in cells:
             finish[s] = total
         total += per_tick
-    return total, tuple(finish)
+    heads = microbatches * head
+    return total + heads, tuple(x + heads for x in finish)
 
 
 def simulate_events(name: str, microbatches: int, chunks: int, f: Sequence[float],

@@ -39,6 +39,9 @@ class StageInputs:
     last_f: float = 0.0
     last_b: float = 0.0
     last_temp: float = 0.0
+    # A split head (`--split-head on`): its phase on every device, once a micro-batch (the
+    # ends' last_f and last_b are then 0); 0: the head is the last stage's.
+    head_phase: float = 0.0
     # Devices that share a host's cores (CPU devices: `Hardware.shared_cores`), which the
     # simulator's ticks then price by processor sharing; None on GPUs.
     shared: SharedCores | None = None
@@ -90,6 +93,11 @@ class StagePlan:
     exact: bool
     p2p: float = 0.0  # the stage-to-stage transfer time the step was simulated with
     ends: Ends = NO_ENDS  # the embedding's and head's f, b inside the end stages' (`simulate`)
+    head_phase: float = 0.0  # a split head's phase a micro-batch on every stage (`StageInputs`)
+
+    @property
+    def split_head(self) -> bool:
+        return self.head_phase > 0
 
     @property
     def stages(self) -> int:
@@ -97,7 +105,8 @@ class StagePlan:
 
     @property
     def loads(self) -> tuple[float, ...]:
-        return tuple(f + b + r for f, b, r in zip(self.f, self.b, self.r, strict=True))
+        return tuple(f + b + r + self.head_phase
+                     for f, b, r in zip(self.f, self.b, self.r, strict=True))
 
     @property
     def balance(self) -> float:
@@ -110,7 +119,7 @@ class StagePlan:
         """(ticks each backward spans, fused table) of the program this plan runs: the choice
         its step was simulated with (`stage_sim.table_choice`); the plan records both."""
         return table_choice(self.schedule, self.microbatches, self.chunks, self.f, self.b,
-                            self.r, self.p2p, self.ends)
+                            self.r, self.p2p, self.ends, self.head_phase)
 
     @property
     def backward_ticks(self) -> int:

@@ -1,55 +1,63 @@
-"""The head split over the pipeline's stages by vocabulary, for the tick executor
-(`--split-head on`; docs/parallelism.md, "Split head"): the last stage's forward ends at the
-final hidden state, and after its tick every stage runs the final norm, its part of the logits
-and the split loss, so no stage carries the head's work alone."""
+"""The head split over the pipeline's stages by tokens, for the tick executor (`--split-head on`;
+docs/parallelism.md, "Split head"): the last stage's forward ends at the final hidden state, and
+after its tick every stage runs the final norm, the logits and the loss of 1/S of that
+micro-batch's positions, so no stage carries the head's work alone.
+
+Moving the hidden state is one reduce-scatter over `stage` (the last stage's state, zeros
+elsewhere, each stage keeping its slice of the sequence) and, in its transpose, one all-gather
+of the slices' gradients, which leaves the whole gradient on the last stage: half the bytes of
+splitting the vocabulary instead (an all-reduce of the state and one of its gradient, plus the
+softmax statistics'), and the head's weight stays whole on every stage, as the stage layout
+keeps it (its gradient is summed over `stage` once a step with the other shared ones)."""
 
 from __future__ import annotations
 
+import types
+
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from models.config import ModelConfig
+from models.transformer import Transformer, cross_entropy
 from oases_jax.errors import UserError
 from oases_jax.pipeline.executor import HeadProgram
-from training import pipeline_spmd
 from training.pipeline_layout import STAGE, PipelineSpec, _graphdefs
 
 __all__ = ["split_head"]
 
 
-def split_head(cfg: ModelConfig, pipe: PipelineSpec, shards: int, table_key: str
+def split_head(cfg: ModelConfig, pipe: PipelineSpec, seq_len: int, table_key: str
                ) -> HeadProgram:
-    """The head split over the stages by vocabulary (the executor runs it on every stage after
-    the tick of the last stage's forward): stage s computes the logits of its 1/S of the
-    vocabulary (`pipeline_spmd.vocab_part`, sliced once a step from the compute-dtype table)
-    and the loss over the split vocabulary (`models.loss.split_cross_entropy`). `table_key`:
+    """The split head of a pipeline whose micro-batches hold `seq_len` positions. `table_key`:
     the prepared parameters' compute-dtype head table (`pipeline_step.HEAD_TABLE`)."""
     S = pipe.stages
-    if cfg.padded_vocab % (S * shards):
-        raise UserError(f"--split-head on: the padded vocabulary ({cfg.padded_vocab}) does not "
-                        f"split into {S} stages x {shards} blocks; use --split-head off")
+    if seq_len % S:
+        raise UserError(f"--split-head on splits each micro-batch's {seq_len} positions over "
+                        f"{S} stages: use a --seq-len divisible by {S}, or --split-head off")
+    n = seq_len // S
     head_key = "embed" if cfg.tied else "head"
-    loss_fn = pipeline_spmd.head_loss(cfg, _graphdefs(cfg)[1], True)
+    gd_norm = _graphdefs(cfg)[1]
 
     def params(prepared):
-        s = jax.lax.axis_index(STAGE)
-        part, _ = pipeline_spmd.head_part(cfg, prepared[table_key], s, S, shards, True)
-        return {"norm_f": prepared["norm_f"], "part": part}
+        return {"norm_f": prepared["norm_f"], "table": prepared[table_key]}
 
-    def loss(hp, h_BLD, pair_B2L):
-        ids = pipeline_spmd.vocab_ids(cfg.padded_vocab, jax.lax.axis_index(STAGE), S, shards)
-        return loss_fn(hp["norm_f"], hp["part"], ids, h_BLD, pair_B2L[:, 1])
+    def loss(hp, x_BLD, pair_B2L):
+        """This stage's share of the micro-batch's loss: the mean over its positions / S."""
+        h_BnD = jax.lax.psum_scatter(x_BLD, STAGE, scatter_dimension=1, tiled=True)
+        start = jax.lax.axis_index(STAGE) * n
+        labels_Bn = jax.lax.dynamic_slice_in_dim(pair_B2L[:, 1], start, n, axis=1)
+        h_BnD = nnx.merge(gd_norm, hp["norm_f"])(h_BnD)
+        head_in = types.SimpleNamespace(cfg=cfg, **{head_key: hp["table"]})
+        logits = Transformer.logits(head_in, h_BnD, None)
+        return cross_entropy(logits, labels_Bn, cfg.vocab_size) / S
 
     def add_grads(acc, g):
-        # The part's float32 gradient back into the float32 table: the transpose of the slice.
-        s = jax.lax.axis_index(STAGE)
-        _, into_table = jax.vjp(
-            lambda t: pipeline_spmd.head_part(cfg, t, s, S, shards, True)[0],
-            jnp.zeros(jax.tree.leaves(acc[head_key])[0].shape, jnp.float32))
-        (table,) = into_table(g["part"].astype(jnp.float32))
         acc = dict(acc)
-        acc[head_key] = jax.tree.map(lambda a: a + table, acc[head_key])
-        acc["norm_f"] = jax.tree.map(jnp.add, acc["norm_f"], g["norm_f"])
+        acc[head_key] = jax.tree.map(lambda a: a + g["table"].astype(jnp.float32),
+                                     acc[head_key])
+        acc["norm_f"] = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), acc["norm_f"],
+                                     g["norm_f"])
         return acc
 
     return HeadProgram(params=params, loss=loss, add_grads=add_grads)

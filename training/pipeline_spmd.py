@@ -46,8 +46,8 @@ from oases_jax.rules import constrain, entry_axes
 from oases_jax.stacks import Parallel, run_stack
 from training.pipeline_layout import STAGE, PipelineSpec, _graphdefs, over_stages
 
-__all__ = ["NAME", "NAME_1F1B", "head_loss", "head_part", "spmd_1f1b_grads",
-           "spmd_pipeline_grads", "vocab_ids", "vocab_part", "vocab_shards"]
+__all__ = ["NAME", "NAME_1F1B", "spmd_1f1b_grads", "spmd_pipeline_grads", "vocab_part",
+           "vocab_shards"]
 
 NAME = "gpipe_spmd"
 
@@ -78,17 +78,12 @@ def vocab_part(table: jax.Array, tied: bool, s: jax.Array, stages: int, shards: 
         blocks = table.reshape(table.shape[0], shards, stages, piece)
         part = jax.lax.dynamic_index_in_dim(blocks, s, axis=2, keepdims=False)
         part = part.reshape(table.shape[0], V // stages)
-    return part, vocab_ids(V, s, stages, shards)
+    ids = (jnp.arange(shards)[:, None] * (V // shards) + s * piece
+           + jnp.arange(piece)[None, :]).reshape(-1)
+    return part, ids
 
 
-def vocab_ids(V: int, s: jax.Array, stages: int, shards: int) -> jax.Array:
-    """The vocabulary ids of stage s's part of a V-row (or column) head table (`vocab_part`)."""
-    piece = V // (shards * stages)
-    return (jnp.arange(shards)[:, None] * (V // shards) + s * piece
-            + jnp.arange(piece)[None, :]).reshape(-1)
-
-
-def head_part(cfg: ModelConfig, table, s, stages: int, shards: int, split: bool):
+def _head_part(cfg: ModelConfig, table, s, stages: int, shards: int, split: bool):
     """(what of the head table this stage computes logits with, the vocabulary ids of its rows
     or columns): its 1/S (`vocab_part`) when `split`, else the whole table and None."""
     if not split:
@@ -96,9 +91,9 @@ def head_part(cfg: ModelConfig, table, s, stages: int, shards: int, split: bool)
     return vocab_part(table[...], cfg.tied, s, stages, shards)
 
 
-def head_loss(cfg: ModelConfig, gd_norm, split: bool):
+def _head_loss(cfg: ModelConfig, gd_norm, split: bool):
     """One micro-batch's final norm, logits and loss, `loss(norm_f, part, ids, h_BLD,
-    labels_BL)`, over the vocabulary part `head_part` gave: split over `stage`
+    labels_BL)`, over the vocabulary part `_head_part` gave: split over `stage`
     (`split_cross_entropy`) or whole."""
     head_key = "embed" if cfg.tied else "head"
 
@@ -125,7 +120,7 @@ class _Setup(NamedTuple):
     head_key: str  # the head's table: the embedding when tied
     shards: int  # the table's vocabulary blocks over the auto axes (`vocab_shards`)
     split: bool  # the head's vocabulary split over `stage`
-    head_loss: object  # `head_loss`
+    head_loss: object  # `_head_loss`
 
 
 def _setup(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel, groups: int) -> _Setup:
@@ -135,7 +130,7 @@ def _setup(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel, groups: int
     split = S > 1 and cfg.padded_vocab % (S * shards) == 0
     return _Setup(S, pipe.microbatches, block_fns(gd_blocks), jnp.dtype(cfg.dtype),
                   "embed" if cfg.tied else "head", shards, split,
-                  head_loss(cfg, gd_norm, split))
+                  _head_loss(cfg, gd_norm, split))
 
 
 def _embed_all(cfg: ModelConfig, tables: dict, tokens_M2BL: jax.Array) -> jax.Array:
@@ -197,7 +192,7 @@ def spmd_pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel
         # logits and loss of its 1/S of the vocabulary, sliced once here.
         if split:
             outs = jax.lax.psum(outs, STAGE)
-        part, ids = head_part(cfg, compute_weights(local[head_key], dt, lead=0), s, S, shards,
+        part, ids = _head_part(cfg, compute_weights(local[head_key], dt, lead=0), s, S, shards,
                                split)
 
         @jax.checkpoint
@@ -262,7 +257,7 @@ def spmd_1f1b_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,
                                     _embedding_tables(local))
         # The head's vocabulary part, sliced once (its gradient accumulates over the ticks in
         # float32 at the part's size and goes back into the table once, after the loops).
-        part, ids = head_part(cfg, compute_weights(local[head_key], dt, lead=0), s, S, shards,
+        part, ids = _head_part(cfg, compute_weights(local[head_key], dt, lead=0), s, S, shards,
                                split)
         hp = {"norm_f": local["norm_f"], "part": part}
 
@@ -349,7 +344,7 @@ def spmd_1f1b_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,
         grads["norm_f"] = jax.tree.map(lambda a, p: a.astype(p.dtype),
                                        carry["acc_head"]["norm_f"], local["norm_f"])
         # The part's gradient back into the table: the transpose of the slice, in float32.
-        _, into_table = jax.vjp(lambda t: head_part(cfg, t, s, S, shards, split)[0],
+        _, into_table = jax.vjp(lambda t: _head_part(cfg, t, s, S, shards, split)[0],
                                 local[head_key])
         (table,) = into_table(carry["acc_head"]["part"])
         grads[head_key] = jax.tree.map(jnp.add, grads[head_key], table)

@@ -152,11 +152,8 @@ def step_plan(cfg: ModelConfig, pipe: PipelineSpec) -> executor.Plan:
                          fuse=pipe.fused(), head=pipe.split_head)
 
 
-def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruct,
-                  shards: int = 1) -> executor.StageProgram:
-    """The transformer's stages for the executor. `shards`: the head table's vocabulary blocks
-    over the axes inside the stages (`pipeline_spmd.vocab_shards`), which a split head
-    (`pipe.split_head`) cuts into S pieces each."""
+def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruct
+                  ) -> executor.StageProgram:
     S = pipe.stages
     gd_blocks, gd_norm, _ = _graphdefs(cfg)
     n_j, k_j, whole = pipe.virtual_layers(), pipe.recomputed(), pipe.whole()
@@ -275,7 +272,7 @@ def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruc
 
     return executor.StageProgram(forward=forward, params=params, add_grads=add_grads, act=act,
                                  parts=tuple(len(p) for p in parts), prepare=prepare,
-                                 head=split_head(cfg, pipe, shards, HEAD_TABLE)
+                                 head=split_head(cfg, pipe, act.shape[1], HEAD_TABLE)
                                  if pipe.split_head else None)
 
 
@@ -302,9 +299,7 @@ def pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,
     """(mean loss, mean gradients) of a batch of M micro-batches in the stage layout."""
     _, B, L1 = batch_MBL.shape
     act = jax.ShapeDtypeStruct((B // groups, L1 - 1, cfg.d_model), jnp.dtype(cfg.dtype))
-    shards = pipeline_spmd.vocab_shards(cfg, parallel,
-                                        {STAGE} | ({"data"} if groups > 1 else set()))
-    prog = stage_program(cfg, pipe, act, shards)
+    prog = stage_program(cfg, pipe, act)
     plan = step_plan(cfg, pipe)
     return over_stages(parallel, params, batch_MBL, groups, lambda p, tokens: executor.run(
         plan, prog, p, tokens, stage_axis=STAGE, poison=poison))

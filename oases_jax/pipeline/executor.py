@@ -53,15 +53,16 @@ __all__ = ["ACT_READ", "ACT_STORE", "BRANCH", "GRAD_READ", "GRAD_STORE", "HEAD_M
 
 @dataclasses.dataclass(frozen=True)
 class HeadProgram:
-    """The head (final norm, logits, loss) run by every stage on its part of the vocabulary,
-    after the tick where the last virtual stage's forward made its input (a split head).
+    """The head (final norm, logits, loss) run by every stage on its share of the work, after
+    the tick where the last virtual stage's forward made its input (a split head).
 
-    params(prepared) -> head_params: what the head reads of the prepared parameters (this
-        device's vocabulary part), taken once per step; its VJP carries the head's gradient
-        back to them after the tick loop.
-    loss(head_params, h, data_mb) -> the micro-batch's loss, the same on every stage (the
-        collectives over the stage axis are inside).
-    add_grads(acc, grads) -> acc: the gradient of `params`' input added into the accumulator.
+    params(prepared) -> head_params: what the head reads of the prepared parameters, taken
+        once per step.
+    loss(head_params, x, data_mb) -> this stage's share of the micro-batch's loss (the shares
+        sum to it), from x: the last stage's output there, zeros elsewhere. The collectives
+        over the stage axis are inside, and the VJP of x is the whole gradient of the last
+        stage's output on every stage.
+    add_grads(acc, grads) -> acc: the gradient of `head_params` added into the accumulator.
     """
 
     params: Callable[[Any], Any]
@@ -327,31 +328,27 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
 
     head_params = prog.head.params(prepared) if prog.head else None
 
-    def head_phase(carry, acc_head, h_last, rows):
+    def head_phase(carry, h_last, rows):
         """The head of the micro-batch the last stage's forward finished this tick, on every
-        stage (each its part of the vocabulary): the loss, the head's gradient, and the
-        gradient of its input into the last stage's receive buffer. A conditional on a value
-        the same on every device (device 0's row), so every device runs its collectives or
-        none does."""
+        stage (`HeadProgram`: each its share): the loss, the head's gradient, and the gradient
+        of its input into the last stage's receive buffer. A conditional on a value the same
+        on every device (device 0's row), so every device runs its collectives or none does."""
         mb = rows[0][HEAD_MB]
 
         def go(c):
-            (pools_, act_buf, grad_buf, mid, acc, loss), acc_h = c
-            h = jax.lax.psum(jnp.where(s == S - 1, h_last, jnp.zeros_like(h_last)), stage_axis)
-            value, vjp_fn = jax.vjp(lambda hp, x: prog.head.loss(hp, x, data_M[mb]),
-                                    head_params, h)
-            d_hp, d_h = vjp_fn(jnp.ones_like(value))
-            d_h = jax.lax.psum(d_h, stage_axis).astype(act_aval.dtype)
-            grad_buf = jax.lax.dynamic_update_index_in_dim(grad_buf, d_h, rows[s][HEAD_STORE],
-                                                           0)
-            acc_h = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), acc_h, d_hp)
-            loss = loss + jnp.where(s == S - 1, value.astype(jnp.float32), 0.0)
-            return (pools_, act_buf, grad_buf, mid, acc, loss), acc_h
+            pools_, act_buf, grad_buf, mid, acc, loss = c
+            x = jnp.where(s == S - 1, h_last, jnp.zeros_like(h_last))
+            value, vjp_fn = jax.vjp(lambda hp, xx: prog.head.loss(hp, xx, data_M[mb]),
+                                    head_params, x)
+            d_hp, d_x = vjp_fn(jnp.ones_like(value))
+            grad_buf = jax.lax.dynamic_update_index_in_dim(
+                grad_buf, d_x.astype(act_aval.dtype), rows[s][HEAD_STORE], 0)
+            acc = prog.head.add_grads(acc, d_hp)
+            return pools_, act_buf, grad_buf, mid, acc, loss + value.astype(jnp.float32)
 
-        return jax.lax.cond(mb >= 0, go, lambda c: c, (carry, acc_head))
+        return jax.lax.cond(mb >= 0, go, lambda c: c, carry)
 
-    def tick(full, rows_t):
-        carry, acc_head = full
+    def tick(carry, rows_t):
         out_act, out_grad = [no_send] * K, [no_send] * K
         n_act = n_grad = jnp.zeros((), jnp.int32)
         for lane in range(p.lanes):
@@ -364,7 +361,7 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
                 out_grad = pick(out_grad, n_grad, sends_grad[b], send_grad)
                 n_act, n_grad = n_act + sends_act[b], n_grad + sends_grad[b]
         if prog.head is not None:  # one lane: what the last stage's forward made is its send
-            carry, acc_head = head_phase(carry, acc_head, out_act[0], rows_t[-1])
+            carry = head_phase(carry, out_act[0], rows_t[-1])
         pools_, act_buf, grad_buf, mid, acc, loss = carry
         got_act = move(jnp.stack(out_act) if K > 1 else out_act[0], shift_act, (S - 1, 0), 0)
         got_grad = move(jnp.stack(out_grad) if K > 1 else out_grad[0], shift_grad,
@@ -375,7 +372,7 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
                 act_buf, got_act[k] if K > 1 else got_act, r[ACT_STORE], 0)
             grad_buf = jax.lax.dynamic_update_index_in_dim(
                 grad_buf, got_grad[k] if K > 1 else got_grad, r[GRAD_STORE], 0)
-        return ((pools_, act_buf, grad_buf, mid, acc, loss), acc_head), None
+        return (pools_, act_buf, grad_buf, mid, acc, loss), None
 
     acc0 = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), local_params)
     act_buf = empty((p.act_slots + 1, *act_aval.shape), act_aval.dtype)
@@ -383,7 +380,5 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
     # The gradient between the parts of a split backward (empty when no backward is split).
     mid = empty(act_aval.shape if split else (0,), act_aval.dtype)
     carry = (pools, act_buf, grad_buf, mid, acc0, jnp.zeros((), jnp.float32))
-    acc_head = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), head_params)
-    (carry, acc_head), _ = jax.lax.scan(tick, (carry, acc_head), jnp.asarray(p.lane_rows()))
-    acc = carry[4] if prog.head is None else prog.head.add_grads(carry[4], acc_head)
-    return carry[5], acc
+    carry, _ = jax.lax.scan(tick, carry, jnp.asarray(p.lane_rows()))
+    return carry[5], carry[4]

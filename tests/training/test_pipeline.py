@@ -260,7 +260,7 @@ def test_backward_over_two_or_three_ticks(model, schedule, ticks):
 
 SPLIT_HEAD = [  # (mesh, schedule, M, stage layers)
     ("data=2,stage=4", "1f1b", "S+1", "2,3,1,2"),
-    ("data=2,stage=2,tensor=2", "merak", "2S+3", None),  # the vocabulary over tensor too
+    ("data=2,stage=2,tensor=2", "merak", "2S+3", None),
     pytest.param("data=4,stage=2", "interleaved", "S", None, marks=pytest.mark.slow),
     pytest.param("stage=8", "gpipe", "S", None, marks=pytest.mark.slow),
 ]
@@ -268,10 +268,11 @@ SPLIT_HEAD = [  # (mesh, schedule, M, stage layers)
 
 @pytest.mark.parametrize(("mesh", "schedule", "m", "layers"), SPLIT_HEAD)
 def test_split_head(model, mesh, schedule, m, layers):
-    """`--split-head on`: the head runs on every stage, each its part of the vocabulary, after
+    """`--split-head on`: the head runs on every stage, each over 1/S of the positions, after
     the tick of the last stage's forward, and its input's gradient waits in the last stage's
-    receive buffer for the backward. The same numbers as one device, with NaN-filled bubbles
-    and buffers; the last stage's branches hold no head."""
+    receive buffer for the backward. The same numbers as one device (uneven stages, tensor
+    parallelism, two chunks a device, eight stages), with NaN-filled bubbles and buffers;
+    one head a micro-batch."""
     cfg, graphdef, params = model
     S = _stages(mesh)
     pipe = ps.pipeline_spec(cfg, schedule=schedule, stages=S, microbatches=_m(m, S),
