@@ -60,7 +60,8 @@ class PipelineCandidate:
         mesh = ",".join(f"{k}={v}" for k, v in self.mesh().items())
         chunks = f" v={p.chunks}" if p.chunks > 1 else ""
         mesh += " fsdp" if self.layout.fsdp > 1 else ""
-        return (f"{mesh} x{p.microbatches}mb {p.schedule}{chunks} stages "
+        head = " split head" if p.split_head else ""
+        return (f"{mesh} x{p.microbatches}mb {p.schedule}{chunks}{head} stages "
                 f"{','.join(map(str, p.layers))} remat {','.join(map(str, p.remat))}: "
                 f"{self.strategy.label()}")
 
@@ -141,16 +142,20 @@ def stage_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware,
 
 def split_head_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware, strategy: LayerSpec,
                       x: StageInputs, stages: int) -> StageInputs | None:
-    """`x` with the head split over the stages by vocabulary (`--split-head on`): no head on
-    the last stage; every device runs, once a micro-batch, the head over its 1/S of the
-    vocabulary and the two all-reduces over `stage` of the last stage's output and of its
-    gradient (1f1b_spmd's head phase, `spmd_head_s`), and keeps 1/S of the logits. None where
-    the runtime cannot split it: the padded vocabulary not into S x tensor pieces, or FSDP (its
-    table's split over data is not checked against the runtime's)."""
-    if stages < 2 or layout.fsdp > 1 or cfg.padded_vocab % (stages * layout.tensor):
+    """`x` with the head split over the stages by positions (`--split-head on`,
+    `training.pipeline_head`): no head on the last stage; every device runs, once a
+    micro-batch, the head and loss of 1/S of its positions (`head_cost` / S) after a
+    reduce-scatter over `stage` of the last stage's output and before the all-gather of its
+    gradient, and keeps 1/S of the logits. None where the runtime cannot split it (the
+    sequence not into S equal slices)."""
+    if stages < 2 or layout.seq_len % stages:
         return None
-    _, head_temp = head_cost(cfg, layout, hw)
-    phase = spmd_head_s(cfg, layout, hw, strategy, stages, SPMD_1F1B) / layout.microbatches
+    head_s, head_temp = head_cost(cfg, layout, hw)
+    nbytes = layout.rows * layout.seq_len * cfg.d_model * elem_bytes(cfg) \
+        / stream_split(strategy.schedule, layout.tensor, layout.primepar)
+    group = [s * layout.replicas * layout.tensor for s in range(stages)]
+    phase = head_s / stages + hw.comm_s("reduce-scatter", nbytes, group) \
+        + hw.comm_s("all-gather", nbytes, group)
     return dataclasses.replace(x, last_f=0.0, last_b=0.0, last_temp=head_temp / stages,
                                head_phase=phase)
 
@@ -270,10 +275,12 @@ def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int
                 continue
             if strategy is None:
                 continue  # the square's permutes cannot sit in the tick executor's switch
-            for x in (x_tick, split_head_inputs(cfg, layout, hw, strategy, x_tick, S)):
-                if x is not None:
-                    est = _screen(cfg, hw, S, layout, strategy, x, p2p, sch)
-                    screened.append((est, S, layout, strategy, x, p2p, sch))
+            # The head on the last stage or split over the stages, whichever screens faster.
+            est, x = min(((_screen(cfg, hw, S, layout, strategy, x, p2p, sch), x)
+                          for x in (x_tick, split_head_inputs(cfg, layout, hw, strategy,
+                                                              x_tick, S)) if x is not None),
+                         key=lambda ex: ex[0])
+            screened.append((est, S, layout, strategy, x, p2p, sch))
     screened.sort(key=lambda c: c[0])
     out, tried = [], 0
     for _, S, layout, strategy, x, p2p, sch in screened:

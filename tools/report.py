@@ -82,7 +82,10 @@ def pipeline_lines(r: dict) -> list[str]:
         f"{'fused ticks of ' + str(p['lanes']) + ' lanes' if p.get('lanes', 1) > 1 else 'ticks'}: "
         f"step {_fmt_s(p['step_s'])} = outside the loop {_fmt_s(p['outside_s'])} + loop "
         f"{_fmt_s(p['loop_s'])}",
-        f"  branches (ms): {branches}; rest of a tick {p['rest_s'] * 1e3:.3f} ms",
+        f"  branches (ms): {branches}; rest of a tick {p['rest_s'] * 1e3:.3f} ms"
+        + (f"; split head {p['head_phase_s'] * 1e3:.3f} ms (comm "
+           f"{p['head_phase_comm_s'] * 1e3:.3f}) after {p['head_phases']} ticks"
+           if p.get("head_phases") else ""),
         f"  idle per stage {pct(p['idle_fraction'])} (bubble {p['bubble']:.1%}), recompute "
         f"{p['recompute_share']:.1%}, permutes {_fmt_s(p['permute_s'])}, exposed comm "
         f"{_fmt_s(p['exposed_comm_s'])}",

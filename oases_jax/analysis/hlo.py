@@ -28,7 +28,7 @@ _INSTR_RE = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _COMP_RE = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _IOTA_RE = re.compile(r"\[[\d,]+\]<=\[[\d,]+\](?:T\([\d,]+\))?")
 _CALL_ATTRS = ("calls", "to_apply", "body", "condition", "branch_computations",
-               "async_execution_thread")
+               "true_computation", "false_computation", "async_execution_thread")
 
 
 @dataclasses.dataclass(frozen=True)

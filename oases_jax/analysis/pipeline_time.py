@@ -32,7 +32,7 @@ from oases_jax.analysis.hlo import Instr
 from oases_jax.analysis.program import Program
 from oases_jax.analysis.simulate import SimResult, Simulator
 from oases_jax.pipeline import events
-from oases_jax.pipeline.executor import BRANCH, Plan, base_kind
+from oases_jax.pipeline.executor import BRANCH, HEAD_MB, Plan, base_kind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +41,7 @@ class TickLoop:
     body: str  # its body computation
     switches: tuple[Instr, ...]  # the conditional of each lane
     branches: tuple[str, ...]  # branch computations, in Plan.branches' order
+    head: Instr | None = None  # a split head's conditional (`executor.HeadProgram`)
 
 
 def find_tick_loop(program: Program, plan: Plan) -> TickLoop | None:
@@ -63,7 +64,10 @@ def find_tick_loop(program: Program, plan: Plan) -> TickLoop | None:
             lane_of = [next((lane for lane in range(plan.lanes) if (used[:, lane] == g).any()),
                             0) for g in range(n)]
             branches = tuple(switches[lane_of[g]].called[g] for g in range(n))
-            return TickLoop(instr, body, tuple(switches), branches)
+            # A split head's phase: the body's other conditional (`lax.cond`: true, false).
+            head = next((c for c in _conditionals(program, body) if c not in switches
+                         and len(c.called) == 2), None) if plan.head else None
+            return TickLoop(instr, body, tuple(switches), branches, head)
     return None
 
 
@@ -83,6 +87,17 @@ class PipelineTime:
     branch: list[SimResult]  # per branch of Plan.branches
     rest: SimResult  # one tick body without the conditional (the permutes, buffer updates)
     outside: SimResult  # the program without the tick loop
+    head: SimResult | None = None  # a split head's phase (its conditional's true branch)
+
+    @property
+    def head_ticks(self) -> np.ndarray:
+        """[T] whether a split head's phase runs after each tick."""
+        return self.plan.lane_rows()[:, -1, 0, HEAD_MB] >= 0
+
+    @property
+    def head_s(self) -> float:
+        """The split head's phases over the step (0 without one)."""
+        return float(self.head.step_s * self.head_ticks.sum()) if self.head else 0.0
 
     @property
     def cost(self) -> np.ndarray:
@@ -104,7 +119,8 @@ class PipelineTime:
 
     @property
     def ticks_s(self) -> np.ndarray:
-        return self.rest.step_s + self.per_tick.max(axis=1)
+        head = self.head.step_s * self.head_ticks if self.head else 0.0
+        return self.rest.step_s + self.per_tick.max(axis=1) + head
 
     @property
     def loop_s(self) -> float:
@@ -135,7 +151,8 @@ class PipelineTime:
         slowest = self.plan.lane_rows()[..., BRANCH][np.arange(T), :,
                                                      self.per_tick.argmax(axis=1)]
         inside = sum(self.branch[b].exposed_comm_s for b in slowest.ravel() if b > 0)
-        return T * self.rest.exposed_comm_s + float(inside)
+        head = self.head.exposed_comm_s * self.head_ticks.sum() if self.head else 0.0
+        return T * self.rest.exposed_comm_s + float(inside) + float(head)
 
     def stage_costs(self) -> events.Costs:
         """Per physical stage, F/B/R of one micro-batch (all its chunks) from the branch costs:
@@ -180,6 +197,9 @@ class PipelineTime:
                          for (k, j), c, r in zip(p.branches, self.loop.branches, self.branch,
                                                  strict=True)],
             "rest_s": self.rest.step_s, "rest_comm_s": self.rest.comm_s,
+            "head_phase_s": self.head.step_s if self.head else 0.0,
+            "head_phase_comm_s": self.head.comm_s if self.head else 0.0,
+            "head_phases": int(self.head_ticks.sum()) if self.head else 0,
             "outside_s": self.outside.step_s,
             "switch_s": self.switch_s, "loop_s": self.loop_s,
             "step_s": self.outside.step_s + self.loop_s,
@@ -206,6 +226,8 @@ def pipeline_time(program: Program, cluster: ClusterSpec, plan: Plan, *,
     sim = Simulator(program, cluster, max_events=0, compute_cost=compute_cost,
                     comm_cost=comm_cost)
     branch = [sim.replay(c) for c in loop.branches]
-    rest = sim.replay(loop.body, skip=frozenset(sw.name for sw in loop.switches))
+    conds = {sw.name for sw in loop.switches} | ({loop.head.name} if loop.head else set())
+    rest = sim.replay(loop.body, skip=frozenset(conds))
     outside = sim.replay(program.module.entry, skip=frozenset({loop.loop.name}))
-    return PipelineTime(plan, loop, branch, rest, outside)
+    head = sim.replay(loop.head.called[0]) if loop.head else None
+    return PipelineTime(plan, loop, branch, rest, outside, head)
