@@ -333,6 +333,11 @@ class TrainConfig:
                 f"--seq-len {self.seq_len} exceeds the model's max_seq_len "
                 f"{self.model.max_seq_len}; shorten it or raise max_seq_len"
             )
+        stages = parse_mesh(self.parallel.mesh).size("stage")
+        if self.parallel.split_head == "on" and self.seq_len % stages:
+            raise UserError(f"--split-head on splits each micro-batch's {self.seq_len} positions "
+                            f"over {stages} stages: use a --seq-len divisible by {stages}, or "
+                            f"--split-head off")
 
     @property
     def micro_batch_size(self) -> int:

@@ -141,6 +141,16 @@ def test_spmd_checkpoint_resumes_under_the_tick_executor(reference, tmp_path):
     (dict(mesh="data=2,tensor=4", fused_ticks="on"), "--fused-ticks on needs --pipeline"),
     (dict(mesh="stage=2,tensor=4", pipeline="gpipe_spmd", fused_ticks="off"),
      "gpipe_spmd runs one program on every stage.*--fused-ticks off"),
+    (dict(mesh="stage=2,tensor=4", pipeline="1f1b", split_head="on", fused_ticks="on"),
+     "--split-head on runs the head between the last stage's forward and backward ticks"),
+    (dict(mesh="data=2,tensor=4", split_head="on"), "--split-head on needs --pipeline"),
+    (dict(mesh="stage=2,tensor=4", pipeline="1f1b_spmd", split_head="on"),
+     "1f1b_spmd runs one program on every stage.*--split-head on"),
+    (dict(mesh="data=2,stage=4", pipeline="1f1b", split_head="on", seq_len=30),
+     "--split-head on splits each micro-batch's 30 positions over 4 stages: use a --seq-len "
+     "divisible by 4"),
+    (dict(mesh="stage=2,tensor=4", pipeline="1f1b", split_head="maybe"),
+     "unknown --split-head 'maybe': choose on or off"),
     (dict(mesh="stage=2,tensor=4", pipeline="1f1b_spmd", layers=(
         LayerSpec(schedule="megatron"), LayerSpec(schedule="oases", sub_batches=2)) * 2),
      "one --schedule for every layer"),
@@ -153,12 +163,13 @@ def test_bad_input_is_one_line(overrides, words):
     m = overrides.pop("microbatches", 4)
     schedule = overrides.pop("schedule", "megatron")
     layers = overrides.pop("model_layers", 4)
+    seq_len = overrides.pop("seq_len", 32)
     par = dict(mesh=overrides.pop("mesh"), pipeline=overrides.pop("pipeline", None),
                rules=overrides.pop("rules", "tp"), **overrides)
     with pytest.raises(UserError, match=words) as err:
         cfg = TrainConfig(model=get_preset("tiny").replace(n_layers=layers),
                           parallel=ParallelConfig(schedule=schedule, **par), steps=2,
-                          batch_size=16, seq_len=32, microbatches=m, progress=False)
+                          batch_size=16, seq_len=seq_len, microbatches=m, progress=False)
         from oases_jax.mesh import make_mesh
         from training.loop import step_program
         step_program(cfg, make_mesh(cfg.parallel.mesh, jax.devices()))
