@@ -275,12 +275,13 @@ def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int
                 continue
             if strategy is None:
                 continue  # the square's permutes cannot sit in the tick executor's switch
-            # The head on the last stage or split over the stages, whichever screens faster.
-            est, x = min(((_screen(cfg, hw, S, layout, strategy, x, p2p, sch), x)
-                          for x in (x_tick, split_head_inputs(cfg, layout, hw, strategy,
-                                                              x_tick, S)) if x is not None),
-                         key=lambda ex: ex[0])
-            screened.append((est, S, layout, strategy, x, p2p, sch))
+            # The head on the last stage and split over the stages (`--split-head`): screened
+            # by the faster, both partitioned (the screen knows no fused ticks, which only the
+            # last stage's head allows).
+            xs = [x for x in (x_tick, split_head_inputs(cfg, layout, hw, strategy, x_tick, S))
+                  if x is not None]
+            est = min(_screen(cfg, hw, S, layout, strategy, x, p2p, sch) for x in xs)
+            screened.append((est, S, layout, strategy, xs, p2p, sch))
     screened.sort(key=lambda c: c[0])
     out, tried = [], 0
     for _, S, layout, strategy, x, p2p, sch in screened:
@@ -293,9 +294,11 @@ def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int
                                 spmd_head_s(cfg, layout, hw, strategy, S, sch), sch,
                                 spmd_weight_pass_s(cfg, layout, hw, S))
         else:
-            sp = partition(x, schedule=sch, stages=S, microbatches=layout.microbatches,
-                           chunks=CHUNKS if sch == "interleaved" else 1, p2p=p2p,
-                           budget=budget, max_leaves=60, max_sims=10)
+            fits = [(sp, xi) for xi in x for sp in [partition(
+                xi, schedule=sch, stages=S, microbatches=layout.microbatches,
+                chunks=CHUNKS if sch == "interleaved" else 1, p2p=p2p, budget=budget,
+                max_leaves=60, max_sims=10)] if sp is not None]
+            sp, x = min(fits, key=lambda f: f[0].makespan, default=(None, None))
         if sp is not None:
             out.append(price(cfg, hw, S, layout, strategy, sp, x, p2p))
     if baseline:  # Megatron's plans are in the space: never return one slower than its best
