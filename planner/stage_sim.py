@@ -48,11 +48,12 @@ def _build(name: str, stages: int, microbatches: int, chunks: int,
 
 
 @functools.lru_cache(maxsize=512)
-def fused(name: str, stages: int, microbatches: int, chunks: int = 1) -> bool:
+def fused(name: str, stages: int, microbatches: int, chunks: int = 1, head: bool = False
+          ) -> bool:
     """Whether the runtime runs the schedule on its fused tick table when the plan does not
     say (`events.fused_by_default`, what `PipelineSpec.fused` asks too): what the planner
     prices, so that a plan's memory and step are those of the table it runs."""
-    return events.fused_by_default(build(name, stages, microbatches, chunks))
+    return events.fused_by_default(build(name, stages, microbatches, chunks), head=head)
 
 
 @functools.lru_cache(maxsize=512)
@@ -69,8 +70,8 @@ def peak_inflight(name: str, stages: int, microbatches: int, chunks: int = 1,
     if name == "1f1b_spmd":  # one micro-batch's residuals, in its backward's recompute
         return (1,) * stages
     sch = build(name, stages, microbatches, chunks)
-    fuse = not split_head and fused(name, stages, microbatches, chunks)  # a split head: unfused
-    return inflight(sch, sch.ticks(fuse=fuse))[0]
+    fuse = fused(name, stages, microbatches, chunks, split_head)
+    return inflight(sch, sch.ticks(fuse=fuse, head=split_head))[0]
 
 
 def table_choices(name: str, microbatches: int, chunks: int, f: Sequence[float],
@@ -80,7 +81,7 @@ def table_choices(name: str, microbatches: int, chunks: int, f: Sequence[float],
     backward on the table `fused` chooses (`pipeline.fuse`: fused, a stage may run a short run
     of its actions in one tick). Not chosen by these costs: the stages' memory
     (`peak_inflight`) depends on the table, and the partitioner fixes it before it prices."""
-    fuse = not split_head and fused(name, len(f), microbatches, chunks)
+    fuse = fused(name, len(f), microbatches, chunks, split_head)
     return tuple((k, fuse and k == 1) for k in tick_choices(name, f, b, r))
 
 
@@ -154,10 +155,10 @@ def chunk_costs(x: Sequence[float], chunks: int, first: float = 0.0, last: float
 
 @functools.lru_cache(maxsize=512)
 def _ticks(name: str, stages: int, microbatches: int, chunks: int,
-           recompute: tuple[bool, ...] | None, k: int, fuse: bool = False
+           recompute: tuple[bool, ...] | None, k: int, fuse: bool = False, head: bool = False
            ) -> tuple[tuple[tuple[int, str, int], ...], ...]:
     """Per tick: the (stage, kind, chunk) of every non-idle cell of its lanes."""
-    table = build(name, stages, microbatches, chunks, recompute).ticks(k, fuse)
+    table = build(name, stages, microbatches, chunks, recompute).ticks(k, fuse, head)
     return tuple(tuple((s, a.kind, a.chunk) for row in rows for s, a in enumerate(row)
                        if a.kind != "IDLE") for rows in table.tick_rows())
 
@@ -185,8 +186,9 @@ def simulate(name: str, microbatches: int, chunks: int, f: Sequence[float],
     stage's, which run on one chunk each (`chunk_costs`). `shared`: the devices share a host's cores
     (CPU devices), so a tick lasts as long as its stages' work takes on the cores they share
     (`SharedCores.tick`) rather than its slowest stage's. `head`: a split head's phase, one
-    a micro-batch on every device between ticks (`--split-head on`, unfused ticks: the ends'
-    last_f and last_b are then 0); every stage's last action follows the last one."""
+    a micro-batch on every device between ticks (`--split-head on`: the ends' last_f and
+    last_b are then 0, and the last stage's backward waits a tick for its forward's head);
+    every stage's last action follows the last phase."""
     if k is None:
         return min((simulate(name, microbatches, chunks, f, b, r, p2p, k=kk, ends=ends,
                              shared=shared, fuse=ff if fuse is None else fuse and kk == 1,
@@ -194,7 +196,7 @@ def simulate(name: str, microbatches: int, chunks: int, f: Sequence[float],
                     for kk, ff in table_choices(name, microbatches, chunks, f, b, r, head > 0)),
                    key=lambda got: got[0])
     if fuse is None:
-        fuse = k == 1 and not head and fused(name, len(f), microbatches, chunks)
+        fuse = k == 1 and fused(name, len(f), microbatches, chunks, head > 0)
     S = len(f)
     f, b_run, recompute = _program_costs(f, b, r, whole_stages(name, S, microbatches, chunks))
     v = build(name, S, microbatches, chunks, recompute).chunks
@@ -204,9 +206,10 @@ def simulate(name: str, microbatches: int, chunks: int, f: Sequence[float],
     rc = chunk_costs(r, v)
     cost = {"F": fc, "PF": fc, "R": rc, "RrG": rc, "B": bc, "W": ((0.0,) * v,) * S}
     total, finish = 0.0, [0.0] * S
-    sends = build(name, S, microbatches, chunks, recompute).ticks(k, fuse).sends
+    sends = build(name, S, microbatches, chunks, recompute).ticks(k, fuse, head > 0).sends
     per_tick = p2p * permutes_per_tick(v, sends) if S > 1 else 0.0
-    for cells in _ticks(name, S, microbatches, chunks, _flags_key(name, recompute), k, fuse):
+    for cells in _ticks(name, S, microbatches, chunks, _flags_key(name, recompute), k, fuse,
+                        head > 0):
         work = [0.0] * S  # per stage, its lanes together (idle stages 0: neither max nor
         for s, kind, c in cells:  # SharedCores.tick counts them)
             work[s] += cost[kind][s][c]

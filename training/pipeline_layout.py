@@ -49,13 +49,13 @@ class PipelineSpec:
 
     def fused(self) -> bool:
         """Whether the executor runs the fused tick table: as set, else when it is the faster
-        in lockstep (`events.fused_by_default`); never with a backward split over ticks or a
-        split head (its phase sits between the last stage's forward and backward ticks)."""
-        if self.backward_ticks > 1 or self.split_head:
+        in lockstep (`events.fused_by_default`, with the split head's ordering); never with a
+        backward split over ticks."""
+        if self.backward_ticks > 1:
             return False
         if self.fuse is not None:
             return self.fuse
-        return events.fused_by_default(self.schedule_table())
+        return events.fused_by_default(self.schedule_table(), head=self.split_head)
 
     @property
     def virtual(self) -> int:

@@ -348,20 +348,28 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
 
         return jax.lax.cond(mb >= 0, go, lambda c: c, carry)
 
+    # A split head's inputs: the k-th forward of the last virtual stage a tick feeds the k-th
+    # head phase after it (`lowering.plan` puts its row at L-1-k).
+    H = p.heads
+    makes_head = jnp.asarray([kind in ("F", "FS") and j == V - 1 for kind, j in p.branches])
+
     def tick(carry, rows_t):
         out_act, out_grad = [no_send] * K, [no_send] * K
-        n_act = n_grad = jnp.zeros((), jnp.int32)
+        head_in = [no_send] * H
+        n_act = n_grad = n_head = jnp.zeros((), jnp.int32)
         for lane in range(p.lanes):
             b = rows_t[lane][s][BRANCH]
             carry, send_act, send_grad = jax.lax.switch(b, branches, carry, rows_t[lane][s])
             if p.lanes == 1:
-                out_act, out_grad = [send_act], [send_grad]
+                out_act, out_grad, head_in = [send_act], [send_grad], [send_act] * H
             else:
                 out_act = pick(out_act, n_act, sends_act[b], send_act)
                 out_grad = pick(out_grad, n_grad, sends_grad[b], send_grad)
+                head_in = pick(head_in, n_head, makes_head[b], send_act)
                 n_act, n_grad = n_act + sends_act[b], n_grad + sends_grad[b]
-        if prog.head is not None:  # one lane: what the last stage's forward made is its send
-            carry = head_phase(carry, out_act[0], rows_t[-1])
+                n_head = n_head + makes_head[b]
+        for k in range(H):
+            carry = head_phase(carry, head_in[k], rows_t[-1 - k])
         pools_, act_buf, grad_buf, mid, acc, loss = carry
         got_act = move(jnp.stack(out_act) if K > 1 else out_act[0], shift_act, (S - 1, 0), 0)
         got_grad = move(jnp.stack(out_grad) if K > 1 else out_grad[0], shift_grad,

@@ -14,8 +14,9 @@ from oases_jax.pipeline.actions import vstage
 from oases_jax.pipeline.table import Schedule, TickTable
 
 # Columns of a plan row (one per tick and stage). HEAD_MB and HEAD_STORE (split head only): the
-# micro-batch whose head runs after this tick (-1: none; the same on every device) and the
-# receive slot its output gradient goes to on the last virtual stage's device.
+# micro-batch whose head runs after this tick (-1: none; the same on every device; the k-th
+# head after a tick in its row L-1-k, as arrivals) and the receive slot its output gradient goes
+# to on the last virtual stage's device.
 BRANCH, MB, SLOT_IN, SLOT_OUT, ACT_READ, GRAD_READ, ACT_STORE, GRAD_STORE, HEAD_MB, HEAD_STORE \
     = range(10)
 # FS: a forward that stashes its input for a recompute; a backward spread over k ticks runs as
@@ -51,6 +52,12 @@ class Plan:
     @property
     def n_ticks(self) -> int:
         return self.table.n_ticks
+
+    @property
+    def heads(self) -> int:
+        """The most split-head phases after one tick (0 without a split head)."""
+        per_tick = (self.lane_rows()[:, :, 0, HEAD_MB] >= 0).sum(axis=1)
+        return int(per_tick.max(initial=0)) if self.head else 0
 
     def lane_rows(self) -> np.ndarray:
         """The rows as [T, lanes, S, 8]: tick t runs lane 0's switch, then lane 1's, ..."""
@@ -100,17 +107,14 @@ def plan(schedule: Schedule, backward_ticks: int | tuple[int, ...] = 1,
     backward of virtual stage j spans `backward_ticks[j]` ticks (`TickTable`): branch `B<p>`
     runs its part p, all parts read the one residual slot, part 0 the received gradient.
     `fuse`: the fused table (`tick_table`), one row per lane of each tick (lane k the k-th
-    action of a stage's run that tick). `head`: the head runs on every stage (its vocabulary
-    split over them) after the tick where the last virtual stage's forward made its input;
-    its output gradient is stored like a received gradient, which that stage's backward
-    reads (needs one action a tick: unfused)."""
+    action of a stage's run that tick). `head`: the head runs on every stage (each its share)
+    after the tick where the last virtual stage's forward made its input; its output gradient
+    is stored like a received gradient, which that stage's backward reads in a later tick."""
     if schedule.split_backward:
         raise UserError(f"the {schedule.name} schedule splits the backward into B and W, which "
                         f"the executor does not run yet: use 1f1b, gpipe, interleaved or merak")
-    if head and fuse:
-        raise UserError("a split head runs after the tick of the last stage's forward, which "
-                        "a fused tick may hold with its backward: use unfused ticks")
-    table = schedule.ticks(backward_ticks, fuse)
+    table = schedule.ticks(backward_ticks, fuse, head)
+    L = table.lanes
     S, V = schedule.stages, schedule.virtual
     recomputed = schedule.recomputed()
     branches: list[tuple[str, int]] = [("IDLE", -1)]
@@ -134,7 +138,7 @@ def plan(schedule: Schedule, backward_ticks: int | tuple[int, ...] = 1,
     held_act: dict[tuple[int, int], int] = {}  # (mb, receiving virtual stage) -> slot
     held_grad: dict[tuple[int, int], int] = {}
     stored = np.zeros((T, S), bool), np.zeros((T, S), bool)  # rows that store an arrival
-    heads = np.zeros(T, bool)  # ticks after which a head runs
+    heads = np.zeros(T, bool)  # rows that run a head after their tick
     for t, row in enumerate(table.ticks):
         for s, a in enumerate(row):
             r = rows[t, s]
@@ -190,16 +194,17 @@ def plan(schedule: Schedule, backward_ticks: int | tuple[int, ...] = 1,
             slots, held, col = ((act, held_act, ACT_STORE) if x.kind == "act"
                                 else (grad, held_grad, GRAD_STORE))
             held[(x.mb, x.dst)] = rows[t - k, d, col] = slots[d].take()
-        # The head after this tick: its output gradient waits in the last stage's receive
-        # buffer (its own column: an interleaved device may also receive a gradient this tick).
-        finals = [a for s, a in enumerate(row) if head and a.kind in ("F", "PF")
-                  and vstage(s, a, S) == V - 1]
-        if finals:
-            (a,) = finals  # one forward a tick on one device
-            rows[t, :, HEAD_MB] = a.mb
+        # The heads after this tick (at its last lane's row), in lane order: each output
+        # gradient waits in the last stage's receive buffer (its own column: an interleaved
+        # device may also receive a gradient this tick).
+        if head and t % L == L - 1:
             d = (V - 1) % S
-            held_grad[(a.mb, V - 1)] = rows[t, d, HEAD_STORE] = grad[d].take()
-            heads[t] = True
+            finals = [a for lane in table.ticks[t - L + 1:t + 1] for a in [lane[d]]
+                      if a.kind in ("F", "PF") and vstage(d, a, S) == V - 1]
+            for k, a in enumerate(finals):
+                rows[t - k, :, HEAD_MB] = a.mb
+                held_grad[(a.mb, V - 1)] = rows[t - k, d, HEAD_STORE] = grad[d].take()
+                heads[t - k] = True
     act_slots = max(a.used for a in act)
     grad_slots = max(g.used for g in grad)
     # Rows with no arrival store into a scratch slot past the real ones.

@@ -78,8 +78,9 @@ class Schedule:
         return tuple(all((mb, j) in done for mb in range(self.microbatches))
                      for j in range(self.virtual))
 
-    def ticks(self, backward_ticks: int | Sequence[int] = 1, fuse: bool = False) -> TickTable:
-        return tick_table(self, backward_ticks, fuse)
+    def ticks(self, backward_ticks: int | Sequence[int] = 1, fuse: bool = False,
+              head: bool = False) -> TickTable:
+        return tick_table(self, backward_ticks, fuse, head)
 
     def pretty(self, fuse: bool = False) -> str:
         """One row per stage, one column per tick (see `TickTable.pretty`)."""
@@ -293,27 +294,29 @@ _TABLES: dict[tuple, tuple[Schedule, TickTable]] = {}
 
 
 def tick_table(schedule: Schedule, backward_ticks: int | Sequence[int] = 1,
-               fuse: bool = False) -> TickTable:
+               fuse: bool = False, head: bool = False) -> TickTable:
     """Place every action on whole ticks: an action runs at the first tick after everything it
     waits for, and transfers happen between ticks. Unfused, every action takes one tick except a
     backward of virtual stage j, which takes `backward_ticks[j]` (one number: every stage) run
     back to back on its device. Fused (`_fused`), a tick holds a run of each stage's actions.
+    `head`: a split head (`executor.HeadProgram`) runs after the tick of each last-stage
+    forward, so the last virtual stage's backward of that micro-batch waits for a later tick, as for an input from another device (unfused tables always place it so).
     Raises InvalidSchedule on a deadlock. Cached per schedule object, as `_order` is: the
     planner asks the same schedule's tables for its choice, its memory and its step."""
     spans = backward_ticks if isinstance(backward_ticks, int) else tuple(backward_ticks)
-    key = (id(schedule), spans, fuse)
+    key = (id(schedule), spans, fuse, head and fuse)
     hit = _TABLES.get(key)
     if hit is not None and hit[0] is schedule:
         return hit[1]
-    table = _tick_table(schedule, backward_ticks, fuse)
+    table = _tick_table(schedule, backward_ticks, fuse, head)
     if len(_TABLES) > 256:
         _TABLES.clear()
     _TABLES[key] = (schedule, table)
     return table
 
 
-def _tick_table(schedule: Schedule, backward_ticks: int | Sequence[int], fuse: bool
-                ) -> TickTable:
+def _tick_table(schedule: Schedule, backward_ticks: int | Sequence[int], fuse: bool,
+                head: bool = False) -> TickTable:
     S, V = schedule.stages, schedule.virtual
     spans = ((backward_ticks,) * V if isinstance(backward_ticks, int)
              else tuple(backward_ticks))
@@ -325,7 +328,7 @@ def _tick_table(schedule: Schedule, backward_ticks: int | Sequence[int], fuse: b
         if split:
             raise InvalidSchedule(f"backward_ticks={backward_ticks!r}: a fused tick table runs "
                                   f"each backward in one tick; use 1 or unfused ticks")
-        return _fused(schedule)
+        return _fused(schedule, head)
 
     def duration(stage: int, action: Action) -> Fraction:
         return Fraction(spans[vstage(stage, action, S)] if action.kind == "B" else 1)
@@ -348,13 +351,19 @@ def _tick_table(schedule: Schedule, backward_ticks: int | Sequence[int], fuse: b
                      tuple(map(tuple, parts)) if split else (), spans if split else ())
 
 
-def _fused(schedule: Schedule) -> TickTable:
+def _fused(schedule: Schedule, head: bool = False) -> TickTable:
     """The fused tick table: each tick, each stage runs the run of its next actions that
     `fuse.cuts` places there (the shortest lockstep step under unit costs), lane k of a tick
-    holding the k-th action of every stage's run."""
-    S = schedule.stages
-    order = [(s, i, tuple(p for p, link in deps if link is not None))
-             for s, i, _, deps in _order(schedule)]  # refuses lists that deadlock
+    holding the k-th action of every stage's run. `head`: see `tick_table`."""
+    S, last = schedule.stages, schedule.virtual - 1
+
+    def after_the_head(s, a, p):
+        """Whether producer p is the last stage's forward that a split head runs after."""
+        return (head and a.kind == "B" and vstage(s, a, S) == last
+                and schedule.actions[p[0]][p[1]].kind in ("F", "PF"))
+
+    order = [(s, i, tuple(p for p, link in deps if link is not None or after_the_head(s, a, p)))
+             for s, i, a, deps in _order(schedule)]  # refuses lists that deadlock
     # Two activations (or gradients) a tick widen every tick's permutes: taken where that
     # saves more than `fuse.PER_SEND` a tick.
     best = None

@@ -120,9 +120,15 @@ def test_gpt2_split_head_balances_the_stages(stages):
     split = partition(xs, schedule="1f1b", stages=stages, microbatches=M, p2p=p2p, max_sims=24)
     assert split.balance <= 1.05 < whole.balance + 0.02
     assert split.makespan < whole.makespan
-    assert split.split_head and not split.fused_ticks  # the phase sits between unfused ticks
-    ticks = simulate("1f1b", M, 1, split.f, split.b, split.r, p2p, fuse=False)[0]
-    assert split.makespan == pytest.approx(ticks + M * xs.head_phase)
+    assert split.split_head
+
+    def step(phase):
+        return simulate("1f1b", M, 1, split.f, split.b, split.r, p2p, k=1,
+                        fuse=split.fused_ticks, head=phase)[0]
+
+    assert split.makespan == pytest.approx(step(xs.head_phase))
+    # M phases a step, one after the tick of each last-stage forward
+    assert step(2 * xs.head_phase) - step(xs.head_phase) == pytest.approx(M * xs.head_phase)
 
 
 def test_gpt2_spmd_stages_balanced_with_the_head_split():

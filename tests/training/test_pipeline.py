@@ -258,33 +258,43 @@ def test_backward_over_two_or_three_ticks(model, schedule, ticks):
                              layers="3,5", backward_ticks=ticks))
 
 
-SPLIT_HEAD = [  # (mesh, schedule, M, stage layers)
-    ("data=2,stage=4", "1f1b", "S+1", "2,3,1,2"),
-    ("data=2,stage=2,tensor=2", "merak", "2S+3", None),
-    pytest.param("data=4,stage=2", "interleaved", "S", None, marks=pytest.mark.slow),
-    pytest.param("stage=8", "gpipe", "S", None, marks=pytest.mark.slow),
+SPLIT_HEAD = [  # (mesh, schedule, M, stage layers, --fused-ticks)
+    ("data=2,stage=4", "1f1b", "S+1", "2,3,1,2", "auto"),  # fused
+    ("data=2,stage=4", "1f1b", "S+1", None, "off"),
+    ("data=2,stage=2,tensor=2", "merak", "2S+3", None, "on"),  # two forwards a tick
+    pytest.param("data=4,stage=2", "interleaved", "S", None, "auto", marks=pytest.mark.slow),
+    pytest.param("data=2,stage=4", "gpipe", "S", None, "on", marks=pytest.mark.slow),
+    pytest.param("stage=8", "gpipe", "S", None, "auto", marks=pytest.mark.slow),
 ]
 
 
-@pytest.mark.parametrize(("mesh", "schedule", "m", "layers"), SPLIT_HEAD)
-def test_split_head(model, mesh, schedule, m, layers):
+@pytest.mark.parametrize(("mesh", "schedule", "m", "layers", "fused"), SPLIT_HEAD)
+def test_split_head(model, mesh, schedule, m, layers, fused):
     """`--split-head on`: the head runs on every stage, each over 1/S of the positions, after
     the tick of the last stage's forward, and its input's gradient waits in the last stage's
-    receive buffer for the backward. The same numbers as one device (uneven stages, tensor
-    parallelism, two chunks a device, eight stages), with NaN-filled bubbles and buffers;
-    one head a micro-batch."""
+    receive buffer for the backward, which runs in a later tick (fused tables too). The same
+    numbers as one device (uneven stages, tensor parallelism, two chunks a device, eight
+    stages, fused and unfused tables), with NaN-filled bubbles and buffers; one head a
+    micro-batch."""
     cfg, graphdef, params = model
     S = _stages(mesh)
     pipe = ps.pipeline_spec(cfg, schedule=schedule, stages=S, microbatches=_m(m, S),
-                            stage_layers=layers, split_head="on")
+                            stage_layers=layers, split_head="on", fused_ticks=fused)
     plan = ps.step_plan(cfg, pipe)
-    assert plan.head and not pipe.fused()
+    assert plan.head
+    assert pipe.fused() == {"on": True, "off": False}.get(fused, pipe.fused())
     heads = plan.rows[:, 0, ps.executor.HEAD_MB]
     assert sorted(heads[heads >= 0]) == list(range(_m(m, S)))  # one head a micro-batch
+    # No tick runs the last virtual stage's forward and backward of one micro-batch.
+    chunk = (plan.virtual - 1) // S
+    for rows in plan.table.tick_rows():
+        done = {(a.kind, a.mb) for r in rows for a in [r[S - 1]]
+                if a.kind != "IDLE" and a.chunk == chunk}
+        assert not any(("F", mb) in done and ("B", mb) in done for _, mb in done), done
     tokens = _tokens(cfg, _m(m, S))
     _assert_equal(_reference(cfg, graphdef, params, tokens),
                   _pipelined(cfg, params, tokens, mesh, schedule, layers=layers, poison=True,
-                             split_head="on"))
+                             split_head="on", fused_ticks=fused))
 
 
 def test_layout_round_trip(model):

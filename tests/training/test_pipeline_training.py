@@ -141,8 +141,6 @@ def test_spmd_checkpoint_resumes_under_the_tick_executor(reference, tmp_path):
     (dict(mesh="data=2,tensor=4", fused_ticks="on"), "--fused-ticks on needs --pipeline"),
     (dict(mesh="stage=2,tensor=4", pipeline="gpipe_spmd", fused_ticks="off"),
      "gpipe_spmd runs one program on every stage.*--fused-ticks off"),
-    (dict(mesh="stage=2,tensor=4", pipeline="1f1b", split_head="on", fused_ticks="on"),
-     "--split-head on runs the head between the last stage's forward and backward ticks"),
     (dict(mesh="data=2,tensor=4", split_head="on"), "--split-head on needs --pipeline"),
     (dict(mesh="stage=2,tensor=4", pipeline="1f1b_spmd", split_head="on"),
      "1f1b_spmd runs one program on every stage.*--split-head on"),
