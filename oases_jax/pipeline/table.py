@@ -300,7 +300,8 @@ def tick_table(schedule: Schedule, backward_ticks: int | Sequence[int] = 1,
     backward of virtual stage j, which takes `backward_ticks[j]` (one number: every stage) run
     back to back on its device. Fused (`_fused`), a tick holds a run of each stage's actions.
     `head`: a split head (`executor.HeadProgram`) runs after the tick of each last-stage
-    forward, so the last virtual stage's backward of that micro-batch waits for a later tick, as for an input from another device (unfused tables always place it so).
+    forward, so the last virtual stage's backward of that micro-batch waits for a later tick,
+    as for an input from another device (unfused tables always place it so).
     Raises InvalidSchedule on a deadlock. Cached per schedule object, as `_order` is: the
     planner asks the same schedule's tables for its choice, its memory and its step."""
     spans = backward_ticks if isinstance(backward_ticks, int) else tuple(backward_ticks)
