@@ -48,12 +48,11 @@ def _build(name: str, stages: int, microbatches: int, chunks: int,
 
 
 @functools.lru_cache(maxsize=512)
-def fused(name: str, stages: int, microbatches: int, chunks: int = 1, head: bool = False
-          ) -> bool:
+def fused(name: str, stages: int, microbatches: int, chunks: int = 1) -> bool:
     """Whether the runtime runs the schedule on its fused tick table when the plan does not
     say (`events.fused_by_default`, what `PipelineSpec.fused` asks too): what the planner
     prices, so that a plan's memory and step are those of the table it runs."""
-    return events.fused_by_default(build(name, stages, microbatches, chunks), head=head)
+    return events.fused_by_default(build(name, stages, microbatches, chunks))
 
 
 @functools.lru_cache(maxsize=512)
@@ -70,7 +69,7 @@ def peak_inflight(name: str, stages: int, microbatches: int, chunks: int = 1,
     if name == "1f1b_spmd":  # one micro-batch's residuals, in its backward's recompute
         return (1,) * stages
     sch = build(name, stages, microbatches, chunks)
-    fuse = fused(name, stages, microbatches, chunks, split_head)
+    fuse = not split_head and fused(name, stages, microbatches, chunks)  # `PipelineSpec.fused`
     return inflight(sch, sch.ticks(fuse=fuse, head=split_head))[0]
 
 
@@ -81,7 +80,7 @@ def table_choices(name: str, microbatches: int, chunks: int, f: Sequence[float],
     backward on the table `fused` chooses (`pipeline.fuse`: fused, a stage may run a short run
     of its actions in one tick). Not chosen by these costs: the stages' memory
     (`peak_inflight`) depends on the table, and the partitioner fixes it before it prices."""
-    fuse = fused(name, len(f), microbatches, chunks, split_head)
+    fuse = not split_head and fused(name, len(f), microbatches, chunks)
     return tuple((k, fuse and k == 1) for k in tick_choices(name, f, b, r))
 
 
@@ -187,8 +186,9 @@ def simulate(name: str, microbatches: int, chunks: int, f: Sequence[float],
     (CPU devices), so a tick lasts as long as its stages' work takes on the cores they share
     (`SharedCores.tick`) rather than its slowest stage's. `head`: a split head's phase, one
     a micro-batch on every device between ticks (`--split-head on`: the ends' last_f and
-    last_b are then 0, and the last stage's backward waits a tick for its forward's head);
-    every stage's last action follows the last phase."""
+    last_b are then 0, the table unfused unless `fuse` says, and on a fused one the last
+    stage's backward waits a tick for its forward's head); every stage's last action follows
+    the last phase."""
     if k is None:
         return min((simulate(name, microbatches, chunks, f, b, r, p2p, k=kk, ends=ends,
                              shared=shared, fuse=ff if fuse is None else fuse and kk == 1,
@@ -196,7 +196,7 @@ def simulate(name: str, microbatches: int, chunks: int, f: Sequence[float],
                     for kk, ff in table_choices(name, microbatches, chunks, f, b, r, head > 0)),
                    key=lambda got: got[0])
     if fuse is None:
-        fuse = k == 1 and fused(name, len(f), microbatches, chunks, head > 0)
+        fuse = k == 1 and not head and fused(name, len(f), microbatches, chunks)
     S = len(f)
     f, b_run, recompute = _program_costs(f, b, r, whole_stages(name, S, microbatches, chunks))
     v = build(name, S, microbatches, chunks, recompute).chunks

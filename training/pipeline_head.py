@@ -60,4 +60,5 @@ def split_head(cfg: ModelConfig, pipe: PipelineSpec, seq_len: int, table_key: st
                                      g["norm_f"])
         return acc
 
-    return HeadProgram(params=params, loss=loss, add_grads=add_grads)
+    return HeadProgram(params=params, loss=loss, add_grads=add_grads,
+                       keys=tuple(dict.fromkeys((head_key, "norm_f"))))

@@ -143,14 +143,12 @@ def lockstep_makespan(table: TickTable, costs: Costs | None = None) -> Fraction:
     return total
 
 
-def fused_by_default(schedule: Schedule, costs: Costs | None = None, head: bool = False
-                     ) -> bool:
+def fused_by_default(schedule: Schedule, costs: Costs | None = None) -> bool:
     """Whether the executor runs `schedule` on its fused tick table when nothing chooses: when
     that table's lockstep step is shorter than the unfused one's under `costs` (default F=1,
     B=2, R=1). So with B = 2F, at M=8: 1F1B at S=2 (27 against 34 units) and S=4 (39 against
     40), interleaved at S=2 and 4, Merak's at S=2 (32 against 33) and S=4 (44 against 51); not
     GPipe's (the tables tie), nor from S=8 (`fuse.EXACT_STAGES`), where the greedy placement
-    is slower (1F1B at S=8, M=32: 186 against 148). `head`: with a split head, whose phases
-    (the same M in both tables) keep the last stage's backward out of its forward's tick."""
-    return (lockstep_makespan(schedule.ticks(fuse=True, head=head), costs)
+    is slower (1F1B at S=8, M=32: 186 against 148)."""
+    return (lockstep_makespan(schedule.ticks(fuse=True), costs)
             < lockstep_makespan(schedule.ticks(), costs))
