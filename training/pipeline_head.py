@@ -1,4 +1,4 @@
-"""The head split over the pipeline's stages by tokens, for the tick executor (`--split-head on`;
+"""The head split over the pipeline's stages by positions, for the tick executor (`--split-head on`;
 docs/parallelism.md, "Split head"): the last stage's forward ends at the final hidden state, and
 after its tick every stage runs the final norm, the logits and the loss of 1/S of that
 micro-batch's positions, so no stage carries the head's work alone.

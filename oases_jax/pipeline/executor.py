@@ -71,6 +71,7 @@ class HeadProgram:
     add_grads: Callable[[Any, Any], Any]
     keys: tuple[str, ...] = ()  # the accumulator's entries `add_grads` writes (all it reads)
 
+
 @dataclasses.dataclass(frozen=True)
 class StageProgram:
     """What the executor runs for virtual stage j, split into `parts[j]` consecutive parts (a
@@ -335,9 +336,7 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
         stage (`HeadProgram`: each its share): the loss, the head's gradient, and the gradient
         of its input into the last stage's receive buffer. A conditional on a value the same
         on every device (device 0's row), so every device runs its collectives or none does.
-        Only what it writes goes through it: with the whole loop state, XLA copied the pools
-        through it every tick (GPT-2 1.5B interleaved, stage=2,data=8: a tick's rest 0.29 ->
-        5.84 ms, every branch about twice as long)."""
+        Only what it writes goes through it (the pools never do)."""
         pools_, act_buf, grad_buf, mid, acc, loss = carry
         mb = rows[0][HEAD_MB]
         keys = prog.head.keys
