@@ -17,6 +17,7 @@ from planner.layout import Layout
 from planner.prices import Hardware
 from planner.primepar_cost import square_layouts
 from planner.search import divisors, strategies
+from planner.split_head import SPLIT_HEAD_MARGIN, split_head_inputs
 from planner.spmd_stages import SPMD_1F1B, spmd_head_s, spmd_weight_pass_s, uniform_stages
 from planner.stage_fsdp import FSDP_TP_STAGE_SCHEDULES, fsdp_layer_s
 from planner.stage_partition import StageInputs, StagePlan, fixed, partition
@@ -138,32 +139,6 @@ def stage_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware,
         block_bytes=(per_param + (e if e < 4 else 0)) * blocks / cfg.n_layers / t / f + gathered,
         shared_bytes=per_param * shared / t / f, last_f=head_s / 3, last_b=2 * head_s / 3,
         last_temp=head_temp, shared=hw.shared_cores())
-
-
-# The screen's error between the two heads (its bubble estimate knows no fused ticks: fused 1F1B
-# and interleaved ran 3.0-3.9% faster compiled, docs/parallelism.md "Fused ticks"); beyond it the
-# slower-screened head is not partitioned.
-SPLIT_HEAD_MARGIN = 0.05
-
-
-def split_head_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware, strategy: LayerSpec,
-                      x: StageInputs, stages: int) -> StageInputs | None:
-    """`x` with the head split over the stages by positions (`--split-head on`,
-    `training.pipeline_head`): no head on the last stage; every device runs, once a
-    micro-batch, the head and loss of 1/S of its positions (`head_cost` / S) after a
-    reduce-scatter over `stage` of the last stage's output and before the all-gather of its
-    gradient, and keeps 1/S of the logits. None where the runtime cannot split it (the
-    sequence not into S equal slices)."""
-    if stages < 2 or layout.seq_len % stages:
-        return None
-    head_s, head_temp = head_cost(cfg, layout, hw)
-    nbytes = layout.rows * layout.seq_len * cfg.d_model * elem_bytes(cfg) \
-        / stream_split(strategy.schedule, layout.tensor, layout.primepar)
-    group = [s * layout.replicas * layout.tensor for s in range(stages)]
-    phase = head_s / stages + hw.comm_s("reduce-scatter", nbytes, group) \
-        + hw.comm_s("all-gather", nbytes, group)
-    return dataclasses.replace(x, last_f=0.0, last_b=0.0, last_temp=head_temp / stages,
-                               head_phase=phase)
 
 
 def transfer_s(cfg: ModelConfig, layout: Layout, hw: Hardware, strategy: LayerSpec,
