@@ -41,7 +41,7 @@ class TickLoop:
     body: str  # its body computation
     switches: tuple[Instr, ...]  # the conditional of each lane
     branches: tuple[str, ...]  # branch computations, in Plan.branches' order
-    head: Instr | None = None  # a split head's conditional (`executor.HeadProgram`)
+    heads: tuple[Instr, ...] = ()  # a split head's conditionals (`executor.HeadProgram`)
 
 
 def find_tick_loop(program: Program, plan: Plan) -> TickLoop | None:
@@ -64,10 +64,11 @@ def find_tick_loop(program: Program, plan: Plan) -> TickLoop | None:
             lane_of = [next((lane for lane in range(plan.lanes) if (used[:, lane] == g).any()),
                             0) for g in range(n)]
             branches = tuple(switches[lane_of[g]].called[g] for g in range(n))
-            # A split head's phase: the body's other conditional (`lax.cond`: true, false).
-            head = next((c for c in _conditionals(program, body) if c not in switches
-                         and len(c.called) == 2), None) if plan.head else None
-            return TickLoop(instr, body, tuple(switches), branches, head)
+            # A split head's phases: the body's other conditionals (`lax.cond`: true, false),
+            # one per phase a tick may run (`Plan.heads`).
+            heads = tuple(c for c in _conditionals(program, body) if c not in switches
+                          and len(c.called) == 2) if plan.head else ()
+            return TickLoop(instr, body, tuple(switches), branches, heads)
     return None
 
 
@@ -87,12 +88,12 @@ class PipelineTime:
     branch: list[SimResult]  # per branch of Plan.branches
     rest: SimResult  # one tick body without the conditional (the permutes, buffer updates)
     outside: SimResult  # the program without the tick loop
-    head: SimResult | None = None  # a split head's phase (its conditional's true branch)
+    head: SimResult | None = None  # one split-head phase (its conditional's true branch)
 
     @property
     def head_ticks(self) -> np.ndarray:
-        """[T] whether a split head's phase runs after each tick."""
-        return self.plan.lane_rows()[:, -1, 0, HEAD_MB] >= 0
+        """[T] the split head's phases run after each tick."""
+        return (self.plan.lane_rows()[:, :, 0, HEAD_MB] >= 0).sum(axis=1)
 
     @property
     def head_s(self) -> float:
@@ -226,8 +227,8 @@ def pipeline_time(program: Program, cluster: ClusterSpec, plan: Plan, *,
     sim = Simulator(program, cluster, max_events=0, compute_cost=compute_cost,
                     comm_cost=comm_cost)
     branch = [sim.replay(c) for c in loop.branches]
-    conds = {sw.name for sw in loop.switches} | ({loop.head.name} if loop.head else set())
+    conds = {c.name for c in (*loop.switches, *loop.heads)}
     rest = sim.replay(loop.body, skip=frozenset(conds))
     outside = sim.replay(program.module.entry, skip=frozenset({loop.loop.name}))
-    head = sim.replay(loop.head.called[0]) if loop.head else None
+    head = sim.replay(loop.heads[0].called[0]) if loop.heads else None
     return PipelineTime(plan, loop, branch, rest, outside, head)

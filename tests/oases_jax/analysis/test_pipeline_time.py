@@ -54,15 +54,18 @@ def test_branch_computations_follow_switch_index():
         assert op in ops and not (set(UNARY) - {op}) & ops, (op, branch, ops)
 
 
-def _program(schedule: str, m: int, ticks: int = 1, cfg=CFG, fused: str = "off"):
+def _program(schedule: str, m: int, ticks: int = 1, cfg=CFG, fused: str = "off",
+             split_head: str = "off"):
     spec = CompileSpec(model=cfg, parallel=ParallelConfig(mesh=MESH, rules="tp",
                                                           schedule="megatron", pipeline=schedule,
                                                           backward_ticks=ticks,
-                                                          fused_ticks=fused),
+                                                          fused_ticks=fused,
+                                                          split_head=split_head),
                        batch_size=4 * m, seq_len=16, microbatches=m)
     mesh = make_mesh(MESH, jax.devices()[:4])
     compiled = lower(spec, mesh).compile()
-    plan = executor.plan(schedules.get(schedule)(2, m), ticks, fuse=fused == "on")
+    plan = executor.plan(schedules.get(schedule)(2, m), ticks, fuse=fused == "on",
+                         head=split_head == "on")
     return Program(compiled.as_text(), (("data", 2), ("stage", 2))), plan
 
 
@@ -91,13 +94,14 @@ def one_f_one_b_split():
     return _program("1f1b", 4, ticks=2, cfg=CFG.replace(n_layers=4))
 
 
-def _timed(program, plan, by_branch, rest=0.0, outside=0.0, permute=0.0):
+def _timed(program, plan, by_branch, rest=0.0, outside=0.0, permute=0.0, head=0.0):
     """pipeline_time with hand costs: each branch computation `by_branch[(kind, j)]`, the tick
-    body's own ops `rest`, the entry's `outside`, each collective `permute` (charged on the
-    first instruction of each computation, nothing elsewhere)."""
+    body's own ops `rest`, the entry's `outside`, a split head's phase `head`, each collective
+    `permute` (charged on the first instruction of each computation, nothing elsewhere)."""
     loop = find_tick_loop(program, plan)
     per_comp = {c: by_branch.get(kb, 0.0) for kb, c in zip(plan.branches, loop.branches,
                                                             strict=True)}
+    per_comp.update({h.called[0]: head for h in loop.heads})
     per_comp[loop.body] = rest
     per_comp[program.module.entry] = outside
 
@@ -192,6 +196,24 @@ def test_fused_ticks_meet_the_event_step(one_f_one_b_fused):
     assert r["idle_fraction"] == pytest.approx(r["events"]["idle_fraction"])
     assert r["idle_fraction"] == pytest.approx([3 / 15, 3 / 15])
     assert pt.per_tick.tolist() == [[1, 0], [1, 3], [3, 3], [3, 3], [2, 3], [2, 0]]
+
+
+def test_split_head_phase_after_the_ticks_that_run_it():
+    """1F1B with the head split over the stages (`--split-head on`, unfused): the tick body
+    holds one more conditional, the head's phase (true: the phase, false: nothing), which runs
+    after each tick where the last stage ran a forward; with F=1, B=2 and a phase of 0.5 the
+    loop is the switch time plus M phases."""
+    program, plan = _program("1f1b", 4, split_head="on")
+    loop = find_tick_loop(program, plan)
+    assert plan.head and plan.heads == 1 and len(loop.heads) == 1
+    assert len(loop.heads[0].called) == 2 and loop.heads[0] not in loop.switches
+    pt = _timed(program, plan, {("F", 0): 1.0, ("F", 1): 1.0, ("B", 0): 2.0, ("B", 1): 2.0},
+                head=0.5)
+    last_forward = [int(rows[0][1].kind == "F") for rows in plan.table.tick_rows()]
+    assert pt.head_ticks.tolist() == last_forward and sum(last_forward) == 4
+    r = pt.to_json()
+    assert (r["head_phases"], r["head_phase_s"]) == (4, 0.5)
+    assert r["loop_s"] == pytest.approx(r["switch_s"] + 4 * 0.5)
 
 
 def test_merak_fused_two_sends_and_per_stage_recompute(merak_fused):
