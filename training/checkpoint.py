@@ -175,7 +175,7 @@ class Checkpointer:
             step, self.pending = self.pending, None
             with contextlib.suppress(Exception):  # let orbax's other writes end first
                 self.manager.wait_until_finished()
-            self.remove_unfinished()
+            self.remove_unfinished(settle=1.0)
             complete = self.complete_steps()
             kept = f"step {complete[-1]} is the latest checkpoint" if complete else \
                 "no checkpoint was complete"
@@ -185,17 +185,21 @@ class Checkpointer:
                 "--ckpt-dir, then --resume"
             ) from None
 
-    def remove_unfinished(self) -> None:
+    def remove_unfinished(self, settle: float = 0.0) -> None:
         """Remove unfinished saves (process 0, which finalises saves); also called when the
-        run is abandoned (a lost process)."""
+        run is abandoned (a lost process). `settle`: after a failed save, TensorStore may
+        still finish writes orbax gave up waiting for, and each recreates the directories
+        above it; return only once none has reappeared for that many seconds (at most 10 s)."""
         if jax.process_index() != 0 or not self.path.is_dir():
             return
-        for _ in range(50):  # TensorStore may still finish writes orbax gave up waiting for
+        quiet, deadline = 0.0, time.monotonic() + 10.0
+        while time.monotonic() < deadline:
             left = [p for p in self.path.iterdir() if TMP_SUFFIX in p.name]
-            if not left:
-                return
             for p in left:
                 shutil.rmtree(p, ignore_errors=True)
+            quiet = 0.0 if left else quiet + 0.1
+            if not left and quiet > settle:
+                return
             time.sleep(0.1)
 
     def complete_steps(self) -> list[int]:
