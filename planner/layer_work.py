@@ -66,6 +66,13 @@ def stream_split(schedule: str, tensor: int, square: bool = False) -> int:
     return tensor if square else sequence_split(schedule, tensor)
 
 
+def stream_bytes(cfg: ModelConfig, layout: Layout, schedule: str) -> float:
+    """One micro-batch's residual stream on one device, T D e bytes over `stream_split`: what
+    a stage sends its neighbour, and what a split head gathers."""
+    return layout.rows * layout.seq_len * cfg.d_model * elem_bytes(cfg) \
+        / stream_split(schedule, layout.tensor, layout.primepar)
+
+
 @dataclasses.dataclass(frozen=True)
 class SubLayerWork:
     """Seconds of the parts of one residual sub-layer (attention or MLP) for `rows` rows."""

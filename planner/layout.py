@@ -67,6 +67,10 @@ class Layout:
         """Rows of one micro-batch on one device (before sub-batching)."""
         return self.global_batch // (self.replicas * self.microbatches)
 
+    def stage_group(self, stages: int) -> list[int]:
+        """Device ids of one `stage` group (stage is the outermost mesh axis)."""
+        return [s * self.replicas * self.tensor for s in range(stages)]
+
     def mesh(self) -> dict[str, int]:
         """The training mesh: replicas on `data` (sharded or not, per `rules()`), then tensor
         (or primepar's square, `tp_row` x `tp_col`); with experts, data and expert in the

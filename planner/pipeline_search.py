@@ -12,7 +12,7 @@ from models.config import ModelConfig
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.pipeline import SPMD_PIPELINES, STAGE_SCHEDULES
 from planner.layer_cost import LayerModel
-from planner.layer_work import elem_bytes, stream_split
+from planner.layer_work import elem_bytes, stream_bytes
 from planner.layout import Layout
 from planner.prices import Hardware
 from planner.primepar_cost import square_layouts
@@ -151,10 +151,8 @@ def transfer_s(cfg: ModelConfig, layout: Layout, hw: Hardware, strategy: LayerSp
     permutes take its time, 0.30 ms a tick against 0.04 priced on NVLink)."""
     if stages == 1:
         return 0.0
-    nbytes = layout.rows * layout.seq_len * cfg.d_model * elem_bytes(cfg) \
-        / stream_split(strategy.schedule, layout.tensor, layout.primepar)
-    span = layout.replicas * layout.tensor
-    return hw.comm_s("collective-permute", nbytes, [s * span for s in range(stages)])
+    return hw.comm_s("collective-permute", stream_bytes(cfg, layout, strategy.schedule),
+                     layout.stage_group(stages))
 
 
 def price(cfg: ModelConfig, hw: Hardware, stages: int, layout: Layout, strategy: LayerSpec,
@@ -172,8 +170,7 @@ def price(cfg: ModelConfig, hw: Hardware, stages: int, layout: Layout, strategy:
     group = [i * layout.tensor for i in range(layout.data)]
     reduce = hw.comm_s("all-reduce", 4 * local, group)
     shared_params = local_params(cfg, layout, 0)
-    stage_group = [s * layout.replicas * layout.tensor for s in range(stages)]
-    stage_sum = hw.comm_s("all-reduce", 4 * shared_params, stage_group)
+    stage_sum = hw.comm_s("all-reduce", 4 * shared_params, layout.stage_group(stages))
     opt = update_s(cfg, local, hw)
     accum = hw.mem_s(3 * 4 * local) * layout.microbatches if layout.microbatches > 1 else 0.0
     end = max(fin + reduce for fin in sp.finish)

@@ -8,7 +8,7 @@ import dataclasses
 
 from models.config import ModelConfig
 from oases_jax.layer_plan import LayerSpec
-from planner.layer_work import elem_bytes, stream_split
+from planner.layer_work import stream_bytes
 from planner.layout import Layout
 from planner.prices import Hardware
 from planner.stage_types import StageInputs
@@ -33,9 +33,8 @@ def split_head_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware, strategy: 
     if stages < 2 or layout.seq_len % stages:
         return None
     head_s, head_temp = head_cost(cfg, layout, hw)
-    nbytes = layout.rows * layout.seq_len * cfg.d_model * elem_bytes(cfg) \
-        / stream_split(strategy.schedule, layout.tensor, layout.primepar)
-    group = [s * layout.replicas * layout.tensor for s in range(stages)]
+    nbytes = stream_bytes(cfg, layout, strategy.schedule)
+    group = layout.stage_group(stages)
     phase = head_s / stages + hw.comm_s("reduce-scatter", nbytes, group) \
         + hw.comm_s("all-gather", nbytes, group)
     return dataclasses.replace(x, last_f=0.0, last_b=0.0, last_temp=head_temp / stages,

@@ -9,7 +9,7 @@ import dataclasses
 
 from models.config import ModelConfig
 from oases_jax.layer_plan import LayerSpec
-from planner.layer_work import elem_bytes, stream_split
+from planner.layer_work import elem_bytes, stream_bytes
 from planner.layout import Layout
 from planner.prices import Hardware
 from planner.stage_partition import StageInputs, StagePlan, fixed
@@ -80,9 +80,8 @@ def spmd_head_s(cfg: ModelConfig, layout: Layout, hw: Hardware, strategy: LayerS
     head, _ = head_cost(cfg, layout, hw)
     split = stages if cfg.padded_vocab % (stages * layout.tensor) == 0 else 1
     M = layout.microbatches
-    nbytes = layout.rows * layout.seq_len * cfg.d_model * elem_bytes(cfg) \
-        / stream_split(strategy.schedule, layout.tensor, layout.primepar)
-    group = [s * layout.replicas * layout.tensor for s in range(stages)]
+    nbytes = stream_bytes(cfg, layout, strategy.schedule)
+    group = layout.stage_group(stages)
     if schedule == SPMD_1F1B:
         return M * (head / split + 2 * hw.comm_s("all-reduce", nbytes, group))
     return M * head * 4 / 3 / split + 2 * hw.comm_s("all-reduce", M * nbytes, group)

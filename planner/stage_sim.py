@@ -48,11 +48,13 @@ def _build(name: str, stages: int, microbatches: int, chunks: int,
 
 
 @functools.lru_cache(maxsize=512)
-def fused(name: str, stages: int, microbatches: int, chunks: int = 1) -> bool:
+def fused(name: str, stages: int, microbatches: int, chunks: int = 1,
+          split_head: bool = False) -> bool:
     """Whether the runtime runs the schedule on its fused tick table when the plan does not
-    say (`events.fused_by_default`, what `PipelineSpec.fused` asks too): what the planner
-    prices, so that a plan's memory and step are those of the table it runs."""
-    return events.fused_by_default(build(name, stages, microbatches, chunks))
+    say (`PipelineSpec.fused`'s rule: `events.fused_by_default`, never with a split head):
+    what the planner prices, so that a plan's memory and step are those of the table it
+    runs."""
+    return not split_head and events.fused_by_default(build(name, stages, microbatches, chunks))
 
 
 @functools.lru_cache(maxsize=512)
@@ -69,7 +71,7 @@ def peak_inflight(name: str, stages: int, microbatches: int, chunks: int = 1,
     if name == "1f1b_spmd":  # one micro-batch's residuals, in its backward's recompute
         return (1,) * stages
     sch = build(name, stages, microbatches, chunks)
-    fuse = not split_head and fused(name, stages, microbatches, chunks)  # `PipelineSpec.fused`
+    fuse = fused(name, stages, microbatches, chunks, split_head)
     return inflight(sch, sch.ticks(fuse=fuse, head=split_head))[0]
 
 
@@ -80,7 +82,7 @@ def table_choices(name: str, microbatches: int, chunks: int, f: Sequence[float],
     backward on the table `fused` chooses (`pipeline.fuse`: fused, a stage may run a short run
     of its actions in one tick). Not chosen by these costs: the stages' memory
     (`peak_inflight`) depends on the table, and the partitioner fixes it before it prices."""
-    fuse = not split_head and fused(name, len(f), microbatches, chunks)
+    fuse = fused(name, len(f), microbatches, chunks, split_head)
     return tuple((k, fuse and k == 1) for k in tick_choices(name, f, b, r))
 
 
@@ -196,7 +198,7 @@ def simulate(name: str, microbatches: int, chunks: int, f: Sequence[float],
                     for kk, ff in table_choices(name, microbatches, chunks, f, b, r, head > 0)),
                    key=lambda got: got[0])
     if fuse is None:
-        fuse = k == 1 and not head and fused(name, len(f), microbatches, chunks)
+        fuse = k == 1 and fused(name, len(f), microbatches, chunks, head > 0)
     S = len(f)
     f, b_run, recompute = _program_costs(f, b, r, whole_stages(name, S, microbatches, chunks))
     v = build(name, S, microbatches, chunks, recompute).chunks

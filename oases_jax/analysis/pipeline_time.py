@@ -32,7 +32,7 @@ from oases_jax.analysis.hlo import Instr
 from oases_jax.analysis.program import Program
 from oases_jax.analysis.simulate import SimResult, Simulator
 from oases_jax.pipeline import events
-from oases_jax.pipeline.executor import BRANCH, HEAD_MB, Plan, base_kind
+from oases_jax.pipeline.executor import BRANCH, Plan, base_kind
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +56,8 @@ def find_tick_loop(program: Program, plan: Plan) -> TickLoop | None:
             if instr.opcode != "while" or module.trip_count(instr) != T:
                 continue
             body = (instr.attr("body") or "").lstrip("%")
-            switches = [c for c in _conditionals(program, body) if len(c.called) == n]
+            conds = list(_conditionals(program, body))
+            switches = [c for c in conds if len(c.called) == n]
             if len(switches) < plan.lanes:
                 continue
             switches = switches[:plan.lanes]
@@ -66,7 +67,7 @@ def find_tick_loop(program: Program, plan: Plan) -> TickLoop | None:
             branches = tuple(switches[lane_of[g]].called[g] for g in range(n))
             # A split head's phases: the body's other conditionals (`lax.cond`: true, false),
             # one per phase a tick may run (`Plan.heads`).
-            heads = tuple(c for c in _conditionals(program, body) if c not in switches
+            heads = tuple(c for c in conds if c not in switches
                           and len(c.called) == 2) if plan.head else ()
             return TickLoop(instr, body, tuple(switches), branches, heads)
     return None
@@ -93,7 +94,7 @@ class PipelineTime:
     @property
     def head_ticks(self) -> np.ndarray:
         """[T] the split head's phases run after each tick."""
-        return (self.plan.lane_rows()[:, :, 0, HEAD_MB] >= 0).sum(axis=1)
+        return self.plan.head_phases()
 
     @property
     def head_s(self) -> float:

@@ -53,11 +53,14 @@ class Plan:
     def n_ticks(self) -> int:
         return self.table.n_ticks
 
+    def head_phases(self) -> np.ndarray:
+        """[T] the split-head phases run after each tick (zeros without a split head)."""
+        return (self.lane_rows()[:, :, 0, HEAD_MB] >= 0).sum(axis=1)
+
     @property
     def heads(self) -> int:
         """The most split-head phases after one tick (0 without a split head)."""
-        per_tick = (self.lane_rows()[:, :, 0, HEAD_MB] >= 0).sum(axis=1)
-        return int(per_tick.max(initial=0)) if self.head else 0
+        return int(self.head_phases().max(initial=0))
 
     def lane_rows(self) -> np.ndarray:
         """The rows as [T, lanes, S, 8]: tick t runs lane 0's switch, then lane 1's, ..."""
@@ -138,7 +141,6 @@ def plan(schedule: Schedule, backward_ticks: int | tuple[int, ...] = 1,
     held_act: dict[tuple[int, int], int] = {}  # (mb, receiving virtual stage) -> slot
     held_grad: dict[tuple[int, int], int] = {}
     stored = np.zeros((T, S), bool), np.zeros((T, S), bool)  # rows that store an arrival
-    heads = np.zeros(T, bool)  # rows that run a head after their tick
     for t, row in enumerate(table.ticks):
         for s, a in enumerate(row):
             r = rows[t, s]
@@ -204,13 +206,13 @@ def plan(schedule: Schedule, backward_ticks: int | tuple[int, ...] = 1,
             for k, a in enumerate(finals):
                 rows[t - k, :, HEAD_MB] = a.mb
                 held_grad[(a.mb, V - 1)] = rows[t - k, d, HEAD_STORE] = grad[d].take()
-                heads[t - k] = True
     act_slots = max(a.used for a in act)
     grad_slots = max(g.used for g in grad)
     # Rows with no arrival store into a scratch slot past the real ones.
     rows[..., ACT_STORE] = np.where(stored[0], rows[..., ACT_STORE], act_slots)
     rows[..., GRAD_STORE] = np.where(stored[1], rows[..., GRAD_STORE], grad_slots)
-    rows[..., HEAD_STORE] = np.where(heads[:, None] & (np.arange(S) == (V - 1) % S),
+    heads = rows[:, :1, HEAD_MB] >= 0  # rows that run a head after their tick
+    rows[..., HEAD_STORE] = np.where(heads & (np.arange(S) == (V - 1) % S),
                                      rows[..., HEAD_STORE], grad_slots)
     return Plan(schedule, tuple(branches), rows, tuple(r.used for r in res),
                 tuple(s.used for s in stash), act_slots, grad_slots, table, head)
