@@ -66,8 +66,9 @@ def comm_pattern(schedule: str) -> str:
 class LayerModel(LayerWork):
     """Costs of one transformer layer under one layout and strategy."""
 
-    def __init__(self, cfg: ModelConfig, layout: Layout, hw: Hardware):
-        super().__init__(cfg, layout, hw)
+    def __init__(self, cfg: ModelConfig, layout: Layout, hw: Hardware, *,
+                 gathered_stack: bool = False):
+        super().__init__(cfg, layout, hw, gathered_stack=gathered_stack)
         self._step_extra = 0.0
 
     # Op lists.

@@ -101,7 +101,7 @@ def stage_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware,
     `pools`:
     the executor keeps residuals between ticks (not 1f1b_spmd, whose backward recomputes them
     inside its own `vjp`: no store and load passes)."""
-    lm = LayerModel(cfg, layout, hw)
+    lm = LayerModel(cfg, layout, hw, gathered_stack=True)
     none, full = (dataclasses.replace(strategy, remat=r) for r in ("none", "full"))
     c0, c1 = lm.time(none), lm.time(full)
     # The executor's forward stores what a layer keeps in its pools and its backward loads it
@@ -364,7 +364,7 @@ def _strategy(cfg, layout, hw, megatron_only: bool, anywhere: bool = False
             and (not megatron_only or s.schedule == "megatron")]
     if not opts:
         return None
-    lm = LayerModel(cfg, layout, hw)
+    lm = LayerModel(cfg, layout, hw, gathered_stack=True)
     return min(opts, key=lambda s: lm.time(s).step_s)
 
 

@@ -12,6 +12,7 @@ from oases_jax.layer_plan import LayerSpec
 from oases_jax.registry import SCHEDULES
 from planner.layer_cost import LayerCost, LayerModel
 from planner.layer_work import elem_bytes, layer_matrices
+from planner.fsdp_chain import layer_exposed
 from planner.layout import Layout, replica_group, tensor_group
 from planner.prices import Hardware
 from planner.primepar_cost import head_extra
@@ -185,30 +186,20 @@ def fsdp_comm_s(cfg: ModelConfig, layout: Layout, hw: Hardware, strategies: Sequ
     each layer's weights over the fsdp group before its forward and again before its backward
     (a recompute uses the backward's gather) and reduce-scatters its gradients after it; the
     weight matrices move in the compute dtype (cast before the gather,
-    `models.layers.compute_weights`), their gradients too, the rest (norms, biases) in fp32; the
-    embedding and head gather once each way and reduce-scatter once. A layer's gathers are
-    issued in its own loop iteration (XLA does not pipeline them into the previous one by
-    default), so the weights of the sub-layer that runs first are waited for (attention's
-    forward, the MLP's backward: g_1) and the others run beside it; beyond that, what the
-    collective stream carries past the loop's compute shows (with the layers' own
-    tensor-parallel collectives c on the same stream), per direction:
+    `models.layers.compute_weights`), their gradients too, the rest (norms, biases) in fp32.
+    What each layer waits for is replayed as XLA's scheduler orders its collectives
+    (`planner.fsdp_chain`): one gather in flight, none for the next layer, the gradients'
+    reduce-scatters queued behind the gathers. The embedding and head gather once each way
+    and reduce-scatter once, outside the loops, waited for:
 
-        exposed = L g_a + g_emb + max(0, L g_m + c_f - F)
-                + L g_m + max(0, L (g_a + r) + g_emb + r_emb + c_b - B)
-
-    with g_a, g_m the attention's and the MLP's weight gathers, r a layer's gradient
-    reduce-scatter, F, B the layers' forward and backward (recompute included) times."""
-    ag_a, ag_m, rs_l, ag_e, rs_e = fsdp_collectives(cfg, layout, hw)
-    n = len(strategies)
-    total = 2 * n * (ag_a + ag_m) + n * rs_l + 2 * ag_e + rs_e
+        exposed = sum over layers (fwd_l + bwd_l) + 2 g_emb + r_emb"""
+    _, _, _, ag_e, rs_e = fsdp_collectives(cfg, layout, hw)
+    per = {s: layer_exposed(cfg, layout, hw, s) for s in set(strategies)}
+    layers = sum(per[s][2] for s in strategies)
+    total = layers + 2 * ag_e + rs_e
     if not hw.async_collectives:  # CPU: every collective is synchronous
         return total, total
-    costs = [layer_costs[s] for s in strategies]
-    fwd, bwd = sum(c.fwd_s for c in costs), sum(c.bwd_s for c in costs)
-    tp = sum(c.comm_s for c in costs)
-    tp_f = tp * fwd / (fwd + bwd) if fwd + bwd else 0.0
-    exposed = (n * ag_a + ag_e + max(0.0, n * ag_m + tp_f - fwd)
-               + n * ag_m + max(0.0, n * (ag_a + rs_l) + ag_e + rs_e + tp - tp_f - bwd))
+    exposed = sum(per[s][0] + per[s][1] for s in strategies) + 2 * ag_e + rs_e
     return exposed, total
 
 

@@ -86,3 +86,55 @@ def test_fsdp_step_and_memory_match_the_compiled_program(mesh, layout):
     sim, peak = ins.sim.step_s, ins.analysis.peak_memory_bytes
     assert abs(model.step_s / sim - 1) <= BOUND, (model.step_s, sim)
     assert abs(model.peak_memory_bytes / peak - 1) <= 0.10, (model.peak_memory_bytes, peak)
+
+
+def _loop_bodies(program) -> list[str]:
+    """The entry's while loops' bodies in program order: the layer loop's forward, then its
+    backward."""
+    entry = program.comp(program.module.entry)
+    return [i.attr("body").lstrip("%") for i in entry.instrs if i.opcode == "while"]
+
+
+@pytest.mark.parametrize("preset, layout, mesh", [
+    pytest.param("gpt2-1.5b", Layout(fsdp=8, global_batch=16, seq_len=1024), "data=8",
+                 id="gpt2-fsdp8"),
+    pytest.param("llama2-7b", Layout(fsdp=8, global_batch=8, seq_len=2048), "data=8",
+                 id="llama-fsdp8"),
+    pytest.param("llama2-7b", Layout(fsdp=4, tensor=2, global_batch=8, seq_len=2048),
+                 "data=4,tensor=2", id="llama-fsdp4-tensor2"),
+])
+def test_fsdp_layer_iteration_matches_its_replay(preset, layout, mesh):
+    """One iteration of the compiled layer loop, forward and backward, replayed alone by the
+    inspection simulator, against the planner's layer (its compute and tensor collectives,
+    `LayerModel`, plus what it waits for on FSDP's gathers and reduce-scatters,
+    `planner.fsdp_chain`): within 15% each way. The rule before (attention's gathers exposed
+    forward, the MLP's backward, the rest hidden behind the loop's compute) priced GPT-2 1.5B's
+    backward 0.592 ms against 0.714 replayed (-17%)."""
+    from oases_jax.analysis.simulate import Simulator
+    from oases_jax.analysis.targets import get_target
+    from planner.fsdp_chain import layer_exposed
+    from planner.layer_cost import LayerModel
+    from tools.inspection import inspect_program
+    from training.config import ParallelConfig
+    from training.program import CompileSpec
+
+    overrides = ["dtype=bfloat16", "n_layers=4"]
+    if preset == "gpt2-1.5b":
+        overrides += ["n_heads=20", "head_dim=80"]
+    cfg = get_preset(preset).with_overrides(overrides)
+    spec = LayerSpec(schedule="megatron", remat="none")
+    hw = Hardware.of(get_cluster("h100:8"))
+    cost = LayerModel(cfg, layout, hw).time(spec)
+    fwd_x, bwd_x, _ = layer_exposed(cfg, layout, hw, spec)
+    compile_spec = CompileSpec(
+        model=cfg, batch_size=layout.global_batch, seq_len=layout.seq_len,
+        parallel=ParallelConfig(mesh=mesh, rules="fsdp" if layout.tensor == 1 else "fsdp_tp",
+                                layers=(spec,) * cfg.n_layers))
+    ins = inspect_program(compile_spec, get_target("h100:8"))
+    sim = Simulator(ins.program, ins.target.cluster)
+    fwd_body, bwd_body = _loop_bodies(ins.program)[:2]
+    for what, model, body in (("forward", cost.fwd_s + fwd_x, fwd_body),
+                              ("backward", cost.bwd_s + bwd_x, bwd_body)):
+        replayed = sim.replay(body).step_s
+        assert abs(model / replayed - 1) <= BOUND, (
+            f"{what}: model {model * 1e3:.3f} ms vs replayed {replayed * 1e3:.3f} ms")

@@ -262,7 +262,8 @@ def test_fsdp_inside_the_stages_by_hand():
     kw = {"microbatches": 4, "global_batch": 32, "seq_len": 1024}
     dp, fs = Layout(data=8, **kw), Layout(fsdp=8, **kw)
     x0, x1 = stage_inputs(cfg, dp, h, spec), stage_inputs(cfg, fs, h, spec)
-    cost = LayerModel(cfg, fs, h).time(LayerSpec(schedule="megatron", remat="none"))
+    cost = LayerModel(cfg, fs, h, gathered_stack=True).time(
+        LayerSpec(schedule="megatron", remat="none"))
     ag_a, ag_m, ar, _, _ = fsdp_collectives(cfg, fs, h, reduce="all-reduce")
     assert ar > fsdp_collectives(cfg, fs, h)[2]  # an all-reduce moves more than a scatter
     assert x1.f[0] - x0.f[0] == pytest.approx(max(0.0, ag_a + ag_m

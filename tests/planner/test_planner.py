@@ -34,6 +34,32 @@ def test_replay_hides_comm_behind_the_compute_between_start_and_done():
     assert replay([("c", 2), ("start", "a", 3), ("c", 1), ("done", "a")], overlap=False)[0] == 6
 
 
+def test_fsdp_chain_by_hand():
+    """One layer's FSDP collectives as XLA orders them (`planner.fsdp_chain`), on a device where
+    every GEMM call (and cuDNN's attention) takes 3 s, memory passes are free and every
+    collective takes 1 s. GPT-2's six matrices q, k, v, o, fc1, fc2 (q, k, v share one 3 s
+    column GEMM, 1 s each).
+    Forward: gather q (0-1); each next gather starts once the last is done: k 1-2 behind
+    q's GEMM (1-2), v 2-3, o 3-4; attention 4-7, o 7-10 with fc1 gathered 7-8, fc1's GEMM 10-13;
+    fc2 gathered only before its use, 13-14, its GEMM 14-17: 17 s for 15 of compute, 2 exposed.
+    Backward (dX and dW per matrix, twice the forward's GEMM): fc2 gathered 0-1, its GEMMs 1-7,
+    fc1 7-13, o 13-19 then attention's 19-22, v, k, q 22-26, each gathered in time; the
+    reduce-scatters start once q's gather is done: fc2 26-27 and fc1 27-28 behind q's GEMMs,
+    o 28-29, then v, k, q after the compute, 29-32: 32 s for 27 of compute, 5 exposed."""
+    from types import SimpleNamespace
+
+    from planner.fsdp_chain import layer_exposed
+
+    hw = SimpleNamespace(
+        gemm_s=lambda flops, nbytes, dtype, chunks=1: 3.0, mem_s=lambda nbytes: 0.0,
+        comm_s=lambda kind, nbytes, group: 1.0,
+        cluster=SimpleNamespace(device_spec=SimpleNamespace(fused_attention=True)))
+    cfg = get_preset("gpt2-1.5b").with_overrides(["dtype=bfloat16", "n_layers=4"])
+    layout = Layout(fsdp=8, global_batch=8, seq_len=1024)
+    fwd, bwd, total = layer_exposed(cfg, layout, hw, LayerSpec(schedule="megatron"))
+    assert (fwd, bwd, total) == pytest.approx((2.0, 5.0, 18.0))
+
+
 def _brute(times, mems, edges, n, budget):
     best = None
     for chain in itertools.product(range(len(times)), repeat=n):
