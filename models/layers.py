@@ -16,9 +16,10 @@ from models.pointwise import gelu, layer_norm, rms_norm, swiglu
 from oases_jax import projections as proj
 from oases_jax import step_order
 from oases_jax.analysis.targets import cudnn_missing
+from oases_jax import compat
 from oases_jax.compat import varying_axes
 from oases_jax.errors import UserError
-from oases_jax.rules import active_rules, constrain
+from oases_jax.rules import active_rules, constrain, spec_divides, suspend_rules
 from oases_jax.stacks import LayerFns
 
 # Activations are tagged with the names of `oases_jax.remat` (SAVE_NAMES, COLUMN_OUT_NAMES), so
@@ -159,6 +160,30 @@ def attention_impl(cfg: ModelConfig) -> str:
 
 
 @jax.named_scope("attention")
+def _cudnn_attention(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array) -> jax.Array:
+    """cuDNN's causal fused attention. Inside an enclosing `shard_map` (accumulation over data
+    groups, a pipeline's stage loop) the kernel runs in a `shard_map` of its own over the axes
+    left to the partitioner: jax's partitioning rule for it reads `.spec` of a sharding with
+    manual axes and fails the compile (jax 0.12, any GPU target)."""
+    def call(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+    active = active_rules()
+    if active is None or not compat.manual_axes():
+        return call(q_BLHK, k_BLGK, v_BLGK)
+    rules, mesh = active  # the specs leave the enclosing shard_map's axes out (`outer_axes`)
+    q_spec = rules.act_spec(("batch", None, "heads", "head_dim"), mesh)
+    kv_spec = rules.act_spec(("batch", None, "kv_heads", "head_dim"), mesh)
+    if spec_divides(q_BLHK.shape, q_spec, mesh) is not None \
+            or spec_divides(k_BLGK.shape, kv_spec, mesh) is not None:
+        q_spec = kv_spec = jax.sharding.PartitionSpec()  # whole on every device of the group
+    with suspend_rules():
+        return jax.shard_map(call, mesh=compat.context_mesh(mesh),
+                             in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
+                             check_vma=False)(q_BLHK, k_BLGK, v_BLGK)
+
+
+@jax.named_scope("attention")
 def _xla_attention(q_BLHK: jax.Array, k_BLGK: jax.Array, v_BLGK: jax.Array) -> jax.Array:
     """Causal attention with the scores materialised in float32."""
     b, length, h, k = q_BLHK.shape
@@ -211,9 +236,7 @@ class Attention(nnx.Module):
         k_BLGK = constrain(k_BLGK, ("batch", None, "kv_heads", "head_dim"))
         v_BLGK = constrain(v_BLGK, ("batch", None, "kv_heads", "head_dim"))
         if attention_impl(cfg) == "cudnn":
-            with jax.named_scope("attention"):
-                o_BLHK = jax.nn.dot_product_attention(
-                    q_BLHK, k_BLGK, v_BLGK, is_causal=True, implementation="cudnn")
+            o_BLHK = _cudnn_attention(q_BLHK, k_BLGK, v_BLGK)
         else:
             o_BLHK = _xla_attention(q_BLHK, k_BLGK, v_BLGK)
         out_BLD = proj.row(o_BLHK, _cast(self.wo, dt), ("heads", "head_dim", "embed"))

@@ -97,6 +97,42 @@ def test_auto_on_the_cpu_mesh_still_materialises(cpu_tiny):
     assert "attention: materialised" in summary(report)
 
 
+@gpu_aot
+def test_accumulation_over_data_groups_compiles_cudnn_in_its_own_shard_map():
+    """Micro-batches accumulated per data group (`training.state._accumulate_in_groups`, a
+    shard_map manual over `data`) with GSPMD layers: jax's partitioning rule for cuDNN's kernel
+    fails on the manual axis (`'GSPMDSharding' object has no attribute 'spec'`), so the kernel
+    runs in a shard_map of its own over `tensor`: it compiles, with cuDNN's calls on this
+    device's heads."""
+    if cudnn_missing() is not None:
+        pytest.skip("needs NVIDIA's cuDNN wheel")
+    cfg = _bf16("tiny-llama")
+    spec = CompileSpec(model=cfg, batch_size=8, seq_len=128, microbatches=2,
+                       parallel=ParallelConfig(mesh="data=2,tensor=4"))
+    ins = inspect_program(spec, get_target("h100:8"))
+    assert ins.report()["attention_kernel"] == "cudnn_flash"
+    calls = list(ins.program.fused_attention_calls())
+    assert calls
+    for _, instr, _ in calls:  # one device's [B, H, L, K]: 8 rows / 2 groups / 2, its heads
+        if not is_backward(instr):
+            assert instr.shapes[0].dims == (2, cfg.n_heads // 4, 128, cfg.k_dim), instr.name
+
+
+@gpu_aot
+@pytest.mark.parametrize("pipeline", ["1f1b", "gpipe_spmd"])
+def test_pipelined_gpu_programs_compile_with_cudnn(pipeline):
+    """A pipeline's stages run inside a shard_map manual over `stage`: the same failure, the same
+    remedy, so pipelined GPU programs no longer need `attention=xla`."""
+    if cudnn_missing() is not None:
+        pytest.skip("needs NVIDIA's cuDNN wheel")
+    cfg = _bf16("tiny-llama")
+    spec = CompileSpec(model=cfg, batch_size=8, seq_len=128, microbatches=4,
+                       parallel=ParallelConfig(mesh="stage=2,tensor=4", pipeline=pipeline))
+    ins = inspect_program(spec, get_target("h100:8"))
+    assert ins.report()["attention_kernel"] == "cudnn_flash"
+    assert list(ins.program.fused_attention_calls())
+
+
 @pytest.fixture(scope="module")
 def llama_7b():
     if not has_gpu_aot() or cudnn_missing() is not None:

@@ -194,3 +194,28 @@ def test_no_weight_cast_inside_the_micro_batch_loop(target):
     body = module.computations[loop.attr("body").lstrip("%")]
     assert casts(body) == 0
     assert casts(entry, skip={body.name}) >= 4
+
+
+def test_fused_attention_inside_data_groups_runs_in_its_own_shard_map(one_batch, monkeypatch):
+    """Accumulating in data groups puts the layers inside a shard_map manual over `data`, where
+    jax cannot partition cuDNN's fused attention; the kernel then runs in a shard_map of its own
+    over the remaining axes (`models.layers._cudnn_attention`). cuDNN needs a GPU, so here the
+    kernel's place is taken by jax's XLA implementation of the same call, through the same
+    shard_map: the losses equal one batch on one device."""
+    import models.layers as layers
+
+    real = jax.nn.dot_product_attention
+    calls = []
+
+    def kernel(q, k, v, *, is_causal, implementation):
+        assert implementation == "cudnn"
+        calls.append(q.shape)
+        return real(q, k, v, is_causal=is_causal, implementation="xla")
+
+    monkeypatch.setattr(layers, "attention_impl", lambda cfg: "cudnn")
+    monkeypatch.setattr(jax.nn, "dot_product_attention", kernel)
+    losses = train(_config("data=2,tensor=4", "tp", "megatron", 2)).losses
+    np.testing.assert_allclose([losses[s] for s in one_batch], list(one_batch.values()),
+                               rtol=1e-4)
+    heads = get_preset("tiny").n_heads
+    assert calls and all(shape[2] == heads // 4 for shape in calls)  # this device's heads
