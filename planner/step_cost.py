@@ -203,6 +203,38 @@ def fsdp_comm_s(cfg: ModelConfig, layout: Layout, hw: Hardware, strategies: Sequ
     return exposed, total
 
 
+def replica_reduce_s(cfg: ModelConfig, layout: Layout, hw: Hardware,
+                     strategies: Sequence[LayerSpec], layer_costs: dict[LayerSpec, LayerCost],
+                     local_params: float, head_s: float) -> tuple[float, float]:
+    """(exposed, total) seconds of the gradients' all-reduce over the replicas (fsdp == 1).
+
+    Accumulated over micro-batches (per data group, `training.state._accumulate_in_groups`), the
+    fp32 sums are all-reduced once after the loop, where only the head's backward (half of
+    `head_s`) hides them. Without micro-batches the partitioner reduces each layer's weight
+    gradients inside the backward loop, in the compute dtype, as soon as they are made (GPT-2
+    1.5B, `data=2,tensor=4` on `h100:8`: one 14.65 MiB bf16 all-reduce a layer), so they hide
+    behind the backward of the layers after them, on the collective stream the layers' own
+    tensor collectives use; the embedding's, the vectors' (fp32) and the last layer's wait after
+    the loop:
+
+        exposed = max(0, (L - 1) r + c_b - B) + max(0, r + r_rest - head_s / 2)"""
+    rgroup = replica_group(layout)
+    whole = hw.comm_s("all-reduce", 4 * local_params, rgroup)
+    if layout.microbatches > 1 or not hw.async_collectives or len(rgroup) <= 1:
+        hidden = min(whole, 0.5 * head_s) if hw.async_collectives else 0.0
+        return whole - hidden, whole
+    n = len(strategies)
+    matrices = sum(layer_matrices(cfg)) / layout.tensor
+    per_layer = hw.comm_s("all-reduce", elem_bytes(cfg) * matrices, rgroup)
+    rest = hw.comm_s("all-reduce", 4 * max(local_params - n * matrices, 0.0), rgroup)
+    if layout.tensor > 1:  # behind the tensor collectives the backward waits for
+        in_loop = (n - 1) * per_layer
+    else:
+        in_loop = max(0.0, (n - 1) * per_layer - sum(layer_costs[s].bwd_s for s in strategies))
+    after = per_layer + rest
+    return in_loop + after - min(after, 0.5 * head_s), n * per_layer + rest
+
+
 def step_cost(cfg: ModelConfig, layout: Layout, strategies: Sequence[LayerSpec], hw: Hardware,
               layer_costs: dict[LayerSpec, LayerCost] | None = None) -> StepCost:
     """One optimizer step: `microbatches` x (head + every layer's forward and backward, plus
@@ -236,11 +268,12 @@ def step_cost(cfg: ModelConfig, layout: Layout, strategies: Sequence[LayerSpec],
         dgroup = [i * layout.tensor * layout.fsdp for i in range(layout.data)]
         reduce = hw.comm_s("all-reduce", grad_bytes, dgroup)
         fsdp_s = m * exposed_micro
+        hidden = min(reduce, 0.5 * head_s) if hw.async_collectives else 0.0
+        exposed_reduce = reduce - hidden
     else:
-        reduce = hw.comm_s("all-reduce", grad_bytes, rgroup)
+        exposed_reduce, reduce = replica_reduce_s(cfg, layout, hw, strategies, layer_costs,
+                                                  local_params, head_s)
         fsdp_s = 0.0
-    hidden = min(reduce, 0.5 * head_s) if hw.async_collectives else 0.0
-    exposed_reduce = reduce - hidden
     opt_s = update_s(cfg, local_params, hw)
     accum_s = hw.mem_s(3 * 4 * local_params) * (m if m > 1 else 0)
     step = m * (layers + reshard + head_s) + fsdp_s + exposed_reduce + opt_s + accum_s

@@ -138,3 +138,27 @@ def test_fsdp_layer_iteration_matches_its_replay(preset, layout, mesh):
         replayed = sim.replay(body).step_s
         assert abs(model / replayed - 1) <= BOUND, (
             f"{what}: model {model * 1e3:.3f} ms vs replayed {replayed * 1e3:.3f} ms")
+
+
+def test_replica_reduction_sits_in_the_backward_loop_in_the_compute_dtype():
+    """What `step_cost.replica_reduce_s` assumes of a data-parallel step without micro-batches:
+    the backward loop all-reduces each layer's weight-matrix gradients over `data`, in bf16,
+    one collective a layer of e x the layer's matrices / tensor bytes (GPT-2 1.5B's shape,
+    data=2,tensor=4, h100:8); the rest of the reduction sits outside the loops."""
+    from oases_jax.analysis.targets import get_target
+    from planner.layer_work import layer_matrices
+    from tools.inspection import inspect_program
+    from training.config import ParallelConfig
+    from training.program import CompileSpec
+
+    cfg = get_preset("gpt2-1.5b").with_overrides(
+        ["dtype=bfloat16", "n_layers=4", "n_heads=20", "head_dim=80"])
+    spec = CompileSpec(model=cfg, batch_size=16, seq_len=1024,
+                       parallel=ParallelConfig(mesh="data=2,tensor=4", rules="tp"))
+    ins = inspect_program(spec, get_target("h100:8"))
+    bwd_body = _loop_bodies(ins.program)[-1]
+    in_loop = [c for c in ins.program.collectives()
+               if c.computation == bwd_body and c.axes == ("data",) and c.bytes > 2**20]
+    assert len(in_loop) == 1 and in_loop[0].kind == "all-reduce"
+    # the matrices and the tensor-sharded biases beside them (6400 B)
+    assert in_loop[0].bytes == pytest.approx(2 * sum(layer_matrices(cfg)) / 4, rel=1e-3)

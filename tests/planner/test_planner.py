@@ -60,6 +60,35 @@ def test_fsdp_chain_by_hand():
     assert (fwd, bwd, total) == pytest.approx((2.0, 5.0, 18.0))
 
 
+def test_replica_reduce_by_hand():
+    """The gradients' all-reduce over replicas (`step_cost.replica_reduce_s`) with every
+    collective 1 s, 4 layers, a head of 2 s (half of it hides what waits after the loop).
+    Without micro-batches each layer's reduction runs in the backward loop: behind the tensor
+    collectives (tensor > 1) 3 of them wait, 1 s each, then the last layer's and the rest
+    (embedding, vectors) after the loop, 2 s less the head's 1: 4 s of 5. Data parallel alone
+    (tensor = 1) they hide behind the other layers' backward (0.5 s each: 3 - 2 = 1 s), 2 s in
+    all. Accumulated over micro-batches: one all-reduce after the loop, 1 s, hidden."""
+    from types import SimpleNamespace
+
+    from planner.layer_cost import LayerCost
+    from planner.step_cost import replica_reduce_s
+
+    hw = SimpleNamespace(comm_s=lambda kind, nbytes, group: 1.0, async_collectives=True)
+    cfg = get_preset("gpt2-1.5b").with_overrides(["n_layers=4"])
+    spec = LayerSpec(schedule="megatron")
+    costs = {spec: LayerCost(fwd_s=0.25, bwd_s=0.5, compute_s=0.75, comm_s=0.0, act_bytes=0,
+                             temp_bytes=0)}
+    kw = {"global_batch": 8, "seq_len": 1024}
+    local = cfg.param_count()
+
+    def reduce(layout):
+        return replica_reduce_s(cfg, layout, hw, [spec] * 4, costs, local / layout.tensor, 2.0)
+
+    assert reduce(Layout(data=2, tensor=4, **kw)) == pytest.approx((4.0, 5.0))
+    assert reduce(Layout(data=8, **kw)) == pytest.approx((2.0, 5.0))
+    assert reduce(Layout(data=8, microbatches=2, **kw)) == pytest.approx((0.0, 1.0))
+
+
 def _brute(times, mems, edges, n, budget):
     best = None
     for chain in itertools.product(range(len(times)), repeat=n):
