@@ -4,19 +4,25 @@ GPU scheduler orders them, priced by the two-stream replay (`planner.replay`).
 Read off the compiled layer loops (`benchmarks/fsdp_layer_replay.py`: GPT-2 1.5B and Llama-2 7B,
 `data=8` and `data=4,tensor=2` under fsdp on `h100:8`, one iteration of each loop replayed alone):
 
-- the gathers of one iteration run one after another on the one collective stream, and nothing
-  is gathered for the next iteration (no cross-iteration prefetch), so the first weight matrix
-  an iteration uses is waited for whole;
-- forward: every matrix but the last is gathered back to back from the iteration's start, each
-  waited for right before its own GEMM; the last (the MLP's down projection) is issued only
-  after the MLP's column GEMMs and waited for at once;
+- the gathers of one iteration run one after another on the one collective stream, one in
+  flight, and nothing is gathered for the next iteration (no cross-iteration prefetch), so the
+  first weight matrix an iteration uses is waited for whole and each later gather hides behind
+  the GEMM of the matrix before it;
+- forward: the matrices are gathered in the order they are used, but the last (the MLP's down
+  projection) only after the MLP's column GEMMs, so it is waited for whole too;
 - backward: the matrices are gathered in the order the backward uses them (the MLP's first,
   then attention's; under remat in the recomputation's order), the first waited for at once;
-  each matrix's gradient is reduce-scattered after its weight-gradient GEMM, queued behind the
-  gathers, and the iteration ends when the last reduce-scatter does.
+  the input gradients run first and the weight gradients last, each followed by its
+  reduce-scatter, one in flight, so a weight-gradient GEMM hides the reduce-scatter before it
+  and the iteration ends when the last reduce-scatter does;
+- the layer's tensor-parallel collectives share that stream: after each sub-layer's row
+  projection (forward) and column projection's input gradient (backward), waited for at once
+  by Megatron's all-reduces and Megatron-SP's reduce-scatters, at the next sub-layer's end by
+  the deferred and ring schedules.
 
-So a layer's exposed FSDP time is the replay's time minus its compute, per direction. The
-layers' own tensor-parallel collectives are priced by `LayerModel` and added beside it.
+A layer's exposed FSDP time is, per direction, the replay with FSDP's collectives less the same
+replay without them: the tensor collectives' own exposure stays with `LayerModel`, and what the
+two streams' contention adds is FSDP's.
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ from planner.layer_work import LayerWork, elem_bytes
 from planner.layout import Layout
 from planner.prices import Hardware
 from planner.replay import Op, replay
+
+# The tensor collectives a sub-layer's compute waits for at once (`layer_cost.comm_pattern`).
+BLOCKING = ("all_reduce", "gather_scatter")
 
 
 def _matrices(cfg: ModelConfig) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
@@ -41,8 +50,10 @@ def _matrices(cfg: ModelConfig) -> tuple[list[tuple[str, int]], list[tuple[str, 
 def layer_exposed(cfg: ModelConfig, layout: Layout, hw: Hardware,
                   strategy: LayerSpec) -> tuple[float, float, float]:
     """(forward, backward, collectives) seconds of one layer's FSDP traffic for one micro-batch:
-    what the forward and the backward (recomputation included) wait for beyond their compute,
-    and the collectives' total time."""
+    what the forward and the backward (recomputation included) wait for beyond the same layer
+    without FSDP, and the collectives' total time."""
+    from planner.layer_cost import LayerModel, comm_pattern
+
     t, e = layout.tensor, elem_bytes(cfg)
     group = [i * t for i in range(layout.fsdp)]
     attn, mlp = _matrices(cfg)
@@ -50,6 +61,12 @@ def layer_exposed(cfg: ModelConfig, layout: Layout, hw: Hardware,
         - sum(p for _, p in attn + mlp)
     work = LayerWork(cfg, layout, hw).sublayers(layout.rows, strategy)
     a, m = work["attn"], work["mlp"]
+    pattern = comm_pattern(strategy.schedule) if t > 1 else "none"
+    tp_f = tp_b = 0.0
+    if pattern != "none":  # the layer model's tensor collectives, half per sub-layer
+        ops = LayerModel(cfg, layout, hw).layer_ops(strategy)
+        tp_f = replay(ops["fwd"])[2] / 2
+        tp_b = replay(ops["recompute"] + ops["bwd"])[2] / 2
 
     def share(total: float, mats: list[tuple[str, int]]) -> list[float]:
         n = sum(p for _, p in mats)
@@ -63,76 +80,78 @@ def layer_exposed(cfg: ModelConfig, layout: Layout, hw: Hardware,
     fwd_work.update(zip([n for n, _ in cols], share(m.col, cols), strict=True))
     fwd_work[mlp[-1][0]] = m.row
     before = {attn[0][0]: a.pre, "o": a.core, cols[0][0]: m.pre, mlp[-1][0]: m.core}
-
-    def gather_s(name: str, params: int) -> float:
-        extra = vectors * 4 / 2 if name in (attn[0][0], mlp[0][0]) else 0.0
-        return hw.comm_s("all-gather", (params * e + extra) / t, group)
-
-    gathers = {n: gather_s(n, p) for n, p in attn + mlp}
     order = [n for n, _ in attn + mlp]
-
-    # Forward: each gather issued once the one before it is done (one in flight), so it hides
-    # behind the previous matrix's GEMM; the last issued only before its own use.
-    last = order[-1]
-    ops: list[Op] = [("start", order[0], gathers[order[0]])]
-    for i, n in enumerate(order):
-        ops += [("c", before.get(n, 0.0))]
-        if n == last:
-            ops += [("start", n, gathers[n])]
-        ops += [("done", n)]
-        if i + 1 < len(order) - 1:
-            ops += [("start", order[i + 1], gathers[order[i + 1]])]
-        ops += [("c", fwd_work[n])]
-    fwd_time, fwd_compute, fwd_comm = replay(ops)
-
-    # Backward: dX needs the weights, dW the saved input; each matrix's gradient is
-    # reduce-scattered after its dW, one reduce-scatter in flight. Under remat the
-    # recomputation waits for the gathers, in forward order.
     bwd_order = [n for n, _ in mlp[::-1] + attn[::-1]]
-    remat = strategy.remat != "none"
-    use = order if remat else bwd_order
-    ops = [("start", use[0], gathers[use[0]])]
-
-    def wait_then_next(i: int) -> list[Op]:
-        nxt = [("start", use[i + 1], gathers[use[i + 1]])] if i + 1 < len(use) else []
-        return [("done", use[i])] + nxt
-
-    if remat:  # the recomputed forward (its compute as the layer model counts it) first
-        redo = sum(w.pre + w.core + w.col + w.row for w in (a, m)) \
-            if strategy.remat == "full" else sum(w.pre + w.core for w in (a, m))
-        total = sum(fwd_work.values())
-        for i, n in enumerate(order):
-            ops += wait_then_next(i) + [("c", redo * fwd_work[n] / total)]
-    # Between the matrices: the activation's backward after the down projection's, the MLP's
-    # norm after its first matrix, attention's core after the output projection's.
-    between = {mlp[-1][0]: m.core_bwd, mlp[0][0]: 2 * m.pre, attn[-1][0]: a.core_bwd}
     params = dict(attn + mlp)
-    # Each matrix's dX then dW; its gradient's reduce-scatter is ready after its dW. None
-    # starts before the last gather is done; from then on one is issued after each compute op
-    # once the one before it is done, and the rest after the last compute.
-    ready: list[tuple[str, float]] = []
-    gathered = remat
-    prev = None
+    # Between the matrices in the backward: the activation's backward after the down
+    # projection's, the MLP's norm after its first matrix, attention's core after the output
+    # projection's.
+    between = {mlp[-1][0]: m.core_bwd, mlp[0][0]: 2 * m.pre, attn[-1][0]: a.core_bwd}
+    remat = strategy.remat != "none"
 
-    def issue() -> list[Op]:
-        nonlocal prev
-        if not (gathered and ready):
+    def gather_s(name: str, p: int) -> float:
+        extra = vectors * 4 / 2 if name in (attn[0][0], mlp[0][0]) else 0.0
+        return hw.comm_s("all-gather", (p * e + extra) / t, group)
+
+    def tensor(key: str, seconds: float, pending: list[str]) -> list[Op]:
+        """A sub-layer's tensor collectives: waited for at once, or at the next one's end."""
+        if seconds <= 0:
             return []
-        name, secs = ready.pop(0)
-        out = ([("done", prev)] if prev else []) + [("start", name, secs)]
-        prev = name
+        if pattern in BLOCKING:
+            return [("start", key, seconds), ("done", key)]
+        out = [("done", k) for k in pending] + [("start", key, seconds)]
+        pending[:] = [key]
         return out
 
-    for i, n in enumerate(bwd_order):
-        if not remat:
-            ops += wait_then_next(i)
-            gathered = i == len(bwd_order) - 1
-        for part in (fwd_work[n], fwd_work[n], between.get(n, 0.0)):
-            ops += issue() + [("c", part)]
-        ready.append(("rs" + n, hw.comm_s("reduce-scatter", params[n] * e / t, group)))
-    ops += issue() + [("c", 2 * a.pre)]
-    while ready:
-        ops += issue()
-    ops += [("sync",)]
-    bwd_time, bwd_compute, bwd_comm = replay(ops)
-    return (fwd_time - fwd_compute, bwd_time - bwd_compute, fwd_comm + bwd_comm)
+    def directions(fsdp: bool) -> tuple[float, float]:
+        gathers = {n: gather_s(n, p) if fsdp else 0.0 for n, p in attn + mlp}
+        last, pending = order[-1], []
+        # Forward: each gather issued once the one before it is done; the last only before
+        # its own use.
+        ops: list[Op] = [("start", order[0], gathers[order[0]])]
+        for i, n in enumerate(order):
+            ops += [("c", before.get(n, 0.0))]
+            if n == last:
+                ops += [("start", n, gathers[n])]
+            ops += [("done", n)]
+            if i + 1 < len(order) - 1:
+                ops += [("start", order[i + 1], gathers[order[i + 1]])]
+            ops += [("c", fwd_work[n])]
+            if n in ("o", last):
+                ops += tensor(f"t{n}", tp_f, pending)
+        fwd = replay(ops + [("sync",)])[0]
+
+        # Backward: dX (needing the weights) first, under remat after the recomputation that
+        # waits for the gathers in forward order; then each dW and its reduce-scatter.
+        use, pending = (order if remat else bwd_order), []
+        ops = [("start", use[0], gathers[use[0]])]
+
+        def wait_then_next(i: int) -> list[Op]:
+            nxt = [("start", use[i + 1], gathers[use[i + 1]])] if i + 1 < len(use) else []
+            return [("done", use[i])] + nxt
+
+        if remat:  # the recomputed forward (its compute as the layer model counts it)
+            redo = sum(w.pre + w.core + w.col + w.row for w in (a, m)) \
+                if strategy.remat == "full" else sum(w.pre + w.core for w in (a, m))
+            total = sum(fwd_work.values())
+            for i, n in enumerate(order):
+                ops += wait_then_next(i) + [("c", redo * fwd_work[n] / total)]
+        for i, n in enumerate(bwd_order):
+            if not remat:
+                ops += wait_then_next(i)
+            ops += [("c", fwd_work[n]), ("c", between.get(n, 0.0))]
+            if n in (mlp[0][0], bwd_order[-1]):  # a sub-layer's input gradient is complete
+                ops += tensor(f"t{n}", tp_b, pending)
+        ops += [("c", 2 * a.pre)]
+        prev = None
+        for n in bwd_order:
+            ops += [("c", fwd_work[n])] + ([("done", prev)] if prev else [])
+            prev = "rs" + n
+            rs = hw.comm_s("reduce-scatter", params[n] * e / t, group) if fsdp else 0.0
+            ops += [("start", prev, rs)]
+        return fwd, replay(ops + [("sync",)])[0]
+
+    (f1, b1), (f0, b0) = directions(True), directions(False)
+    total = 2 * sum(gather_s(n, p) for n, p in attn + mlp) \
+        + sum(hw.comm_s("reduce-scatter", p * e / t, group) for p in params.values())
+    return max(f1 - f0, 0.0), max(b1 - b0, 0.0), total
