@@ -115,8 +115,18 @@ def main() -> int:
     p.add_argument("--table", nargs="+", metavar="JSON", help="print these runs side by side")
     args = p.parse_args()
     if args.table:
-        print(table(args.table))
+        try:
+            print(table(args.table))
+        except (OSError, ValueError, KeyError) as e:
+            p.exit(2, f"gpu_gemm_config.py: cannot read --table files: {e}; pass JSONs this "
+                      "script wrote with --out\n")
         return 0
+    try:
+        rows = [int(r) for r in args.rows.split(",")]
+    except ValueError:
+        p.exit(2, f"gpu_gemm_config.py: --rows {args.rows!r} is not a list like 512,2048\n")
+    if min(rows + [args.repeats, args.rounds]) < 1:
+        p.exit(2, "gpu_gemm_config.py: --rows, --repeats and --rounds must be positive\n")
     gpu = args.target.split(":")[0] if args.target != "local" else \
         jax.devices()[0].device_kind.split()[-1].lower()
     if args.target != "local":
@@ -124,7 +134,7 @@ def main() -> int:
         device = get_target(args.target).devices[0]
     else:
         device = jax.devices()[0]
-    rows_list = [int(r) for r in args.rows.split(",")]
+    rows_list = rows
     meta = {"target": args.target, "gpu": gpu, "jax": jax.__version__,
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "argv": sys.argv}
     results = []

@@ -13,10 +13,9 @@ from jax.ad_checkpoint import checkpoint_name
 
 from models.config import ModelConfig
 from models.pointwise import gelu, layer_norm, rms_norm, swiglu
+from oases_jax import compat, step_order
 from oases_jax import projections as proj
-from oases_jax import step_order
 from oases_jax.analysis.targets import cudnn_missing
-from oases_jax import compat
 from oases_jax.compat import varying_axes
 from oases_jax.errors import UserError
 from oases_jax.rules import active_rules, constrain, spec_divides, suspend_rules

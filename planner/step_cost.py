@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from models.config import ModelConfig
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.registry import SCHEDULES
+from planner.fsdp_chain import layer_exposed
 from planner.layer_cost import LayerCost, LayerModel
 from planner.layer_work import elem_bytes, layer_matrices
-from planner.fsdp_chain import layer_exposed
 from planner.layout import Layout, replica_group, tensor_group
 from planner.prices import Hardware
 from planner.primepar_cost import head_extra
@@ -263,7 +263,6 @@ def step_cost(cfg: ModelConfig, layout: Layout, strategies: Sequence[LayerSpec],
     head_s, head_temp = head_cost(cfg, layout, hw)
     static = static_memory(cfg, layout)
     local_params = static["params"] / 4
-    rgroup = replica_group(layout)
     grad_bytes = 4 * local_params
     if layout.fsdp > 1:
         # Each layer's weights gathered for its forward and again for its backward, its
