@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from models.config import ModelConfig
 from oases_jax.layer_plan import LayerSpec
+from planner.layer_cost import LayerModel, comm_pattern
 from planner.layer_work import LayerWork, elem_bytes
 from planner.layout import Layout
 from planner.prices import Hardware
@@ -52,8 +53,6 @@ def layer_exposed(cfg: ModelConfig, layout: Layout, hw: Hardware,
     """(forward, backward, collectives) seconds of one layer's FSDP traffic for one micro-batch:
     what the forward and the backward (recomputation included) wait for beyond the same layer
     without FSDP, and the collectives' total time."""
-    from planner.layer_cost import LayerModel, comm_pattern
-
     t, e = layout.tensor, elem_bytes(cfg)
     group = [i * t for i in range(layout.fsdp)]
     attn, mlp = _matrices(cfg)

@@ -180,17 +180,17 @@ def fsdp_collectives(cfg: ModelConfig, layout: Layout, hw: Hardware,
             coll("all-gather", emb_bytes, 1), coll("reduce-scatter", emb_bytes, 1))
 
 
-def fsdp_comm_s(cfg: ModelConfig, layout: Layout, hw: Hardware, strategies: Sequence[LayerSpec],
-                layer_costs: dict[LayerSpec, LayerCost]) -> tuple[float, float]:
+def fsdp_comm_s(cfg: ModelConfig, layout: Layout, hw: Hardware,
+                strategies: Sequence[LayerSpec]) -> tuple[float, float]:
     """(exposed, total) seconds of FSDP's collectives for one micro-batch. The layer loop gathers
     each layer's weights over the fsdp group before its forward and again before its backward
     (a recompute uses the backward's gather) and reduce-scatters its gradients after it; the
     weight matrices move in the compute dtype (cast before the gather,
     `models.layers.compute_weights`), their gradients too, the rest (norms, biases) in fp32.
     What each layer waits for is replayed as XLA's scheduler orders its collectives
-    (`planner.fsdp_chain`): one gather in flight, none for the next layer, the gradients'
-    reduce-scatters queued behind the gathers. The embedding and head gather once each way
-    and reduce-scatter once, outside the loops, waited for:
+    (`planner.fsdp_chain`): one gather in flight, none for the next layer, the weight
+    gradients last, each followed by its reduce-scatter. The embedding and head gather once
+    each way and reduce-scatter once, outside the loops, waited for:
 
         exposed = sum over layers (fwd_l + bwd_l) + 2 g_emb + r_emb"""
     _, _, _, ag_e, rs_e = fsdp_collectives(cfg, layout, hw)
@@ -268,7 +268,7 @@ def step_cost(cfg: ModelConfig, layout: Layout, strategies: Sequence[LayerSpec],
         # Each layer's weights gathered for its forward and again for its backward, its
         # gradients reduce-scattered, inside the layer loop beside the layers' compute
         # (`fsdp_comm_s`); then an all-reduce over the data axis of the sharded gradients.
-        exposed_micro, fsdp_comm = fsdp_comm_s(cfg, layout, hw, strategies, layer_costs)
+        exposed_micro, fsdp_comm = fsdp_comm_s(cfg, layout, hw, strategies)
         dgroup = [i * layout.tensor * layout.fsdp for i in range(layout.data)]
         reduce = hw.comm_s("all-reduce", grad_bytes, dgroup)
         fsdp_s = m * exposed_micro
