@@ -21,9 +21,10 @@ from planner.fsdp_chain import layer_exposed
 from planner.layer_cost import LayerModel
 from planner.layout import Layout
 from planner.prices import Hardware
+from planner.search import Candidate
+from planner.step_cost import step_cost
+from planner.verify import candidate_spec
 from tools.inspection import inspect_program
-from training.config import ParallelConfig
-from training.program import CompileSpec
 
 GPT2 = ["dtype=bfloat16", "n_layers=4", "n_heads=20", "head_dim=80"]
 LLAMA = ["dtype=bfloat16", "n_layers=4"]
@@ -43,10 +44,8 @@ def main() -> None:
         cost = LayerModel(cfg, layout, hw).time(SPEC)
         fwd_x, bwd_x, _ = layer_exposed(cfg, layout, hw, SPEC)
         t0 = time.perf_counter()
-        spec = CompileSpec(model=cfg, batch_size=layout.global_batch, seq_len=layout.seq_len,
-                           parallel=ParallelConfig(
-                               mesh=",".join(f"{k}={v}" for k, v in layout.mesh().items()),
-                               rules=layout.rules(), layers=(SPEC,) * cfg.n_layers))
+        plan = (SPEC,) * cfg.n_layers  # compiled from its plan, as plan.py --verify does
+        spec = candidate_spec(Candidate(layout, plan, step_cost(cfg, layout, plan, hw)), cfg)
         ins = inspect_program(spec, get_target("h100:8"))
         sim = Simulator(ins.program, ins.target.cluster)
         entry = ins.program.comp(ins.program.module.entry)

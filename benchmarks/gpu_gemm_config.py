@@ -66,7 +66,7 @@ def kernels(hlo: str) -> list[dict]:
     return out
 
 
-def program(m: int, k: int, n: int, repeats: int):
+def program(repeats: int):
     def f(xs, ws):
         return [jnp.dot(xs[i], ws[i]) for i in range(repeats)]
     return jax.jit(f)
@@ -139,7 +139,7 @@ def main() -> int:
             "xla_flags": os.environ.get("XLA_FLAGS", ""), "argv": sys.argv}
     results = []
     if args.target == "local":
-        meta["floor_us"] = timed(program(16, 16, 16, args.repeats), 16, 16, 16, args) \
+        meta["floor_us"] = timed(program(args.repeats), 16, 16, 16, args) \
             / args.repeats
     for model, shapes in SHAPES.items():
         for rows in rows_list:
@@ -154,7 +154,7 @@ def main() -> int:
                         shard = jax.sharding.SingleDeviceSharding(device)
                         xs = jax.ShapeDtypeStruct(xs.shape, xs.dtype, sharding=shard)
                         ws = jax.ShapeDtypeStruct(ws.shape, ws.dtype, sharding=shard)
-                    compiled = program(a, b, c, r).lower(xs, ws).compile()
+                    compiled = program(r).lower(xs, ws).compile()
                     ks = kernels(compiled.as_text())
                     row = {"model": model, "rows": rows, "gemm": name, "role": role,
                            "m": a, "k": b, "n": c, "kernels": ks[: max(1, len(ks) // r)],

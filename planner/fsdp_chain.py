@@ -30,22 +30,13 @@ from __future__ import annotations
 from models.config import ModelConfig
 from oases_jax.layer_plan import LayerSpec
 from planner.layer_cost import LayerModel, comm_pattern
-from planner.layer_work import LayerWork, elem_bytes
+from planner.layer_work import elem_bytes, weight_matrices
 from planner.layout import Layout
 from planner.prices import Hardware
 from planner.replay import Op, replay
 
 # The tensor collectives a sub-layer's compute waits for at once (`layer_cost.comm_pattern`).
 BLOCKING = ("all_reduce", "gather_scatter")
-
-
-def _matrices(cfg: ModelConfig) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
-    """(attention, MLP) weight matrices of one layer in forward order, (name, parameters)."""
-    d, h, g, k, f = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.k_dim, cfg.ff_dim
-    attn = [("q", d * h * k), ("k", d * g * k), ("v", d * g * k), ("o", h * k * d)]
-    mlp = [("gate", d * f), ("up", d * f), ("down", f * d)] if cfg.gated_mlp \
-        else [("fc1", d * f), ("fc2", f * d)]
-    return attn, mlp
 
 
 def layer_exposed(cfg: ModelConfig, layout: Layout, hw: Hardware,
@@ -55,15 +46,16 @@ def layer_exposed(cfg: ModelConfig, layout: Layout, hw: Hardware,
     without FSDP, and the collectives' total time."""
     t, e = layout.tensor, elem_bytes(cfg)
     group = [i * t for i in range(layout.fsdp)]
-    attn, mlp = _matrices(cfg)
+    attn, mlp = weight_matrices(cfg)
     vectors = cfg.param_count(embeddings=False) / cfg.n_layers \
         - sum(p for _, p in attn + mlp)
-    work = LayerWork(cfg, layout, hw).sublayers(layout.rows, strategy)
+    lm = LayerModel(cfg, layout, hw)
+    work = lm.sublayers(layout.rows, strategy)
     a, m = work["attn"], work["mlp"]
     pattern = comm_pattern(strategy.schedule) if t > 1 else "none"
     tp_f = tp_b = 0.0
     if pattern != "none":  # the layer model's tensor collectives, half per sub-layer
-        ops = LayerModel(cfg, layout, hw).layer_ops(strategy)
+        ops = lm.layer_ops(strategy)
         tp_f = replay(ops["fwd"])[2] / 2
         tp_b = replay(ops["recompute"] + ops["bwd"])[2] / 2
 

@@ -42,11 +42,20 @@ ACTIVATION_PASSES = {False: (2.0, 2.0), True: (3.0, 7.0)}
 WEIGHT_SLICE_PASSES = 6.0
 
 
-def layer_matrices(cfg: ModelConfig) -> tuple[int, int]:
-    """(attention, MLP) weight-matrix parameters of one layer: Q, K, V and the output
-    projection; the MLP's two (GELU) or three (SwiGLU) matrices."""
+def weight_matrices(cfg: ModelConfig) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """(attention, MLP) weight matrices of one layer in forward order, (name, parameters):
+    Q, K, V and the output projection; the MLP's two (GELU) or three (SwiGLU) matrices."""
     d, h, g, k, f = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.k_dim, cfg.ff_dim
-    return d * (h + 2 * g) * k + h * k * d, d * f * (3 if cfg.gated_mlp else 2)
+    attn = [("q", d * h * k), ("k", d * g * k), ("v", d * g * k), ("o", h * k * d)]
+    mlp = [("gate", d * f), ("up", d * f), ("down", f * d)] if cfg.gated_mlp \
+        else [("fc1", d * f), ("fc2", f * d)]
+    return attn, mlp
+
+
+def layer_matrices(cfg: ModelConfig) -> tuple[int, int]:
+    """(attention, MLP) weight-matrix parameters of one layer (`weight_matrices` summed)."""
+    attn, mlp = weight_matrices(cfg)
+    return sum(p for _, p in attn), sum(p for _, p in mlp)
 
 
 def elem_bytes(cfg: ModelConfig) -> int:

@@ -203,6 +203,12 @@ def fsdp_comm_s(cfg: ModelConfig, layout: Layout, hw: Hardware,
     return exposed, total
 
 
+def behind_head(reduce_s: float, head_s: float, hw: Hardware) -> float:
+    """What of a reduction after the layer loop stays exposed: the head's backward (half of
+    `head_s`) hides it where collectives are asynchronous."""
+    return reduce_s - (min(reduce_s, 0.5 * head_s) if hw.async_collectives else 0.0)
+
+
 # The share of a layer's backward that hides its gradients' all-reduce over the replicas inside
 # the backward loop: GPT-2 1.5B data=8 on h100:8, one iteration replayed alone, 0.407 ms of
 # all-reduce and 0.497 of compute take 0.763 ms (0.266 exposed).
@@ -228,8 +234,7 @@ def replica_reduce_s(cfg: ModelConfig, layout: Layout, hw: Hardware,
     rgroup = replica_group(layout)
     whole = hw.comm_s("all-reduce", 4 * local_params, rgroup)
     if layout.microbatches > 1 or not hw.async_collectives or len(rgroup) <= 1:
-        hidden = min(whole, 0.5 * head_s) if hw.async_collectives else 0.0
-        return whole - hidden, whole
+        return behind_head(whole, head_s, hw), whole
     n = len(strategies)
     matrices = sum(layer_matrices(cfg)) / layout.tensor
     per_layer = hw.comm_s("all-reduce", elem_bytes(cfg) * matrices, rgroup)
@@ -239,8 +244,7 @@ def replica_reduce_s(cfg: ModelConfig, layout: Layout, hw: Hardware,
     # and with a tensor axis not even that: it holds up the tensor collectives behind it.
     hidden = 0.0 if layout.tensor > 1 else REPLICA_REDUCE_HIDDEN
     in_loop = sum(max(0.0, per_layer - hidden * layer_costs[s].bwd_s) for s in strategies[1:])
-    after = per_layer + rest
-    return in_loop + after - min(after, 0.5 * head_s), n * per_layer + rest
+    return in_loop + behind_head(per_layer + rest, head_s, hw), n * per_layer + rest
 
 
 def step_cost(cfg: ModelConfig, layout: Layout, strategies: Sequence[LayerSpec], hw: Hardware,
@@ -272,8 +276,7 @@ def step_cost(cfg: ModelConfig, layout: Layout, strategies: Sequence[LayerSpec],
         dgroup = [i * layout.tensor * layout.fsdp for i in range(layout.data)]
         reduce = hw.comm_s("all-reduce", grad_bytes, dgroup)
         fsdp_s = m * exposed_micro
-        hidden = min(reduce, 0.5 * head_s) if hw.async_collectives else 0.0
-        exposed_reduce = reduce - hidden
+        exposed_reduce = behind_head(reduce, head_s, hw)
     else:
         exposed_reduce, reduce = replica_reduce_s(cfg, layout, hw, strategies, layer_costs,
                                                   local_params, head_s)
