@@ -80,14 +80,21 @@ def compile_with_estimate(lowered, compiler_options: dict | None = None,
     compiled program's own devices, `compiled_device`) instead of XLA's flat 10 us. The dump
     directory is removed before this returns or raises; `on_dump(directory)` may read what else
     the options dumped there first (e.g. `memory_report`). An XLA that refuses the dump options
-    gets a plain compile and the estimate is None (a warning says why)."""
+    (no schedule tables for the device, e.g. sm_86) gets a compile without them, still dumping
+    into a directory for `on_dump`, and the estimate is None (a warning says why)."""
     with schedule_dump() as (options, where):
         try:
             compiled = lowered.compile(compiler_options={**(compiler_options or {}), **options})
-        except Exception as e:  # retried without the dump; a genuine failure raises again
-            compiled = lowered.compile(compiler_options=compiler_options or {})
+        except Exception as e:  # retried without the schedule dump; a genuine failure raises
+            # again. What the caller's own options dump (e.g. the memory report) still goes to
+            # a directory of its own, never to stdout and the working directory.
             warnings.warn(f"XLA's schedule dump is unavailable ({str(e)[:200]}); "
                           "no XLA estimate", stacklevel=2)
+            with xla_dump({}) as (plain, own):
+                dump = plain if on_dump is not None else {}
+                compiled = lowered.compile(compiler_options={**(compiler_options or {}), **dump})
+                if on_dump is not None:
+                    on_dump(own)
             return compiled, None
         text = compiled.as_text()
         if on_dump is not None:

@@ -169,3 +169,22 @@ def test_memory_report(tmp_path):
     assert sizes == sorted(sizes, reverse=True) and rep["n_allocations"] >= len(sizes)
     bad = run("--model", "tiny", "--memory-report", "-1")
     assert bad.returncode == 2 and "--memory-report -1" in bad.stderr
+
+
+@pytest.mark.gpu_aot
+@pytest.mark.skipif(not has_gpu_aot(), reason="needs the gpu-aot extra")
+def test_memory_report_without_xla_schedule_tables(tmp_path):
+    """The 3090 (sm_86) has no schedule tables in XLA, so its compile runs without the schedule
+    dump: the memory report still comes back, and nothing is dumped to stdout or the working
+    directory (it once printed every sub-compile's HLO and left a `-` directory behind)."""
+    out = tmp_path / "r.json"
+    proc = run_script("inspect_hlo.py", "--model", "tiny", "--target", "3090:8", "--mesh",
+                      "data=2,tensor=4", "--batch-size", "8", "--seq-len", "32",
+                      "--memory-report", "2", "--json", str(out), timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "the 2 largest" in proc.stdout and "HloModule" not in proc.stdout
+    r = json.loads(out.read_text())
+    assert r["xla_estimate"] is None and "schedule dump is unavailable" in proc.stderr
+    assert abs(r["memory_report"]["total_bytes"] - r["peak_memory_bytes"]) \
+        <= 0.01 * r["peak_memory_bytes"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
