@@ -123,6 +123,7 @@ def main() -> int:
     plan = None
     if args.plan:
         plan, model = load_plan(args, model, len(target.devices))
+        target = plan_cluster(plan, target)
     for key, value in DEFAULTS.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -265,13 +266,33 @@ def load_plan(args, model, n_devices: int):
     need = math.prod(parse_mesh(plan.mesh).shape)
     if need != n_devices:
         gpu = plan.raw.get("cluster", "h100").split("-")[0].split(":")[0]
-        gpu = gpu if gpu in ("h100", "h200", "a100") else "h100"
+        gpu = gpu if gpu in ("h100", "h200", "a100", "3090") else "h100"
         fix = (f"--cpu-devices {need} (or --target {gpu}:{need})" if args.target == "local"
                else f"--target {gpu}:{need}")
         raise UserError(f"plan {args.plan!r} has mesh {plan.mesh} ({need} devices) but target "
                         f"{args.target} has {n_devices}; use {fix}, or plan again for "
                         f"{n_devices} devices")
     return plan, model
+
+
+def plan_cluster(plan, target):
+    """The target simulated on the cluster the plan was made for, where the plan's cluster
+    compiles for this target (`planner.verify.compile_target`): `3090:32` is the PCIe cluster,
+    and a plan for `3090-nvlink-32` is timed over its bridges, as `plan.py --verify` timed it."""
+    import dataclasses as dc
+
+    from oases_jax.analysis.hardware import get_cluster
+    from planner.verify import compile_target
+
+    name = plan.raw.get("cluster")
+    if not name or name == target.cluster.name:
+        return target
+    try:
+        cluster = get_cluster(name)
+        same = compile_target(cluster) == target.name
+    except Exception:  # a cluster this checkout does not know, or with no compile target
+        return target
+    return dc.replace(target, cluster=cluster) if same else target
 
 
 def model_from_plan(args, model):

@@ -173,18 +173,24 @@ def test_memory_report(tmp_path):
 
 @pytest.mark.gpu_aot
 @pytest.mark.skipif(not has_gpu_aot(), reason="needs the gpu-aot extra")
-def test_memory_report_without_xla_schedule_tables(tmp_path):
-    """The 3090 (sm_86) has no schedule tables in XLA, so its compile runs without the schedule
-    dump: the memory report still comes back, and nothing is dumped to stdout or the working
-    directory (it once printed every sub-compile's HLO and left a `-` directory behind)."""
+def test_plan_on_a_gpu_without_xla_schedule_tables(tmp_path):
+    """A plan for the bridged 3090 cluster, compiled for `3090:32`: simulated on the plan's
+    cluster (its bridges, as `plan.py --verify` timed it), not the PCIe cluster `3090:32`
+    names. The 3090 (sm_86) has no schedule tables in XLA, so the compile runs without the
+    schedule dump: the memory report still comes back, and nothing is dumped to stdout or the
+    working directory (it once printed every sub-compile's HLO and left a `-` directory)."""
     out = tmp_path / "r.json"
-    proc = run_script("inspect_hlo.py", "--model", "tiny", "--target", "3090:8", "--mesh",
-                      "data=2,tensor=4", "--batch-size", "8", "--seq-len", "32",
+    plan = _write_plan(tmp_path / "plan.json", [{"schedule": "megatron"}] * 2,
+                       mesh={"data": 8, "tensor": 4}, cluster="3090-nvlink-32", microbatches=1,
+                       global_batch=16)
+    proc = run_script("inspect_hlo.py", "--plan", plan, "--target", "3090:32",
                       "--memory-report", "2", "--json", str(out), timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "the 2 largest" in proc.stdout and "HloModule" not in proc.stdout
     r = json.loads(out.read_text())
+    assert (r["target"], r["cluster"]) == ("3090:32", "3090-nvlink-32")
+    assert "simulated on 3090-nvlink-32" in proc.stdout
     assert r["xla_estimate"] is None and "schedule dump is unavailable" in proc.stderr
     assert abs(r["memory_report"]["total_bytes"] - r["peak_memory_bytes"]) \
         <= 0.01 * r["peak_memory_bytes"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "r.json"]
