@@ -37,6 +37,9 @@ class LayerCost:
     comm_s: float
     act_bytes: float  # saved for the backward, per micro-batch in flight
     temp_bytes: float  # working set of the layer's backward
+    # One saved f32 score tensor (one sub-batch's), which XLA re-lays out for the backward loop
+    # as a whole stack of the layers that run alike (`step_cost.score_relayout_bytes`).
+    score_copy_bytes: float = 0.0
 
     @property
     def step_s(self) -> float:
@@ -234,7 +237,8 @@ class LayerModel(LayerWork):
         fwd = parts["fwd"]
         return LayerCost(
             fwd_s=fwd[0], bwd_s=bwd[0], compute_s=fwd[1] + bwd[1], comm_s=fwd[2] + bwd[2],
-            act_bytes=self.saved_bytes(strategy), temp_bytes=self.temp_bytes(strategy))
+            act_bytes=self.saved_bytes(strategy), temp_bytes=self.temp_bytes(strategy),
+            score_copy_bytes=self.score_copy_bytes(strategy))
 
     # Memory.
     def saved_bytes(self, strategy: LayerSpec) -> float:
@@ -276,6 +280,19 @@ class LayerModel(LayerWork):
             return base + 4 * tok * h / t
         scores = tok * self.layout.seq_len * h / t
         return base + scores * e + 4 * scores
+
+    def score_copy_bytes(self, strategy: LayerSpec) -> float:
+        """One f32 score tensor a layer saves for its softmax's backward, per sub-batch (the
+        layer saves one per sub-batch it runs): 4 T L H / (t k) (/ q^2 under primepar); none
+        under flash attention or remat, which save no scores."""
+        if self.flash or strategy.remat != "none":
+            return 0.0
+        c = self.cfg
+        tok = self.layout.rows * self.layout.seq_len
+        if self.layout.primepar or strategy.spec.square:
+            return 4 * tok * self.layout.seq_len * c.n_heads / self.layout.square**2
+        k = strategy.spec.layer_sub_batches(strategy.sub_batches)
+        return 4 * tok * self.layout.seq_len * c.n_heads / (self.layout.tensor * k)
 
     def temp_bytes(self, strategy: LayerSpec) -> float:
         """Working set beyond the saved activations while a layer runs its backward: the
