@@ -203,14 +203,6 @@ def fsdp_comm_s(cfg: ModelConfig, layout: Layout, hw: Hardware,
     return exposed, total
 
 
-def behind_head(reduce_s: float, head_s: float, hw: Hardware) -> float:
-    """What of a reduction after the layer loop stays exposed: the head's backward (half of
-    `head_s`) hides it where collectives are asynchronous."""
-    import os
-    if os.environ.get("NOHIDE"): return reduce_s
-    return reduce_s - (min(reduce_s, 0.5 * head_s) if hw.async_collectives else 0.0)
-
-
 # The share of a layer's backward that hides its gradients' all-reduce over the replicas inside
 # the backward loop: GPT-2 1.5B data=8 on h100:8, one iteration replayed alone, 0.407 ms of
 # all-reduce and 0.497 of compute take 0.763 ms (0.266 exposed).
@@ -219,36 +211,38 @@ REPLICA_REDUCE_HIDDEN = 0.28
 
 def replica_reduce_s(cfg: ModelConfig, layout: Layout, hw: Hardware,
                      strategies: Sequence[LayerSpec], layer_costs: dict[LayerSpec, LayerCost],
-                     local_params: float, head_s: float) -> tuple[float, float]:
+                     local_params: float) -> tuple[float, float]:
     """(exposed, total) seconds of the gradients' all-reduce over the replicas (fsdp == 1).
 
     Accumulated over micro-batches (per data group, `training.state._accumulate_in_groups`), the
-    fp32 sums are all-reduced once after the loop, where only the head's backward (half of
-    `head_s`) hides them. Without micro-batches the partitioner reduces each layer's weight
-    gradients inside the backward loop, in the compute dtype, as soon as they are made (GPT-2
-    1.5B, `data=2,tensor=4` on `h100:8`: one 14.65 MiB bf16 all-reduce a layer), where they hide
-    behind what is left of the layer's own backward (nothing crosses an iteration), and with a
-    tensor axis behind nothing (the tensor collectives after it on the one stream wait); the
-    embedding's, the vectors' (fp32) and the last layer's wait after the loop:
+    fp32 sums are all-reduced once after the loop, synchronously: nothing hides them. Without
+    micro-batches the partitioner reduces each layer's weight gradients inside the backward
+    loop, in the compute dtype, as soon as they are made (GPT-2 1.5B, `data=2,tensor=4` on
+    `h100:8`: one 14.65 MiB bf16 all-reduce a layer), where they hide behind what is left of
+    the layer's own backward (nothing crosses an iteration), and with a tensor axis behind
+    nothing (the tensor collectives after it on the one stream wait); the embedding's, the
+    vectors' (fp32) and the last layer's are issued after the loop, when nothing is left to
+    hide them, a tied table's gradient as two all-reduces, one per use (its lookup's and the
+    head's, each V D / t fp32; oases-h4096-l16 on 3090-nvlink-32, data=8,tensor=4: two
+    196.5 MiB all-reduces, 29 ms each, after the backward loop):
 
-        exposed = (L - 1) max(0, r - h B) + max(0, r + r_rest - head_s / 2)
+        exposed = (L - 1) max(0, r - h B) + r + r_rest
         h = REPLICA_REDUCE_HIDDEN without a tensor axis, else 0"""
     rgroup = replica_group(layout)
     whole = hw.comm_s("all-reduce", 4 * local_params, rgroup)
     if layout.microbatches > 1 or not hw.async_collectives or len(rgroup) <= 1:
-        return behind_head(whole, head_s, hw), whole
+        return whole, whole
     n = len(strategies)
     matrices = sum(layer_matrices(cfg)) / layout.tensor
     per_layer = hw.comm_s("all-reduce", elem_bytes(cfg) * matrices, rgroup)
-    import os
-    tied2 = cfg.padded_vocab * cfg.d_model / layout.tensor if (cfg.tied and os.environ.get("TIED2")) else 0.0
-    rest = hw.comm_s("all-reduce", 4 * max(local_params - n * matrices + tied2, 0.0), rgroup)
+    tied = cfg.padded_vocab * cfg.d_model / layout.tensor if cfg.tied else 0.0
+    rest = hw.comm_s("all-reduce", 4 * (max(local_params - n * matrices, 0.0) + tied), rgroup)
     # Issued after the layer's last weight gradient and done within its iteration: only the
     # compute left in it hides the reduction (REPLICA_REDUCE_HIDDEN of the layer's backward),
     # and with a tensor axis not even that: it holds up the tensor collectives behind it.
     hidden = 0.0 if layout.tensor > 1 else REPLICA_REDUCE_HIDDEN
     in_loop = sum(max(0.0, per_layer - hidden * layer_costs[s].bwd_s) for s in strategies[1:])
-    return in_loop + behind_head(per_layer + rest, head_s, hw), n * per_layer + rest
+    return in_loop + per_layer + rest, n * per_layer + rest
 
 
 def score_relayout_bytes(strategies: Sequence[LayerSpec],
@@ -281,7 +275,7 @@ def step_cost(cfg: ModelConfig, layout: Layout, strategies: Sequence[LayerSpec],
 
     Gradient reduction: over the replicas `replica_reduce_s`; under fsdp the layers'
     reduce-scatters run inside the loop (`fsdp_comm_s`) and what remains is an all-reduce over
-    `data` after it, which only the head's backward hides. Optimizer: `update_s`.
+    `data` after it, waited for. Optimizer: `update_s`.
     """
     if layer_costs is None:
         lm = LayerModel(cfg, layout, hw)
@@ -302,10 +296,10 @@ def step_cost(cfg: ModelConfig, layout: Layout, strategies: Sequence[LayerSpec],
         dgroup = [i * layout.tensor * layout.fsdp for i in range(layout.data)]
         reduce = hw.comm_s("all-reduce", grad_bytes, dgroup)
         fsdp_s = m * exposed_micro
-        exposed_reduce = behind_head(reduce, head_s, hw)
+        exposed_reduce = reduce
     else:
         exposed_reduce, reduce = replica_reduce_s(cfg, layout, hw, strategies, layer_costs,
-                                                  local_params, head_s)
+                                                  local_params)
         fsdp_s = 0.0
     opt_s = update_s(cfg, local_params, hw)
     accum_s = hw.mem_s(3 * 4 * local_params) * (m if m > 1 else 0)

@@ -63,13 +63,13 @@ def test_fsdp_chain_by_hand():
 
 def test_replica_reduce_by_hand():
     """The gradients' all-reduce over replicas (`step_cost.replica_reduce_s`) with every
-    collective 1 s, 4 layers, a head of 2 s (half of it hides what waits after the loop).
-    Without micro-batches each layer's reduction runs in the backward loop: behind the tensor
-    collectives (tensor > 1) 3 of them wait, 1 s each, then the last layer's and the rest
-    (embedding, vectors) after the loop, 2 s less the head's 1: 4 s of 5. Data parallel alone
-    (tensor = 1) each hides behind REPLICA_REDUCE_HIDDEN (0.28) of its layer's 0.5 s backward:
-    3 x 0.86 + 1 = 3.58 s. Accumulated over micro-batches: one all-reduce after the loop, 1 s,
-    hidden."""
+    collective 1 s, 4 layers. Without micro-batches each layer's reduction runs in the backward
+    loop: behind the tensor collectives (tensor > 1) 3 of them wait, 1 s each, then the last
+    layer's and the rest (embedding, vectors) after the loop, waited for: 5 s of 5. Data
+    parallel alone (tensor = 1) each hides behind REPLICA_REDUCE_HIDDEN (0.28) of its layer's
+    0.5 s backward: 3 x 0.86 + 2 = 4.58 s. Accumulated over micro-batches: one all-reduce after
+    the loop, 1 s, waited for. With every collective priced by its bytes, the rest after the
+    loop counts a tied table twice (GPT-2's: one all-reduce per use), an untied one once."""
     from types import SimpleNamespace
 
     from planner.layer_cost import LayerCost
@@ -83,12 +83,19 @@ def test_replica_reduce_by_hand():
     kw = {"global_batch": 8, "seq_len": 1024}
     local = cfg.param_count()
 
-    def reduce(layout):
-        return replica_reduce_s(cfg, layout, hw, [spec] * 4, costs, local / layout.tensor, 2.0)
+    def reduce(layout, hw=hw, cfg=cfg):
+        return replica_reduce_s(cfg, layout, hw, [spec] * 4, costs, local / layout.tensor)
 
-    assert reduce(Layout(data=2, tensor=4, **kw)) == pytest.approx((4.0, 5.0))
-    assert reduce(Layout(data=8, **kw)) == pytest.approx((3.58, 5.0))
-    assert reduce(Layout(data=8, microbatches=2, **kw)) == pytest.approx((0.0, 1.0))
+    assert reduce(Layout(data=2, tensor=4, **kw)) == pytest.approx((5.0, 5.0))
+    assert reduce(Layout(data=8, **kw)) == pytest.approx((4.58, 5.0))
+    assert reduce(Layout(data=8, microbatches=2, **kw)) == pytest.approx((1.0, 1.0))
+    by_bytes = SimpleNamespace(comm_s=lambda kind, nbytes, group: nbytes, async_collectives=True)
+    for tie in (True, False):  # fp32: the layers' matrices and the rest all 4 bytes an element
+        c = cfg.replace(tie_embeddings=tie)
+        params = c.param_count()
+        _, total = replica_reduce_s(c, Layout(data=8, **kw), by_bytes, [spec] * 4, costs, params)
+        table = 4 * c.padded_vocab * c.d_model
+        assert total == pytest.approx(4 * params + (table if tie else 0.0))
 
 
 def _brute(times, mems, edges, n, budget):
