@@ -98,6 +98,31 @@ def test_replica_reduce_by_hand():
         assert total == pytest.approx(4 * params + (table if tie else 0.0))
 
 
+def test_fsdp_embedding_and_clip_by_hand():
+    """FSDP's collectives outside the layer loops (`step_cost.embedding_fsdp_s`,
+    `clip_norm_s`) with each collective priced at its bytes. Untied (Llama): the head's weight
+    gathered in the compute dtype, waited for; its f32 reduce-scatter hidden. Tied (GPT-2):
+    the same gather, the table's reduce-scatter and the lookup's f32 gradient gathered over the
+    fsdp group, all waited for. The clip: one 4-byte all-reduce per array with a D axis."""
+    from types import SimpleNamespace
+
+    from planner.step_cost import clip_norm_s, embedding_fsdp_s
+
+    hw = SimpleNamespace(comm_s=lambda kind, nbytes, group: nbytes, async_collectives=True)
+    layout = Layout(fsdp=4, tensor=2, global_batch=8, seq_len=1024)  # 2 rows a replica
+    llama = get_preset("llama2-7b").with_overrides(["dtype=bfloat16"])
+    table = 32000 * 4096 / 2
+    assert embedding_fsdp_s(llama, layout, hw) == pytest.approx((2 * table, 6 * table))
+    gpt2 = get_preset("gpt2-1.5b")  # fp32, tied, vocab padded to 50304
+    table = 50304 * 1600 / 2
+    waited = 4 * table + 4 * table + 4 * 4 * 2 * 1024 * 1600
+    assert embedding_fsdp_s(gpt2, layout, hw) == pytest.approx((waited, waited))
+    # Llama: 2 norms + 4 attention + 3 MLP matrices a block, embedding, final norm, head: 12;
+    # GPT-2: 4 norm arrays + 4 matrices + 2 MLP + 2 biases, embedding, 2 final norm, positions.
+    assert clip_norm_s(llama, layout, hw) == pytest.approx(12 * 4)
+    assert clip_norm_s(gpt2, layout, hw) == pytest.approx(16 * 4)
+
+
 def _brute(times, mems, edges, n, budget):
     best = None
     for chain in itertools.product(range(len(times)), repeat=n):
