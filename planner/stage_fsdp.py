@@ -56,7 +56,7 @@ def fsdp_layer_s(cfg: ModelConfig, layout: Layout, hw: Hardware, fwd_s: float,
     179.4 ms against 192.7 and 201.3 compiled; with nothing hidden, 189.1 and 207.0. On CPU
     devices collectives are synchronous (`Hardware.async_collectives`): the forward pays its
     gathers and the backward its gathers and the all-reduce, whole."""
-    ag_a, ag_m, ar, _, _ = fsdp_collectives(cfg, layout, hw, reduce="all-reduce")
+    ag_a, ag_m, ar = fsdp_collectives(cfg, layout, hw, reduce="all-reduce")
     attn, mlp = layer_matrices(cfg)
     gathered = elem_bytes(cfg) * (attn + mlp) / layout.tensor
     if not hw.async_collectives:  # CPU: nothing hides; the backward's branch gathers again

@@ -5,6 +5,7 @@ gathers and the AdamW update, in seconds and bytes per device."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 from models.config import ModelConfig
@@ -156,19 +157,19 @@ def head_tensor_comm_s(cfg: ModelConfig, layout: Layout, hw: Hardware) -> float:
 
 
 def fsdp_collectives(cfg: ModelConfig, layout: Layout, hw: Hardware,
-                     reduce: str = "reduce-scatter") -> tuple[float, float, float, float, float]:
-    """Seconds of FSDP's collectives over the fsdp group: a layer's attention weight gathers
-    g_a, its MLP weight gathers g_m, its gradient reduce-scatters r, the embedding's gather and
-    reduce-scatter. The weight matrices move in the compute dtype, the vectors (norms, biases)
-    in fp32, half with each sub-layer; one collective per weight matrix (XLA combines the
-    layer's vectors into one more), so the per-collective latency counts (GPT-2 1.5B on h100:8:
-    7 gathers per layer each way). `reduce`: the collective that reduces a layer's gradients."""
+                     reduce: str = "reduce-scatter") -> tuple[float, float, float]:
+    """Seconds of a layer's FSDP collectives over the fsdp group: its attention weight gathers
+    g_a, its MLP weight gathers g_m, its gradient reduce-scatters r (the embedding's and the
+    head's: `embedding_fsdp_s`). The weight matrices move in the compute dtype, the vectors
+    (norms, biases) in fp32, half with each sub-layer; one collective per weight matrix (XLA
+    combines the layer's vectors into one more), so the per-collective latency counts (GPT-2
+    1.5B on h100:8: 7 gathers per layer each way). `reduce`: the collective that reduces a
+    layer's gradients."""
     e = elem_bytes(cfg)
     attn, mlp = layer_matrices(cfg)
     rest = cfg.param_count(embeddings=False) / cfg.n_layers - attn - mlp  # norms, biases
     t = layout.tensor
     attn_bytes, mlp_bytes = (attn * e + rest * 4 / 2) / t, (mlp * e + rest * 4 / 2) / t
-    emb_bytes = 4 * (cfg.param_count() - cfg.param_count(embeddings=False)) / t
     group = [i * t for i in range(layout.fsdp)]
     n_attn, n_mlp = 4, (3 if cfg.gated_mlp else 2)
 
@@ -176,8 +177,7 @@ def fsdp_collectives(cfg: ModelConfig, layout: Layout, hw: Hardware,
         return count * hw.comm_s(kind, nbytes / count, group)
 
     return (coll("all-gather", attn_bytes, n_attn + 1), coll("all-gather", mlp_bytes, n_mlp),
-            coll(reduce, attn_bytes + mlp_bytes, n_attn + n_mlp + 1),
-            coll("all-gather", emb_bytes, 1), coll("reduce-scatter", emb_bytes, 1))
+            coll(reduce, attn_bytes + mlp_bytes, n_attn + n_mlp + 1))
 
 
 def embedding_fsdp_s(cfg: ModelConfig, layout: Layout, hw: Hardware) -> tuple[float, float]:
@@ -296,14 +296,9 @@ def score_relayout_bytes(strategies: Sequence[LayerSpec],
     planner's peaks were 10.2% and 6.8% low without it.
 
         relayout = max over runs of alike layers (run length x score_copy_bytes)"""
-    best, i = 0.0, 0
-    while i < len(strategies):
-        j = i
-        while j < len(strategies) and strategies[j] == strategies[i]:
-            j += 1
-        best = max(best, (j - i) * layer_costs[strategies[i]].score_copy_bytes)
-        i = j
-    return best
+    runs = itertools.groupby(strategies)
+    return max((len(list(run)) * layer_costs[s].score_copy_bytes for s, run in runs),
+               default=0.0)
 
 
 def step_cost(cfg: ModelConfig, layout: Layout, strategies: Sequence[LayerSpec], hw: Hardware,
@@ -335,8 +330,9 @@ def step_cost(cfg: ModelConfig, layout: Layout, strategies: Sequence[LayerSpec],
         dgroup = [i * layout.tensor * layout.fsdp for i in range(layout.data)]
         reduce = hw.comm_s("all-reduce", grad_bytes, dgroup)
         fsdp_s = m * exposed_micro
+        clip = clip_norm_s(cfg, layout, hw)  # waited for after the backward, like `reduce`
+        reduce += clip
         exposed_reduce = reduce
-        exposed_reduce += clip_norm_s(cfg, layout, hw)
     else:
         exposed_reduce, reduce = replica_reduce_s(cfg, layout, hw, strategies, layer_costs,
                                                   local_params)

@@ -264,7 +264,7 @@ def test_fsdp_inside_the_stages_by_hand():
     x0, x1 = stage_inputs(cfg, dp, h, spec), stage_inputs(cfg, fs, h, spec)
     cost = LayerModel(cfg, fs, h, gathered_stack=True).time(
         LayerSpec(schedule="megatron", remat="none"))
-    ag_a, ag_m, ar, _, _ = fsdp_collectives(cfg, fs, h, reduce="all-reduce")
+    ag_a, ag_m, ar = fsdp_collectives(cfg, fs, h, reduce="all-reduce")
     assert ar > fsdp_collectives(cfg, fs, h)[2]  # an all-reduce moves more than a scatter
     assert x1.f[0] - x0.f[0] == pytest.approx(max(0.0, ag_a + ag_m
                                                   - FSDP_FWD_HIDDEN * cost.fwd_s))
@@ -425,12 +425,12 @@ def test_fsdp_hides_nothing_under_fsdp_tp_or_on_cpu():
     cfg = CFG.replace(dtype="bfloat16", n_heads=20)
     kw = {"microbatches": 4, "global_batch": 32, "seq_len": 1024}
     ftp, h = Layout(fsdp=4, tensor=2, **kw), hw("h100:16")
-    ag_a, ag_m, ar, _, _ = fsdp_collectives(cfg, ftp, h, reduce="all-reduce")
+    ag_a, ag_m, ar = fsdp_collectives(cfg, ftp, h, reduce="all-reduce")
     f, b, _ = fsdp_layer_s(cfg, ftp, h, 1.0, 1.0)  # a second of work would hide them all
     assert (f, b) == pytest.approx((ag_a + ag_m, ar))
     cpu = Hardware.of(get_cluster("cpu-8"))
     fs = Layout(fsdp=8, microbatches=2, global_batch=16, seq_len=128)
-    ag_a, ag_m, ar, _, _ = fsdp_collectives(get_preset("small"), fs, cpu, reduce="all-reduce")
+    ag_a, ag_m, ar = fsdp_collectives(get_preset("small"), fs, cpu, reduce="all-reduce")
     f, b, _ = fsdp_layer_s(get_preset("small"), fs, cpu, 1.0, 1.0)
     assert (f, b) == pytest.approx((ag_a + ag_m, ag_a + ag_m + ar))
 
