@@ -198,9 +198,6 @@ class LayerModel(LayerWork):
         if pattern == "all_reduce":  # dX all-reduce hides behind the column projection's dW
             return [("c", 2 * w.row + w.core_bwd + w.col), ("start", key, self._ar(a)),
                     ("c", w.col), ("done", key), ("c", 2 * w.pre)]
-        if pattern == "deferred":
-            return wait + [("c", 2 * w.row + w.core_bwd + w.col), ("start", key, self._ar(a)),
-                           ("c", w.col + 2 * w.pre)]
         if pattern == "gather_scatter":  # all-gather of dY, then reduce-scatter of dX behind dW
             return [("start", key + "g", self._ag(a)), ("done", key + "g"),
                     ("c", 2 * w.row + w.core_bwd + w.col), ("start", key, self._rs(a)),
@@ -309,12 +306,11 @@ class LayerModel(LayerWork):
         under flash attention or remat, which save no scores."""
         if self.flash or strategy.remat != "none":
             return 0.0
-        c = self.cfg
-        tok = self.layout.rows * self.layout.seq_len
         if self.layout.primepar or strategy.spec.square:
-            return 4 * tok * self.layout.seq_len * c.n_heads / self.layout.square**2
+            return Square(self).score_copy_bytes()
+        tok = self.layout.rows * self.layout.seq_len
         k = strategy.spec.layer_sub_batches(strategy.sub_batches)
-        return 4 * tok * self.layout.seq_len * c.n_heads / (self.layout.tensor * k)
+        return 4 * tok * self.layout.seq_len * self.cfg.n_heads / (self.layout.tensor * k)
 
     def temp_bytes(self, strategy: LayerSpec) -> float:
         """Working set beyond the saved activations while a layer runs its backward: the

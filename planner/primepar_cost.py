@@ -257,6 +257,11 @@ class Square:
         return (4 * t * d + t * (h + 2 * g) * k + t * h * k + gated * t * f) * e / q2 \
             + scores * e + 4 * scores
 
+    def score_copy_bytes(self) -> float:
+        """The f32 scores a layer saves for its softmax's backward, 4 T L H / q^2
+        (`LayerModel.score_copy_bytes`)."""
+        return 4 * self.tok * self.layout.seq_len * self.cfg.n_heads / self.q**2
+
     def temp_bytes(self, strategy: LayerSpec) -> float:
         """Working set of the layer's backward beyond its saved activations: the f32 scores and
         their gradient (2 * 4 T L H / q^2), the recomputed activations under remat, and the

@@ -282,6 +282,7 @@ def plan_cluster(plan, target):
     import dataclasses as dc
 
     from oases_jax.analysis.hardware import get_cluster
+    from oases_jax.errors import UserError
     from planner.verify import compile_target
 
     name = plan.raw.get("cluster")
@@ -290,7 +291,7 @@ def plan_cluster(plan, target):
     try:
         cluster = get_cluster(name)
         same = compile_target(cluster) == target.name
-    except Exception:  # a cluster this checkout does not know, or with no compile target
+    except UserError:  # a cluster this checkout does not know, or with no compile target
         return target
     return dc.replace(target, cluster=cluster) if same else target
 

@@ -90,11 +90,11 @@ def compile_with_estimate(lowered, compiler_options: dict | None = None,
             # a directory of its own, never to stdout and the working directory.
             warnings.warn(f"XLA's schedule dump is unavailable ({str(e)[:200]}); "
                           "no XLA estimate", stacklevel=2)
+            if on_dump is None:
+                return lowered.compile(compiler_options=compiler_options or {}), None
             with xla_dump({}) as (plain, own):
-                dump = plain if on_dump is not None else {}
-                compiled = lowered.compile(compiler_options={**(compiler_options or {}), **dump})
-                if on_dump is not None:
-                    on_dump(own)
+                compiled = lowered.compile(compiler_options={**(compiler_options or {}), **plain})
+                on_dump(own)
             return compiled, None
         text = compiled.as_text()
         if on_dump is not None:

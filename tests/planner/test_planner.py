@@ -83,7 +83,7 @@ def test_replica_reduce_by_hand():
     kw = {"global_batch": 8, "seq_len": 1024}
     local = cfg.param_count()
 
-    def reduce(layout, hw=hw, cfg=cfg):
+    def reduce(layout):
         return replica_reduce_s(cfg, layout, hw, [spec] * 4, costs, local / layout.tensor)
 
     assert reduce(Layout(data=2, tensor=4, **kw)) == pytest.approx((5.0, 5.0))
