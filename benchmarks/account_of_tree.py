@@ -1,4 +1,4 @@
-"""The per-op account (`oases_jax.analysis.fusions`) of the train step another source tree
+"""The per-op account (`oases_jax.tools.analysis.fusions`) of the train step another source tree
 compiles, read by this tree's analysis: e.g. the program a past commit built, before the
 account or its name scopes existed.
 
@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 CHILD = """
 import runpy, sys
 sys.path.insert(0, {tree!r})
-import tools.inspection as ti
+import oases_jax.tools.inspection as ti
 if not hasattr(ti, "analyze"):
     sys.exit("the tree's tools.inspection has no `analyze` to wrap")
 _analyze = ti.analyze
@@ -68,10 +68,10 @@ def main() -> int:
             sys.exit(f"account_of_tree.py: the tree's inspect_hlo.py failed: "
                      f"{lines[-1] if lines else proc.returncode}")
         text = out.read_text()
-    from oases_jax.analysis import fusions
-    from oases_jax.analysis.hardware import get_cluster
-    from oases_jax.analysis.program import analyze_text
-    from oases_jax.analysis.simulate import simulate
+    from oases_jax.hardware import get_cluster
+    from oases_jax.tools.analysis import fusions
+    from oases_jax.tools.analysis.program import analyze_text
+    from oases_jax.tools.analysis.simulate import simulate
 
     cluster = get_cluster(a.target)
     analysis, program = analyze_text(text)

@@ -11,9 +11,7 @@ import json
 import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from planner.rank import spearman  # noqa: E402
+from oases_jax.planner.rank import spearman
 
 STEP, PEAK = 0.15, 0.10
 

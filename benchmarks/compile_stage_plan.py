@@ -4,7 +4,7 @@ print the prediction beside the tick-by-tick step and each branch's cost
 (planner/verify_pipeline.py, `analysis.pipeline_time`). For A/B runs of the tick executor
 across commits: run it at each and compare.
 
-    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/compile_stage_plan.py \
+    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/compile_stage_plan.py \
         STAGES DATA TENSOR MICROBATCHES SCHEDULE [--heads N] [--layers L]
 
 e.g. `2 4 2 8 gpipe --heads 20` (about 30 s here): 182.7 ms compiled against 184.2 predicted
@@ -13,12 +13,12 @@ e.g. `2 4 2 8 gpipe --heads 20` (about 30 s here): 182.7 ms compiled against 184
 import argparse
 import time
 
-from models import get_preset
-from oases_jax.analysis.hardware import get_cluster
+from oases_jax.hardware import get_cluster
 from oases_jax.layer_plan import LayerSpec
-from planner.layout import Layout
-from planner.prices import Hardware
-from planner.verify_pipeline import candidate, compile_candidate
+from oases_jax.models import get_preset
+from oases_jax.planner.layout import Layout
+from oases_jax.planner.prices import Hardware
+from oases_jax.planner.verify_pipeline import candidate, compile_candidate
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 the cores goes to the busy ones, which is what `planner.prices.SharedCores` prices
 (docs/planner.md, "Ranking on the CPU devices").
 
-    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/cpu_shared_cores.py
+    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/cpu_shared_cores.py
 
 (benchmarks/results/cpu_shared_cores.txt; a few seconds here)."""
 

@@ -3,7 +3,7 @@ alone by the inspection simulator (forward loop, then backward loop), beside the
 of the same layer: `LayerModel` (compute and tensor collectives) plus what it waits for on FSDP's
 gathers and reduce-scatters (`planner.fsdp_chain`).
 
-    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/fsdp_layer_replay.py
+    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/fsdp_layer_replay.py
 
 (benchmarks/results/fsdp_layer_replay_h100x8.txt; about a minute here). 4-layer programs: the
 loop body is the same at any depth."""
@@ -12,19 +12,19 @@ import time
 
 import jax
 
-from models import get_preset
-from oases_jax.analysis.hardware import get_cluster
-from oases_jax.analysis.simulate import Simulator
-from oases_jax.analysis.targets import get_target
+from oases_jax.hardware import get_cluster
 from oases_jax.layer_plan import LayerSpec
-from planner.fsdp_chain import layer_exposed
-from planner.layer_cost import LayerModel
-from planner.layout import Layout
-from planner.prices import Hardware
-from planner.search import Candidate
-from planner.step_cost import step_cost
-from planner.verify import candidate_spec
-from tools.inspection import inspect_program
+from oases_jax.models import get_preset
+from oases_jax.planner.fsdp_chain import layer_exposed
+from oases_jax.planner.layer_cost import LayerModel
+from oases_jax.planner.layout import Layout
+from oases_jax.planner.prices import Hardware
+from oases_jax.planner.search import Candidate
+from oases_jax.planner.step_cost import step_cost
+from oases_jax.planner.verify import candidate_spec
+from oases_jax.targets import get_target
+from oases_jax.tools.analysis.simulate import Simulator
+from oases_jax.tools.inspection import inspect_program
 
 GPT2 = ["dtype=bfloat16", "n_layers=4", "n_heads=20", "head_dim=80"]
 LLAMA = ["dtype=bfloat16", "n_layers=4"]

@@ -6,10 +6,7 @@ this: cuDNN's kernel needs a GPU)."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
 def main() -> int:
@@ -25,7 +22,7 @@ def main() -> int:
     import numpy as np
     from flax import nnx
 
-    from models import Transformer, cross_entropy, get_preset
+    from oases_jax.models import Transformer, cross_entropy, get_preset
 
     base = get_preset(args.model).with_overrides(args.model_set).replace(dtype="bfloat16")
     tokens = jax.random.randint(jax.random.key(1), (args.batch_size, args.seq_len + 1), 0,

@@ -1,5 +1,5 @@
 """On one GPU: cuDNN's fused attention timed at one shape, beside the price this project's analysis
-gives the same compiled calls (`oases_jax.analysis.attention`, `simulate.roofline_time`).
+gives the same compiled calls (`oases_jax.tools.analysis.attention`, `simulate.roofline_time`).
 `python benchmarks/gpu_attention_price.py --batch 4 --seq 2048 --heads 8 --head-dim 128`"""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import time
 import jax
 import jax.numpy as jnp
 
-from oases_jax.analysis.attention import fused_attention_flops, is_backward
-from oases_jax.analysis.hardware import detect
-from oases_jax.analysis.program import Program
-from oases_jax.analysis.simulate import roofline_time
+from oases_jax.hardware import detect
+from oases_jax.tools.analysis.attention import fused_attention_flops, is_backward
+from oases_jax.tools.analysis.program import Program
+from oases_jax.tools.analysis.simulate import roofline_time
 
 
 def _median_s(f, *args, calls: int = 50, repeats: int = 5) -> float:

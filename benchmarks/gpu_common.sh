@@ -2,7 +2,17 @@
 # log's directory), `dest` (where each step's stdout goes) and `parts` (" PART PART "): the
 # environment they run under, `want PART`, `step NAME CMD...`, `$tag` (the GPU's name, e.g.
 # h100) and the machine's versions in `$out/$1`.
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}
+# The checkout's folders install as one `oases_jax` namespace (pyproject.toml), so the tree itself
+# is not importable: install it, without dependencies (the machine's own jax), into .gl/site,
+# from a wheel carried in .whl/ (`pip wheel --no-deps -w .whl .` before the lease) or else built
+# here.
+site=.gl/site
+if [[ ! -d $site/oases_jax ]]; then
+  wheel=$(ls .whl/oases_jax-*.whl 2>/dev/null | head -1)
+  python3 -m pip install -q --no-deps --target "$site" ${wheel:-"--no-build-isolation" .}
+fi
+export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export JAX_PLATFORMS=${JAX_PLATFORMS:-cuda}
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
 mkdir -p "$out" "$dest"
 tag=$(python3 -c "import jax; print(jax.devices()[0].device_kind.split()[1].lower())")

@@ -34,8 +34,6 @@ import time
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
 # (name, rows, k, n) of one ring step's forward GEMM per device at tensor=4; the backward's are
 # derived: dX = dY W^T (rows, n, k) and dW = X^T dY (k, rows, n).
 SHAPES = {
@@ -130,7 +128,7 @@ def main() -> int:
     gpu = args.target.split(":")[0] if args.target != "local" else \
         jax.devices()[0].device_kind.split()[-1].lower()
     if args.target != "local":
-        from oases_jax.analysis.targets import get_target
+        from oases_jax.targets import get_target
         device = get_target(args.target).devices[0]
     else:
         device = jax.devices()[0]

@@ -17,7 +17,7 @@
 #   BASE_TREE=.base bash benchmarks/gpu_single.sh OUT ab        (device run: carry .base)
 # The full 32-layer Llama-2 7B does not fit one GPU with fp32 AdamW state (16 B per parameter,
 # 108 GB before activations), so its rows use 8 layers.
-# Runs from the repository root with the machine's own jax (no install: PYTHONPATH=.).
+# Runs from the repository root with the machine's own jax (gpu_common.sh installs the checkout).
 # Each step is independent: one that fails is logged and the rest still run.
 set -u
 out=${1:?usage: bash benchmarks/gpu_single.sh OUT_DIR [PART...]}

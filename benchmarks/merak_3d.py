@@ -1,14 +1,14 @@
 """The 3D search beside Megatron-LM's plan (uniform stages, 1F1B, full recompute) for Merak's four
 GPT models on v100-64 and h100-64, global batch 128 x 1024, bf16, with search times.
-`JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/merak_3d.py`
+`JAX_PLATFORMS=cpu .venv/bin/python benchmarks/merak_3d.py`
 (benchmarks/results/plan_3d_vs_megatron_merak_models.txt)."""
 
 import time
 
-from models import get_preset
-from oases_jax.analysis.hardware import get_cluster
-from planner.pipeline_search import megatron_3d, search_3d
-from planner.prices import Hardware
+from oases_jax.hardware import get_cluster
+from oases_jax.models import get_preset
+from oases_jax.planner.pipeline_search import megatron_3d, search_3d
+from oases_jax.planner.prices import Hardware
 
 
 def main() -> None:

@@ -1,13 +1,13 @@
 """Ten 3D plans of the `small` model for the 8 CPU devices, written as plan files and measured
 side by side with `scripts/bench.py --plan` (docs/planner.md, "Ranking on the CPU devices").
 
-    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/rank_3d_cpu.py DIR
+    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/rank_3d_cpu.py DIR
     JAX_PLATFORMS=cpu python scripts/bench.py --model small --batch-size 16 --seq-len 128 \\
         $(ls DIR/*.json | sed 's/^/--plan /') --predict profile --json OUT.json
 
-The search runs on `cpu-8` with its calibration profile (`profiles/cpu-8.json`); the ten plans
-are the search's best candidate for each distinct (mesh, micro-batches, schedule), best first,
-with Megatron-LM's plan among them when the search ranked it.
+The search runs on `cpu-8` with its calibration profile (`planner/profiles/cpu-8.json`); the
+ten plans are the search's best candidate for each distinct (mesh, micro-batches, schedule),
+best first, with Megatron-LM's plan among them when the search ranked it.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from __future__ import annotations
 import pathlib
 import sys
 
-from models import get_preset
-from oases_jax.analysis.hardware import get_cluster
-from planner import load_profile
-from planner import plan as plans
-from planner.pipeline_search import search_3d
-from planner.prices import Hardware
+from oases_jax.hardware import get_cluster
+from oases_jax.models import get_preset
+from oases_jax.planner import load_profile
+from oases_jax.planner import plan as plans
+from oases_jax.planner.pipeline_search import search_3d
+from oases_jax.planner.prices import Hardware
 
 BATCH, SEQ, N = 16, 128, 10
 

@@ -2,7 +2,7 @@
 steps their compiled programs were read at (no compile: the programs do not depend on the
 planner), to see what a cost-model change does before re-running the set.
 
-    PYTHONPATH=. python benchmarks/reprice_benchmark_set.py [DIR]
+    .venv/bin/python benchmarks/reprice_benchmark_set.py [DIR]
 
 DIR defaults to benchmarks/results/benchmark_set.
 """
@@ -13,12 +13,12 @@ import os
 import re
 import sys
 
-from models.config import ModelConfig
-from oases_jax.analysis.hardware import get_cluster
+from oases_jax.hardware import get_cluster
 from oases_jax.layer_plan import LayerSpec
-from planner.layout import Layout
-from planner.prices import Hardware
-from planner.step_cost import step_cost
+from oases_jax.models.config import ModelConfig
+from oases_jax.planner.layout import Layout
+from oases_jax.planner.prices import Hardware
+from oases_jax.planner.step_cost import step_cost
 
 BOUND = 0.15
 

@@ -1,18 +1,18 @@
 """The stage partitioner on GPT-2 1.5B (fp32, 48 layers and a 50k head) over 4 and 8 stages of
 h100-64 (t = 2, M = 2S), with the head on the last stage and split over the stages
 (`--split-head on`): stage layers, max / mean stage load and the simulated pipeline step.
-`JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/split_head_partition.py`
+`JAX_PLATFORMS=cpu .venv/bin/python benchmarks/split_head_partition.py`
 (benchmarks/results/split_head_partition_gpt2-1.5b_h100x64.txt; about 20 s here)."""
 
 import time
 
-from models import get_preset
-from oases_jax.analysis.hardware import get_cluster
+from oases_jax.hardware import get_cluster
 from oases_jax.layer_plan import LayerSpec
-from planner.layout import Layout
-from planner.pipeline_search import split_head_inputs, stage_inputs, transfer_s
-from planner.prices import Hardware
-from planner.stage_partition import partition
+from oases_jax.models import get_preset
+from oases_jax.planner.layout import Layout
+from oases_jax.planner.pipeline_search import split_head_inputs, stage_inputs, transfer_s
+from oases_jax.planner.prices import Hardware
+from oases_jax.planner.stage_partition import partition
 
 
 def main() -> None:

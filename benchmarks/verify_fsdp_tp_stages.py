@@ -4,18 +4,18 @@ for GPT-2 1.5B with 20 heads (bf16, attention=xla) on h100:16, and set the 3D se
 (planner/verify_pipeline.py). The last plan runs `oases` inside the stages, which the search
 does not offer under fsdp_tp (`FSDP_TP_STAGE_SCHEDULES`).
 
-    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/verify_fsdp_tp_stages.py
+    JAX_PLATFORMS=cpu .venv/bin/python benchmarks/verify_fsdp_tp_stages.py
 
 (benchmarks/results/verify_fsdp_tp_stages_gpt2-1.5b-h20_h100x16.txt; about 3 minutes here)."""
 
 import time
 
-from models import get_preset
-from oases_jax.analysis.hardware import get_cluster
+from oases_jax.hardware import get_cluster
 from oases_jax.layer_plan import LayerSpec
-from planner.layout import Layout
-from planner.prices import Hardware
-from planner.verify_pipeline import agreement, candidate, table, verify_3d
+from oases_jax.models import get_preset
+from oases_jax.planner.layout import Layout
+from oases_jax.planner.prices import Hardware
+from oases_jax.planner.verify_pipeline import agreement, candidate, table, verify_3d
 
 # (stages, fsdp, tensor, micro-batches, schedule, layer schedule)
 PLANS = [(2, 4, 2, 2, "interleaved", "megatron"), (2, 4, 2, 4, "interleaved", "megatron"),

@@ -1,5 +1,5 @@
 """GPT-2 family: learned positions, LayerNorm, GELU MLP with biases, tied embeddings."""
 
-from models.layers import LayerNorm
+from oases_jax.models.layers import LayerNorm
 
 NORM = LayerNorm

@@ -19,14 +19,14 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from safetensors.numpy import save_file
 
-from models.config import ModelConfig
-from models.hf_config import config_from_hf, config_to_hf
-from models.hf_tensors import Checkpoint
-from models.layers import rope_frequencies
-from models.sharding import abstract_model, param_shardings
-from models.transformer import Transformer
 from oases_jax.errors import UserError
 from oases_jax.files import read_json
+from oases_jax.models.config import ModelConfig
+from oases_jax.models.hf_config import config_from_hf, config_to_hf
+from oases_jax.models.hf_tensors import Checkpoint
+from oases_jax.models.layers import rope_frequencies
+from oases_jax.models.sharding import abstract_model, param_shardings
+from oases_jax.models.transformer import Transformer
 from oases_jax.rules import ShardingRules, get_rules
 
 # Tensor names of a GPT-2 checkpoint may carry the prefix of GPT2LMHeadModel or not (GPT2Model).

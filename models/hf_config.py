@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import math
 
-from models.config import ModelConfig
 from oases_jax.errors import UserError
+from oases_jax.models.config import ModelConfig
 
 _MAX_SIZE = 2**31 - 1  # sizes are array dimensions
 _REQUIRED = object()

@@ -11,15 +11,15 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from models.config import ModelConfig
-from models.pointwise import gelu, layer_norm, rms_norm, swiglu
 from oases_jax import compat, step_order
 from oases_jax import projections as proj
-from oases_jax.analysis.targets import cudnn_missing
 from oases_jax.compat import varying_axes
 from oases_jax.errors import UserError
+from oases_jax.models.config import ModelConfig
+from oases_jax.models.pointwise import gelu, layer_norm, rms_norm, swiglu
 from oases_jax.rules import active_rules, constrain, spec_divides, suspend_rules
 from oases_jax.stacks import LayerFns
+from oases_jax.targets import cudnn_missing
 
 # Activations are tagged with the names of `oases_jax.remat` (SAVE_NAMES, COLUMN_OUT_NAMES), so
 # its policies can keep the values on both sides of every tensor-parallel collective.

@@ -1,5 +1,5 @@
 """LLaMA family: RoPE, RMSNorm, SwiGLU MLP without biases, grouped-query attention, untied head."""
 
-from models.layers import RMSNorm
+from oases_jax.models.layers import RMSNorm
 
 NORM = RMSNorm

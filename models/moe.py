@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.config import ModelConfig
-from models.layers import Attention, Block, _names, gelu, param, swiglu
 from oases_jax import moe as moe_rt
 from oases_jax import step_order
+from oases_jax.models.config import ModelConfig
+from oases_jax.models.layers import Attention, Block, _names, gelu, param, swiglu
 from oases_jax.moe.stack import GroupFns
 
 LOSSES = ("aux_loss", "z_loss", "dropped_frac")

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from models.config import ModelConfig
 from oases_jax.errors import UserError
+from oases_jax.models.config import ModelConfig
 
 GPT2_VOCAB = 50257
 

@@ -6,9 +6,9 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from models.config import ModelConfig
-from models.transformer import Transformer
 from oases_jax.errors import UserError
+from oases_jax.models.config import ModelConfig
+from oases_jax.models.transformer import Transformer
 from oases_jax.rules import ShardingRules, spec_divides
 
 

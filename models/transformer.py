@@ -10,12 +10,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import gpt2, llama
-from models.config import ModelConfig
-from models.layers import Block, block_fns, compute_weights, param
-from models.loss import cross_entropy
-from models.moe import MoEGroup, group_fns
 from oases_jax.embedding import lookup
+from oases_jax.models import gpt2, llama
+from oases_jax.models.config import ModelConfig
+from oases_jax.models.layers import Block, block_fns, compute_weights, param
+from oases_jax.models.loss import cross_entropy
+from oases_jax.models.moe import MoEGroup, group_fns
 from oases_jax.moe.stack import run_groups
 from oases_jax.rules import constrain
 from oases_jax.stacks import run_stack

@@ -41,6 +41,10 @@ class ScheduleSpec:
     rules: str = "tp"
     sequence_parallel: bool = False
     rings: bool = False  # projections move blocks around ppermute rings
+    # Its program holds collective-permutes (rings, the square's rotations, XLA's windowed
+    # einsum): inside a pipeline's per-stage switch they would wait for every device
+    # (`oases_jax.pipeline.registry.PipelineScheduleSpec.permutes_inside`).
+    permutes: bool = False
     sub_batches: bool = False  # a micro-batch splits into sub-batches (Oases step order)
     overlapped_stack: bool = False  # a layer's last collective hides in the next layer
     projection: str = "gspmd"
@@ -101,7 +105,7 @@ SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType({s.name: s for s in (
     # which then waits for both inputs' collectives.
     ScheduleSpec(name="collective_matmul", summary="every projection a ppermute ring that "
                  "overlaps its chunk GEMMs, forward and backward", sequence_parallel=True,
-                 rings=True, projection="ring", gpu_options=_opts(
+                 rings=True, permutes=True, projection="ring", gpu_options=_opts(
                      xla_gpu_experimental_parallel_collective_overlap_limit=2, **_NO_DOT_MERGER)),
     # Keep each sub-batch's collective separate: XLA's combiners would merge them into one.
     ScheduleSpec(name="oases", summary="sub-batches whose all-reduces hide behind each other's "
@@ -113,7 +117,8 @@ SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType({s.name: s for s in (
     # Three in flight: a bidirectional backward ring step moves four halves (two of the block,
     # two of the partial sum); with 2, two of them had no GEMM on `small` (share 0.80).
     ScheduleSpec(name="oases_cm", summary="Oases sub-batches whose projections are rings",
-                 sequence_parallel=True, rings=True, sub_batches=True, projection="ring",
+                 sequence_parallel=True, rings=True, permutes=True, sub_batches=True,
+                 projection="ring",
                  manual_projection="ring", gpu_options=_opts(
                      xla_gpu_experimental_parallel_collective_overlap_limit=3,
                      xla_gpu_collective_permute_combine_threshold_bytes=0, **_NO_DOT_MERGER)),
@@ -123,14 +128,15 @@ SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType({s.name: s for s in (
     # compile of shapes nobody has tried.
     ScheduleSpec(name="xla_auto", summary="XLA's own windowed einsum (collective matmul) over "
                  "sequence-parallel einsums", sequence_parallel=True, projection="gspmd_pinned",
-                 may_abort=True, planned=False,
+                 permutes=True, may_abort=True, planned=False,
                  gpu_options=_opts(xla_gpu_threshold_for_windowed_einsum_mib=1,
                                    xla_gpu_multi_streamed_windowed_einsum=True)),
     # A primepar backward step has three permutes in flight (two blocks and a partial sum);
     # the combiner would merge a step's weight shifts into one synchronous permute.
     ScheduleSpec(name="primepar", summary="spatial-temporal partitioning on a tp_row x tp_col "
                  "square: Cannon-style rings, no all-reduce, nothing replicated",
-                 rules="primepar", projection="primepar", weight_layout="primepar",
+                 rules="primepar", permutes=True, projection="primepar",
+                 weight_layout="primepar",
                  mesh_axes=("tp_row", "tp_col"), gpu_options=_opts(
                      xla_gpu_experimental_parallel_collective_overlap_limit=3,
                      xla_gpu_collective_permute_combine_threshold_bytes=0)),

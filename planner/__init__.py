@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import jax
 
-from models.config import ModelConfig
-from oases_jax.analysis.hardware import CLUSTERS, ClusterSpec, LinkSpec, detect, get_cluster
-from oases_jax.analysis.targets import GPU_FACTS
 from oases_jax.errors import UserError
-from planner.plan import plan_json
-from planner.prices import Hardware
-from planner.profile import ROOT, Profile, default_profile_path
-from planner.search import SCHEDULES, search
+from oases_jax.hardware import CLUSTERS, ClusterSpec, LinkSpec, detect, get_cluster
+from oases_jax.models.config import ModelConfig
+from oases_jax.planner.plan import plan_json
+from oases_jax.planner.prices import Hardware
+from oases_jax.planner.profile import ROOT, Profile, default_profile_path
+from oases_jax.planner.search import SCHEDULES, search
+from oases_jax.targets import GPU_FACTS
 
 COST_SOURCES = ("datasheet", "profile", "xla")
 
@@ -43,7 +43,7 @@ def local_cluster(devices=None) -> ClusterSpec:
 def load_profile(source: str, cluster: ClusterSpec, path: str | None = None):
     """The calibration profile for a cost source: None for `datasheet`; for `profile` and
     `xla`, `path` or the default profile of the cluster's device and size
-    (`profiles/DEVICE-N.json`, `profiles/xla-DEVICE-N.json`)."""
+    (`planner/profiles/DEVICE-N.json`, `planner/profiles/xla-DEVICE-N.json`)."""
     if source not in COST_SOURCES:
         raise UserError(f"unknown --cost-source {source!r}; choose one of "
                         f"{', '.join(COST_SOURCES)}")
@@ -60,8 +60,8 @@ def load_profile(source: str, cluster: ClusterSpec, path: str | None = None):
 
 
 def default_xla_profile(cluster: ClusterSpec):
-    """`profiles/xla-DEVICE-N.json` of the cluster, or an error naming the sweep that writes it.
-    XLA's estimator prices programs compiled for a GPU target (`oases_jax.analysis.targets`)."""
+    """`planner/profiles/xla-DEVICE-N.json` of the cluster, or an error naming the sweep that
+    writes it. XLA's estimator prices programs compiled for a GPU target (`oases_jax.targets`)."""
     n, dev = cluster.n_devices, cluster.device
     if dev not in GPU_FACTS:
         raise UserError(f"--cost-source xla on cluster {cluster.name!r}: XLA's estimator prices "
@@ -83,7 +83,7 @@ def make_plan(cfg: ModelConfig, *, model: str, cluster: ClusterSpec, global_batc
     hw = Hardware.of(cluster, profile)
     find = search
     if cfg.moe:
-        from planner.moe_search import search_moe as find
+        from oases_jax.planner.moe_search import search_moe as find
     result = find(cfg, hw, global_batch=global_batch, seq_len=seq_len,
                   memory_fraction=memory_fraction, schedules=schedules or SCHEDULES)
     return plan_json(result, model=model, cfg=cfg, cluster=cluster.name,

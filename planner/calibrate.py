@@ -14,11 +14,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from models.config import ModelConfig
-from oases_jax.analysis.hardware import detect
 from oases_jax.errors import UserError
+from oases_jax.hardware import detect
 from oases_jax.mesh import make_mesh
-from planner.profile import COMM_KINDS, Profile
+from oases_jax.models.config import ModelConfig
+from oases_jax.planner.profile import COMM_KINDS, Profile
 
 GROUPS = ("all", "one")
 
@@ -26,9 +26,9 @@ GROUPS = ("all", "one")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CalibrationConfig:
     """What to measure. GEMM shapes are (m, k, n); collective sizes are bytes as in
-    `simulate.collective_time`. groups="all" runs every device at once (GEMMs on each device,
-    collectives in N/n groups of n), as a training step does; "one" runs one device / one group
-    while the others idle."""
+    `oases_jax.hardware.collective_time`. groups="all" runs every device at once (GEMMs on
+    each device, collectives in N/n groups of n), as a training step does; "one" runs one device
+    / one group while the others idle."""
 
     gemm_shapes: tuple[tuple[int, int, int], ...]
     dtypes: tuple[str, ...]
@@ -282,7 +282,7 @@ def calibrate(cfg: CalibrationConfig, log: Callable[[str], None], *, device: str
 
 
 def local_device_name() -> str:
-    """The oases_jax.analysis.hardware name of the local devices ("cpu", "h100", ...), or else their
+    """The oases_jax.hardware name of the local devices ("cpu", "h100", ...), or else their
     device kind as a slug."""
     dev = jax.devices()[0]
     if dev.platform == "cpu":
@@ -304,7 +304,7 @@ def format_table(prof: Profile) -> str:
     comm = prof.samples.get("comm", [])
     if prof.comm:
         lines += ["collectives: time = latency + bytes / bandwidth "
-                  "(bytes as in simulate.collective_time)",
+                  "(bytes as in hardware.collective_time)",
                   f"{'kind':<19} {'n':>3} {'GB/s':>8} {'latency us':>11}  {'sizes':<19} "
                   f"{'max err %':>9}"]
         for (kind, n), fit in sorted(prof.comm.items()):

@@ -27,13 +27,13 @@ two streams' contention adds is FSDP's.
 
 from __future__ import annotations
 
-from models.config import ModelConfig
 from oases_jax.layer_plan import LayerSpec
-from planner.layer_cost import LayerModel, comm_pattern
-from planner.layer_work import elem_bytes, weight_matrices
-from planner.layout import Layout
-from planner.prices import Hardware
-from planner.replay import Op, replay
+from oases_jax.models.config import ModelConfig
+from oases_jax.planner.layer_cost import LayerModel, comm_pattern
+from oases_jax.planner.layer_work import elem_bytes, weight_matrices
+from oases_jax.planner.layout import Layout
+from oases_jax.planner.prices import Hardware
+from oases_jax.planner.replay import Op, replay
 
 # The tensor collectives a sub-layer's compute waits for at once (`layer_cost.comm_pattern`).
 BLOCKING = ("all_reduce", "gather_scatter")

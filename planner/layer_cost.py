@@ -5,17 +5,17 @@ layers are handed to `planner.primepar_cost.Square`.
 
 Compute ops cost the roofline max(FLOPs / peak, bytes / HBM bandwidth) (or a calibration
 profile's fitted GEMM time), and collectives the alpha-beta model of
-`oases_jax.analysis.simulate.collective_time` (or the profile's fit): `planner.prices`.
+`oases_jax.hardware.collective_time` (or the profile's fit): `planner.prices`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from models.config import ModelConfig
 from oases_jax import registry
 from oases_jax.layer_plan import LayerSpec
-from planner.layer_work import (
+from oases_jax.models.config import ModelConfig
+from oases_jax.planner.layer_work import (
     SCAN_PASSES,
     SCHEDULE_PASSES,
     WEIGHT_SLICE_PASSES,
@@ -23,10 +23,10 @@ from planner.layer_work import (
     SubLayerWork,
     sequence_split,
 )
-from planner.layout import Layout
-from planner.prices import Hardware
-from planner.primepar_cost import Square
-from planner.replay import Op, replay
+from oases_jax.planner.layout import Layout
+from oases_jax.planner.prices import Hardware
+from oases_jax.planner.primepar_cost import Square
+from oases_jax.planner.replay import Op, replay
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,11 +9,11 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from models.config import ModelConfig
 from oases_jax import registry
 from oases_jax.layer_plan import LayerSpec
-from planner.layout import Layout, tensor_group
-from planner.prices import Hardware
+from oases_jax.models.config import ModelConfig
+from oases_jax.planner.layout import Layout, tensor_group
+from oases_jax.planner.prices import Hardware
 
 # A scanned layer stack stores each layer's saved activations into stacked buffers: XLA
 # initialises them, writes each layer's slice, and transposes them for the backward loop.
@@ -123,7 +123,7 @@ class LayerWork:
                under fused flash attention (`ModelConfig.flash_attention`) cuDNN's causal
                kernel: half the FLOPs (the tiles above the diagonal are skipped), only Q, K, V
                and O through HBM, and a backward of 2.5 times the forward's FLOPs
-               (`oases_jax.analysis.attention.fused_attention_flops`, as the simulator prices it)
+               (`tools.analysis.attention.fused_attention_flops`, as the simulator prices it)
           MLP  2 T D F (2 or 3) / t FLOPs and the activation's ACTIVATION_PASSES over T F e / t
           norm + residual  5 T D e / s bytes (s = t under sequence parallelism)
         """

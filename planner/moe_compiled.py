@@ -27,22 +27,23 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from models import get_preset
-from models.layers import compute_weights
-from models.moe import MoEFFN
-from models.sharding import param_shardings
-from oases_jax.analysis import moe_cost as cost
-from oases_jax.analysis.hardware import get_cluster
-from oases_jax.analysis.program import analyze_text
-from oases_jax.analysis.simulate import Simulator
-from oases_jax.analysis.targets import get_target
 from oases_jax.errors import UserError
+from oases_jax.hardware import get_cluster
 from oases_jax.mesh import make_mesh
+from oases_jax.models import get_preset
+from oases_jax.models.layers import compute_weights
+from oases_jax.models.moe import MoEFFN
+from oases_jax.models.sharding import param_shardings
 from oases_jax.moe import MoESetup, use_moe
+from oases_jax.moe import cost as cost
+from oases_jax.moe import schedules as moe_schedules
+from oases_jax.planner.moe_cost import CLUSTERS, GRID, hardware
 from oases_jax.rules import get_rules
-from planner.moe_cost import CLUSTERS, GRID, hardware
-from training.config import ParallelConfig
-from training.program import compiler_options
+from oases_jax.targets import get_target
+from oases_jax.tools.analysis.program import analyze_text
+from oases_jax.tools.analysis.simulate import Simulator
+from oases_jax.training.config import ParallelConfig
+from oases_jax.training.program import compiler_options
 
 # Where each sweep cluster's programs compile: nodes of H100s (XLA's GPU compiler without a
 # GPU), with the cluster's own numbers for the simulator.
@@ -142,7 +143,7 @@ def lower_layer(c: Config, schedule: str, chunks: int, backward_chunks: int, mes
     with jax.set_mesh(mesh):
         lowered = jax.jit(fwd_bwd, out_shardings=(p_sh, x_sh)).lower(abstract, x)
     par = ParallelConfig(mesh=mesh_text, rules="tp", schedule="megatron", moe_schedule=schedule,
-                         moe_chunks=chunks if schedule == "parm_s2" else 0)
+                         moe_chunks=chunks if moe_schedules.get(schedule).chunked else 0)
     return lowered, compiler_options(par, mesh)
 
 

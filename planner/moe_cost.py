@@ -1,5 +1,5 @@
 """The MoE layer sweep: Parm's schedules priced by the alpha-beta model
-(`oases_jax.analysis.moe_cost`) over a grid of layer configurations on a cluster, with each
+(`oases_jax.moe.cost`) over a grid of layer configurations on a cluster, with each
 configuration's auto choice and its speedup over the ds_moe baseline (`scripts/moe_sweep.py`)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import itertools
 import statistics
 
-from oases_jax.analysis import moe_cost as cost
-from oases_jax.analysis.hardware import ClusterSpec, get_cluster
+from oases_jax.hardware import ClusterSpec, get_cluster
+from oases_jax.moe import cost as cost
 
 # WORKLOADS.md: E in {8, 16, 32}, hidden in {768, 1024, 2048} (GPT-2 experts: FFN 4x, with
 # biases), tokens per device in {1k, 4k, 16k}, top-1 / top-2, capacity factor 1.0 / 2.0: 108

@@ -13,12 +13,12 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
-from models.config import ModelConfig
 from oases_jax.errors import UserError
 from oases_jax.layer_plan import LayerSpec
+from oases_jax.models.config import ModelConfig
 from oases_jax.moe.stack import scan_schedules
-from planner.layout import Layout, data_group, expert_group
-from planner.moe_step import (
+from oases_jax.planner.layout import Layout, data_group, expert_group
+from oases_jax.planner.moe_step import (
     EP_SCHEDULES,
     MoEChoice,
     MoEStep,
@@ -26,8 +26,8 @@ from planner.moe_step import (
     moe_choices,
     moe_step_cost,
 )
-from planner.prices import Hardware
-from planner.search import REMATS, SCHEDULES, SearchResult, divisors, no_fit
+from oases_jax.planner.prices import Hardware
+from oases_jax.planner.search import REMATS, SCHEDULES, SearchResult, divisors, no_fit
 
 # The dense schedules MoE layer groups run under: the planned ones that run in a plain scan.
 DENSE_SCHEDULES = tuple(s for s in SCHEDULES if s in scan_schedules())

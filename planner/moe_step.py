@@ -1,6 +1,6 @@
 """One optimizer step of an MoE model on a data x expert x tensor layout: the dense layers and
 the MoE layers' attention priced as the dense planner prices them (`planner.layer_cost`), each
-MoE feed-forward by the alpha-beta MoE model (`oases_jax.analysis.moe_cost`, the planner's
+MoE feed-forward by the alpha-beta MoE model (`oases_jax.moe.cost`, the planner's
 hardware model: the links its expert and tensor groups cross), the experts' parameters and
 optimizer state split over expert x tensor, and the dispatch buffers in memory."""
 
@@ -9,16 +9,16 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from models.config import ModelConfig
-from oases_jax.analysis import moe_cost as cost
-from oases_jax.analysis.hardware import LinkSpec
-from oases_jax.analysis.simulate import collective_time
+from oases_jax.hardware import LinkSpec, collective_time
 from oases_jax.layer_plan import LayerSpec
-from planner.layer_cost import LayerCost, LayerModel
-from planner.layer_work import SubLayerWork, elem_bytes, sequence_split
-from planner.layout import Layout, data_group, expert_group, replica_group, tensor_group
-from planner.prices import Hardware
-from planner.step_cost import StepCost, head_cost, update_s
+from oases_jax.models.config import ModelConfig
+from oases_jax.moe import cost as cost
+from oases_jax.moe import schedules as moe_schedules
+from oases_jax.planner.layer_cost import LayerCost, LayerModel
+from oases_jax.planner.layer_work import SubLayerWork, elem_bytes, sequence_split
+from oases_jax.planner.layout import Layout, data_group, expert_group, replica_group, tensor_group
+from oases_jax.planner.prices import Hardware
+from oases_jax.planner.step_cost import StepCost, head_cost, update_s
 
 # What an expert axis may run: the Parm schedules; without one, `local` (S1 with N_EP = 1).
 EP_SCHEDULES = ("ds_moe", "parm_s1", "parm_s2")
@@ -34,7 +34,8 @@ class MoEChoice:
     chunks: int = 1
 
     def label(self) -> str:
-        return f"{self.schedule}/{self.chunks}" if self.schedule == "parm_s2" else self.schedule
+        chunked = moe_schedules.get(self.schedule).chunked
+        return f"{self.schedule}/{self.chunks}" if chunked else self.schedule
 
 
 def moe_shape(cfg: ModelConfig, layout: Layout) -> cost.LayerShape:
@@ -108,7 +109,7 @@ def moe_ffn_cost(cfg: ModelConfig, layout: Layout, hw: Hardware, choice: MoEChoi
     restore = collective_time("all-gather", shape.tokens * shape.d_model * shape.dtype_bytes,
                               layout.tensor, mhw.mp_link)
     seq = sequence_split(dense.schedule, layout.tensor) > 1
-    adjust = 0.0 if not seq else restore if name == "ds_moe" else -restore
+    adjust = 0.0 if not seq else -restore if moe_schedules.get(name).dedup else restore
     fwd = est.forward_s + adjust
     bwd = est.backward_s + adjust + (fwd if dense.remat != "none" else 0.0)
     compute = free.forward_s + free.backward_s \
@@ -134,7 +135,7 @@ def moe_buffers(cfg: ModelConfig, layout: Layout, schedule: str, chunks: int
     e, t, d, f = elem_bytes(cfg), layout.tensor, cfg.d_model, cfg.expert_ff_dim
     n = cfg.n_experts * cost.slots(shape, schedule, chunks)
     gated = 3 if cfg.gated_mlp else 2
-    gate_tokens = shape.tokens if schedule == "ds_moe" else shape.tokens / t
+    gate_tokens = shape.tokens / t if moe_schedules.get(schedule).dedup else shape.tokens
     bufs = 2 + (2 if layout.expert > 1 else 0) + (t if t > 1 else 0)
     saved = gate_tokens * d * e + 3 * 4 * gate_tokens * cfg.n_experts \
         + bufs * n * d * e + gated * n * f * e

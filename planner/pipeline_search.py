@@ -8,27 +8,27 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from models.config import ModelConfig
+from oases_jax import registry as tp_registry
 from oases_jax.layer_plan import LayerSpec
-from oases_jax.pipeline import SPMD_PIPELINES, STAGE_SCHEDULES
-from planner.layer_cost import LayerModel
-from planner.layer_work import elem_bytes, stream_bytes
-from planner.layout import Layout
-from planner.prices import Hardware
-from planner.primepar_cost import square_layouts
-from planner.search import divisors, strategies
-from planner.split_head import SPLIT_HEAD_MARGIN, split_head_inputs
-from planner.spmd_stages import SPMD_1F1B, spmd_head_s, spmd_weight_pass_s, uniform_stages
-from planner.stage_fsdp import FSDP_TP_STAGE_SCHEDULES, fsdp_layer_s
-from planner.stage_partition import StageInputs, StagePlan, fixed, partition
-from planner.step_cost import head_cost, update_s
+from oases_jax.models.config import ModelConfig
+from oases_jax.pipeline import registry as pipeline_registry
+from oases_jax.planner.layer_cost import LayerModel
+from oases_jax.planner.layer_work import elem_bytes, stream_bytes
+from oases_jax.planner.layout import Layout
+from oases_jax.planner.prices import Hardware
+from oases_jax.planner.primepar_cost import square_layouts
+from oases_jax.planner.search import divisors, strategies
+from oases_jax.planner.split_head import SPLIT_HEAD_MARGIN, split_head_inputs
+from oases_jax.planner.spmd_stages import spmd_head_s, spmd_weight_pass_s, uniform_stages
+from oases_jax.planner.stage_fsdp import FSDP_TP_STAGE_SCHEDULES, fsdp_layer_s
+from oases_jax.planner.stage_partition import StageInputs, StagePlan, fixed, partition
+from oases_jax.planner.step_cost import head_cost, update_s
 
 # The schedules the runtime runs; gpipe_spmd and 1f1b_spmd (no per-stage control flow) are
 # offered where they run a layer strategy the tick executor cannot (the rings), or everywhere
 # with `search_3d(spmd_everywhere=True)`: there they rank the GPT-2 1.5B h100:16 verification's
 # six at Spearman 0.71 against 0.94 without (benchmarks/results/verify_3d_spmd_everywhere_*).
-PIPELINES = ("gpipe", "1f1b", "interleaved", "merak", "gpipe_spmd", "1f1b_spmd")
-CHUNKS = 2  # interleaved: chunks per stage
+PIPELINES = pipeline_registry.names(runnable=True)  # the schedules the 3D search considers
 MICROBATCH_FACTORS = (1, 2, 4, 8)  # M = S x factor
 REFINE = 12  # screened candidates whose stages are partitioned under the simulator
 
@@ -201,7 +201,7 @@ def _screen(cfg, hw, stages, layout, strategy, x, p2p, schedule) -> float:
             + x.head_phase
         loads.append(load)
         i += n
-    v = CHUNKS if schedule == "interleaved" else 1
+    v = pipeline_registry.get(schedule).chunks
     # Plus what `price` adds after the pipeline: the heaviest stage's gradient all-reduce over
     # its data group and the optimizer passes (these decide between S, data and tensor degrees).
     local = local_params(cfg, layout, counts[0])
@@ -232,22 +232,25 @@ def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int
         x_tick = stage_inputs(cfg, layout, hw, strategy) if strategy is not None else None
         p2p = transfer_s(cfg, layout, hw, strategy, S) if strategy is not None else 0.0
         for sch in pipelines:
-            if sch == "interleaved" and (S < 2 or cfg.n_layers % (CHUNKS * S)):
+            spec = pipeline_registry.get(sch)
+            if spec.chunked and (S < 2 or cfg.n_layers % (spec.chunks * S)):
                 continue
-            if sch in SPMD_PIPELINES:
+            if spec.equal_stages:
                 ring = _strategy(cfg, layout, hw, megatron_only, anywhere=True)
-                if ring is None or (ring.schedule in STAGE_SCHEDULES and not spmd_everywhere) \
+                if ring is None \
+                        or (not tp_registry.get(ring.schedule).permutes and not spmd_everywhere) \
                         or cfg.n_layers % S \
-                        or (layout.primepar and sch == SPMD_1F1B) \
+                        or (layout.primepar and spec.executor == "spmd_1f1b") \
                         or layout.rules() == "fsdp_tp":
                     # The tick executor's gpipe runs it already, or unequal stages; the square
                     # under 1f1b_spmd compiles 13% slower than priced (docs/planner.md); fsdp_tp
                     # under the SPMD pipelines is not checked against a compiled program.
                     continue
-                xs, p2p_ring = stage_inputs(cfg, layout, hw, ring, pools=sch != SPMD_1F1B), \
+                every = spec.recompute == "every"  # each backward recomputes its stage
+                xs, p2p_ring = stage_inputs(cfg, layout, hw, ring, pools=not every), \
                     transfer_s(cfg, layout, hw, ring, S)
                 est = _screen(cfg, hw, S, layout, ring, xs, p2p_ring, sch)
-                if sch == SPMD_1F1B:  # each backward recomputes its stage
+                if every:
                     est += (layout.microbatches + S - 1) * sum(xs.f[:cfg.n_layers // S])
                 screened.append((est, S, layout, ring, xs, p2p_ring, sch))
                 continue
@@ -269,14 +272,14 @@ def search_3d(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int
         if len(out) >= refine or tried >= 3 * refine:
             break
         tried += 1
-        if sch in SPMD_PIPELINES:
+        if pipeline_registry.get(sch).equal_stages:
             sp = uniform_stages(x, S, layout.microbatches, p2p, budget,
                                 spmd_head_s(cfg, layout, hw, strategy, S, sch), sch,
                                 spmd_weight_pass_s(cfg, layout, hw, S))
         else:
             fits = [(sp, xi) for xi in x for sp in [partition(
                 xi, schedule=sch, stages=S, microbatches=layout.microbatches,
-                chunks=CHUNKS if sch == "interleaved" else 1, p2p=p2p, budget=budget,
+                chunks=pipeline_registry.get(sch).chunks, p2p=p2p, budget=budget,
                 max_leaves=60, max_sims=10)] if sp is not None]
             sp, x = min(fits, key=lambda f: f[0].makespan, default=(None, None))
         if sp is not None:
@@ -359,7 +362,7 @@ def _strategy(cfg, layout, hw, megatron_only: bool, anywhere: bool = False
     GSPMD's schedules (FSDP_TP_STAGE_SCHEDULES)."""
     fsdp_tp = layout.rules() == "fsdp_tp"
     opts = [s for s in strategies(layout, remats=("none",))
-            if (s.schedule in STAGE_SCHEDULES or anywhere)
+            if (anywhere or not tp_registry.get(s.schedule).permutes)
             and (not fsdp_tp or s.schedule in FSDP_TP_STAGE_SCHEDULES)
             and (not megatron_only or s.schedule == "megatron")]
     if not opts:

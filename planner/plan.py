@@ -26,20 +26,20 @@ from collections.abc import Sequence
 from fractions import Fraction
 from typing import TYPE_CHECKING
 
-from models.config import ModelConfig
 from oases_jax.cli import write_atomic
 from oases_jax.errors import UserError
 from oases_jax.files import read_json
 from oases_jax.layer_plan import LayerSpec
-from oases_jax.pipeline import SPMD_PIPELINES
+from oases_jax.models.config import ModelConfig
+from oases_jax.pipeline import registry as pipelines
+from oases_jax.planner.pipeline_search import PipelineCandidate
+from oases_jax.planner.plan_schema import FIX, FORMAT, VERSION, PlanFile, check
+from oases_jax.planner.search import Candidate, SearchResult
 from oases_jax.schema import validate
-from planner.pipeline_search import PipelineCandidate
-from planner.plan_schema import FIX, FORMAT, VERSION, PlanFile, check
-from planner.search import Candidate, SearchResult
 
 if TYPE_CHECKING:  # the compile path loads Flax and optax: only when a plan is compiled
-    from training.config import ParallelConfig
-    from training.program import CompileSpec
+    from oases_jax.training.config import ParallelConfig
+    from oases_jax.training.program import CompileSpec
 
 def candidate_plan(c: Candidate) -> dict:
     """The fields of a plan a run reads, for a candidate of either search (an MoE candidate,
@@ -141,7 +141,7 @@ class Plan:
 
     def parallel(self) -> ParallelConfig:
         """The parallel config a run of this plan trains and compiles with."""
-        from training.config import ParallelConfig
+        from oases_jax.training.config import ParallelConfig
 
         moe = self.raw.get("moe")
         if moe:  # one dense strategy on every layer (the model carries its remat: run_model)
@@ -150,7 +150,7 @@ class Plan:
                 sub_batches=self.layers[0].sub_batches, moe_schedule=moe["schedule"],
                 moe_chunks=moe.get("chunks", 1) if moe["schedule"] == "parm_s2" else 0)
         pipe = self.raw.get("pipeline")
-        if pipe and pipe["schedule"] in SPMD_PIPELINES:  # equal stages; the model's remat
+        if pipe and pipelines.get(pipe["schedule"]).equal_stages:  # the model's remat
             return ParallelConfig(mesh=self.mesh, rules=self.rules,
                                   schedule=self.layers[0].schedule,
                                   sub_batches=self.layers[0].sub_batches,
@@ -162,8 +162,9 @@ class Plan:
                 sub_batches=self.layers[0].sub_batches, pipeline=pipe["schedule"],
                 layers=tuple(self.layers) if mixed else None,
                 stage_layers=",".join(map(str, pipe["stage_layers"])),
-                virtual_stages=pipe.get("virtual_stages", 1) if pipe["schedule"] ==
-                "interleaved" else 0, remat_ratios=",".join(pipe["remat_ratios"]),
+                virtual_stages=pipe.get("virtual_stages", 1)
+                if pipelines.get(pipe["schedule"]).chunked else 0,
+                remat_ratios=",".join(pipe["remat_ratios"]),
                 backward_ticks=pipe.get("backward_ticks") or 0,
                 fused_ticks=_fused_flag(pipe.get("fused_ticks")),
                 split_head="on" if pipe.get("split_head") else "off")
@@ -177,14 +178,14 @@ class Plan:
         if self.raw.get("moe"):
             return model.replace(remat=self.layers[0].remat)
         pipe = self.raw.get("pipeline")
-        if pipe and pipe["schedule"] in SPMD_PIPELINES:  # one program: every stage or none
+        if pipe and pipelines.get(pipe["schedule"]).equal_stages:  # every stage or none
             full = any(Fraction(r) > 0 for r in pipe["remat_ratios"])
             return model.replace(remat="full" if full else "none")
         return model
 
     def compile_spec(self, model: ModelConfig) -> CompileSpec:
         """The whole train step this plan describes, every layer under its own strategy."""
-        from training.program import CompileSpec
+        from oases_jax.training.program import CompileSpec
 
         return CompileSpec(model=self.run_model(model), parallel=self.parallel(),
                            batch_size=self.global_batch, seq_len=self.seq_len,

@@ -12,11 +12,13 @@ from typing import Annotated
 
 from pydantic import Field, create_model
 
-from models.config import CHOICES, SIZE_CAP, SIZE_CAPS, ModelConfig, field_kinds
 from oases_jax.errors import UserError
 from oases_jax.mesh import KNOWN_AXES
+from oases_jax.models.config import CHOICES, SIZE_CAP, SIZE_CAPS, ModelConfig, field_kinds
 from oases_jax.moe.schedules import MOE_SCHEDULES
 from oases_jax.moe.stack import scan_schedules
+from oases_jax.pipeline import registry as pipelines
+from oases_jax.planner.search import SCHEDULES
 from oases_jax.remat import POLICIES as REMATS
 from oases_jax.rules import RULE_SETS
 from oases_jax.schema import (
@@ -32,7 +34,6 @@ from oases_jax.schema import (
     exactly,
     one_of,
 )
-from planner.search import SCHEDULES
 
 FORMAT = "oases-jax-plan/1"
 VERSION = 1  # plans without a version (written before it existed) are read as version 1
@@ -66,8 +67,7 @@ class PipelineEntry(Strict):
     """The stage section of a 3D plan (`planner.pipeline_search`): the schedule over the mesh's
     `stage` axis, layers and recompute ratios (k/n) per stage, chunks per stage."""
 
-    schedule: one_of(("gpipe", "gpipe_spmd", "1f1b", "1f1b_spmd", "interleaved", "merak"),
-                     "pipeline schedule")
+    schedule: one_of(pipelines.names(runnable=True), "pipeline schedule")
     stages: at_most(MAX_DEVICES)
     stage_layers: Annotated[list[at_most(SIZE_CAPS["n_layers"])], Field(min_length=1)]
     remat_ratios: list[Text]
@@ -140,6 +140,7 @@ class PlanFile(Strict):
     verified: dict = None  # `planner.verify`'s record of the compiled candidates
     pipeline: PipelineEntry = None  # 3D plans only; absent: no pipeline
     moe: MoEEntry = None  # MoE models' plans only; absent: a dense plan
+    provenance: dict = None  # `oases_jax.provenance.record()` of the command that wrote it
 
 
 def check(p: PlanFile, where: str) -> ModelConfig | None:
@@ -223,11 +224,12 @@ def _check_moe(p: PlanFile, where: str) -> None:
     problem = None
     if q.expert != expert:
         problem = f"moe.expert = {q.expert} but the mesh's expert axis is {expert}"
-    elif (q.schedule == "local") != (expert == 1):
+    elif MOE_SCHEDULES[q.schedule].needs_expert_axis != (expert > 1):
         problem = (f"moe.schedule = {q.schedule!r} on mesh {_mesh(p)}: 'local' runs without an "
                    "expert axis, the other MoE schedules on one")
-    elif q.chunks > 1 and q.schedule != "parm_s2":
-        problem = f"moe.chunks = {q.chunks}: only parm_s2 runs in chunks"
+    elif q.chunks > 1 and not MOE_SCHEDULES[q.schedule].chunked:
+        chunked = [n for n, s in MOE_SCHEDULES.items() if s.chunked]
+        problem = f"moe.chunks = {q.chunks}: only {', '.join(chunked)} runs in chunks"
     elif p.pipeline is not None:
         problem = "an MoE plan has a pipeline section: pipelines do not run MoE models yet"
     elif p.rules not in ("dp", "tp", "tp_sp"):
@@ -265,7 +267,7 @@ def _check_rules(p: PlanFile, where: str) -> None:
 
 def _check_model(p: PlanFile, where: str) -> ModelConfig | None:
     """The plan's model (model_config, else the `model` preset) and its fit to the plan."""
-    from models.presets import get_preset
+    from oases_jax.models.presets import get_preset
 
     if p.model_cfg is not None:
         field, what = "model_config", "model_config.n_layers"

@@ -7,9 +7,8 @@ import dataclasses
 import os
 from collections.abc import Sequence
 
-from oases_jax.analysis.hardware import ClusterSpec
-from oases_jax.analysis.simulate import collective_time
-from planner.profile import Profile
+from oases_jax.hardware import ClusterSpec, collective_time
+from oases_jax.planner.profile import Profile
 
 # XLA's GPU compiler schedules a program against (0.8 M - io) x 0.95 of a device's memory M,
 # io being the program's non-aliased inputs and outputs (`GetSchedulerMemoryLimit`: 80% of the

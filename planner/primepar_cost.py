@@ -12,18 +12,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from models.config import ModelConfig
 from oases_jax.layer_plan import LayerSpec
-from planner.layer_work import (
+from oases_jax.models.config import ModelConfig
+from oases_jax.planner.layer_work import (
     SCAN_PASSES,
     SCHEDULE_PASSES,
     WEIGHT_SLICE_PASSES,
     LayerWork,
     elem_bytes,
 )
-from planner.layout import Layout, col_group, row_group
-from planner.prices import Hardware
-from planner.replay import Op
+from oases_jax.planner.layout import Layout, col_group, row_group
+from oases_jax.planner.prices import Hardware
+from oases_jax.planner.replay import Op
 
 SCHEDULE = "primepar"
 SIDES = (2, 4)  # square sides the search proposes

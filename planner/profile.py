@@ -32,12 +32,14 @@ FORMAT = "oases-jax-profile"
 VERSION = 1
 SOURCES = ("profile", "xla")
 COMM_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+# The source checkout (or, installed, the `oases_jax` package directory): the committed profiles
+# are in its `planner/profiles/`, shipped as package data of `oases_jax.planner`.
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def default_profile_path(device: str, n_devices: int) -> pathlib.Path:
     """Where `--plan auto` looks for the profile of `n_devices` devices named `device`."""
-    return ROOT / "profiles" / f"{device}-{n_devices}.json"
+    return ROOT / "planner" / "profiles" / f"{device}-{n_devices}.json"
 
 
 def default_profile_out(device: str, n_devices: int) -> pathlib.Path:
@@ -62,7 +64,7 @@ class GemmFit:
 @dataclasses.dataclass(frozen=True)
 class CommFit:
     """One collective call: time = latency_s + nbytes / bytes_per_s (bytes as in
-    `oases_jax.analysis.simulate.collective_time`). bytes_per_s is inf when the measured times
+    `oases_jax.hardware.collective_time`). bytes_per_s is inf when the measured times
     did not grow with size."""
 
     bytes_per_s: float
@@ -90,7 +92,7 @@ class Profile:
     """
 
     source: str  # "profile" (measured on devices) or "xla" (XLA's estimator)
-    device: str  # an oases_jax.analysis.hardware device name, e.g. "cpu", "h100"
+    device: str  # an oases_jax.hardware device name, e.g. "cpu", "h100"
     n_devices: int
     gemm: dict[str, GemmFit]  # by dtype name
     comm: dict[tuple[str, int], CommFit]  # (kind, group size) -> fit

@@ -14,14 +14,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from models.config import ModelConfig
 from oases_jax import registry
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.mesh import parse_mesh
-from planner.layout import Layout
-from planner.prices import Hardware
-from planner.search import SCHEDULES
-from planner.step_cost import step_cost
+from oases_jax.models.config import ModelConfig
+from oases_jax.planner.layout import Layout
+from oases_jax.planner.prices import Hardware
+from oases_jax.planner.search import SCHEDULES
+from oases_jax.planner.step_cost import step_cost
 
 FSDP_RULES = ("fsdp", "fsdp_tp")
 
@@ -67,11 +67,12 @@ def predict_pipeline_step_s(cfg: ModelConfig, hw: Hardware, *, mesh: str, rules:
     the last is recomputed whole whatever is asked, as the program runs it. None if not modelled
     (another remat policy, axes beyond stage x data x tensor, a schedule the stages do not
     run)."""
+    from oases_jax.pipeline import registry as pipelines
     from oases_jax.pipeline.remat import parse_ratios, parse_stage_layers
-    from planner.pipeline_search import CHUNKS, price, stage_inputs, transfer_s
-    from planner.spmd_stages import SPMD, SPMD_1F1B, spmd_fixed, spmd_head_s, spmd_weight_pass_s
-    from planner.stage_partition import fixed
-    from training.pipeline_layout import PipelineSpec
+    from oases_jax.planner.pipeline_search import price, stage_inputs, transfer_s
+    from oases_jax.planner.spmd_stages import spmd_fixed, spmd_head_s, spmd_weight_pass_s
+    from oases_jax.planner.stage_partition import fixed
+    from oases_jax.training.pipeline_layout import PipelineSpec
 
     spec = parse_mesh(mesh)
     inside = ",".join(f"{n}={s}" for n, s in spec.axes if n != "stage") or "data=1"
@@ -80,22 +81,24 @@ def predict_pipeline_step_s(cfg: ModelConfig, hw: Hardware, *, mesh: str, rules:
         return None
     layout = dataclasses.replace(layout, microbatches=microbatches)
     stages, tensor = spec.size("stage"), layout.tensor
-    chunks = (virtual_stages or CHUNKS) if pipeline == "interleaved" else 1
+    pipe_spec = pipelines.get(pipeline)
+    chunks = (virtual_stages or pipe_spec.chunks) if pipe_spec.chunked else 1
     counts = parse_stage_layers(stage_layers, cfg.n_layers, stages, chunks)
     strategy = LayerSpec(schedule=schedule if tensor > 1 else "megatron")
-    x = stage_inputs(cfg, layout, hw, strategy, pools=pipeline != SPMD_1F1B)
+    x = stage_inputs(cfg, layout, hw, strategy, pools=pipe_spec.recompute != "every")
     p2p = transfer_s(cfg, layout, hw, strategy, stages)
     if cfg.remat == "full":
         remat = list(counts)
     elif remat_ratios:  # the layers the runtime recomputes, summed over a device's chunks
         pipe = PipelineSpec(schedule=pipeline, stages=stages, microbatches=microbatches,
                             layers=counts, chunks=chunks,
-                            ratios=parse_ratios(remat_ratios, stages, shifted=pipeline == "merak"))
+                            ratios=parse_ratios(remat_ratios, stages,
+                                                shifted=pipe_spec.shifted_recompute))
         k = pipe.recomputed()
         remat = [sum(k[c * stages + s] for c in range(chunks)) for s in range(stages)]
     else:
         remat = [0] * stages
-    if pipeline in (SPMD, SPMD_1F1B):
+    if pipe_spec.equal_stages:
         sp = spmd_fixed(x, counts, remat, microbatches, p2p, float("inf"),
                         spmd_head_s(cfg, layout, hw, strategy, stages, pipeline), pipeline,
                         spmd_weight_pass_s(cfg, layout, hw, stages))

@@ -1,5 +1,5 @@
 """The two-stream replay that turns a layer's op list into seconds, the same rule as the
-inspection simulator's (`oases_jax.analysis.simulate`): work is a list of ops on two streams,
+inspection simulator's (`oases_jax.tools.analysis.simulate`): work is a list of ops on two streams,
 compute and communication.
 
     compute c:   runs on the compute stream

@@ -9,16 +9,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from models.config import ModelConfig
 from oases_jax import registry
 from oases_jax.errors import UserError
 from oases_jax.layer_plan import LayerSpec
-from planner.layer_cost import LayerCost, LayerModel
-from planner.layout import Layout
-from planner.prices import Hardware
-from planner.primepar_cost import SCHEDULE as PRIMEPAR
-from planner.primepar_cost import SIDES, square_layouts
-from planner.step_cost import (
+from oases_jax.models.config import ModelConfig
+from oases_jax.planner.layer_cost import LayerCost, LayerModel
+from oases_jax.planner.layout import Layout
+from oases_jax.planner.prices import Hardware
+from oases_jax.planner.primepar_cost import SCHEDULE as PRIMEPAR
+from oases_jax.planner.primepar_cost import SIDES, square_layouts
+from oases_jax.planner.step_cost import (
     StepCost,
     gathered_layer_bytes,
     head_cost,

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from models.config import ModelConfig
 from oases_jax.layer_plan import LayerSpec
-from planner.layer_work import stream_bytes
-from planner.layout import Layout
-from planner.prices import Hardware
-from planner.stage_types import StageInputs
-from planner.step_cost import head_cost
+from oases_jax.models.config import ModelConfig
+from oases_jax.planner.layer_work import stream_bytes
+from oases_jax.planner.layout import Layout
+from oases_jax.planner.prices import Hardware
+from oases_jax.planner.stage_types import StageInputs
+from oases_jax.planner.step_cost import head_cost
 
 __all__ = ["SPLIT_HEAD_MARGIN", "split_head_inputs"]
 

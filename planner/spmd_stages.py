@@ -7,16 +7,21 @@ from __future__ import annotations
 
 import dataclasses
 
-from models.config import ModelConfig
 from oases_jax.layer_plan import LayerSpec
-from planner.layer_work import elem_bytes, stream_bytes
-from planner.layout import Layout
-from planner.prices import Hardware
-from planner.stage_partition import StageInputs, StagePlan, fixed
-from planner.step_cost import head_cost
+from oases_jax.models.config import ModelConfig
+from oases_jax.pipeline import registry as pipelines
+from oases_jax.planner.layer_work import elem_bytes, stream_bytes
+from oases_jax.planner.layout import Layout
+from oases_jax.planner.prices import Hardware
+from oases_jax.planner.stage_partition import StageInputs, StagePlan, fixed
+from oases_jax.planner.step_cost import head_cost
 
-SPMD = "gpipe_spmd"
-SPMD_1F1B = "1f1b_spmd"
+SPMD = "gpipe_spmd"  # the default: GPipe's table in one scan
+
+
+def _lockstep_1f1b(schedule: str) -> bool:
+    """1F1B in lockstep with no per-stage control flow (`spmd_1f1b`): its own closed form."""
+    return pipelines.get(schedule).executor == "spmd_1f1b"
 
 
 def uniform_stages(x: StageInputs, stages: int, microbatches: int, p2p: float,
@@ -55,7 +60,7 @@ def spmd_fixed(x: StageInputs, counts, remat, microbatches: int, p2p: float, bud
                counts=counts, remat=remat, microbatches=microbatches, p2p=p2p, budget=budget)
     if sp is None:
         return None
-    if schedule == SPMD_1F1B:
+    if _lockstep_1f1b(schedule):
         S, M = sp.stages, microbatches
         f = max(sp.f)
         b = max(ff + bb + rr for ff, bb, rr in zip(sp.f, sp.b, sp.r, strict=True))
@@ -82,7 +87,7 @@ def spmd_head_s(cfg: ModelConfig, layout: Layout, hw: Hardware, strategy: LayerS
     M = layout.microbatches
     nbytes = stream_bytes(cfg, layout, strategy.schedule)
     group = layout.stage_group(stages)
-    if schedule == SPMD_1F1B:
+    if _lockstep_1f1b(schedule):
         return M * (head / split + 2 * hw.comm_s("all-reduce", nbytes, group))
     return M * head * 4 / 3 / split + 2 * hw.comm_s("all-reduce", M * nbytes, group)
 

@@ -5,11 +5,11 @@ search")."""
 
 from __future__ import annotations
 
-from models.config import ModelConfig
-from planner.layer_work import elem_bytes, layer_matrices
-from planner.layout import Layout
-from planner.prices import Hardware
-from planner.step_cost import fsdp_collectives
+from oases_jax.models.config import ModelConfig
+from oases_jax.planner.layer_work import elem_bytes, layer_matrices
+from oases_jax.planner.layout import Layout
+from oases_jax.planner.prices import Hardware
+from oases_jax.planner.step_cost import fsdp_collectives
 
 # The layer strategies offered under fsdp_tp inside the stages: GSPMD's. Compiled for h100:16
 # (GPT-2 1.5B with 20 heads, bf16, xla attention, stage=2 x fsdp=4 x tensor=2, GPipe M=4), megatron

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from oases_jax.errors import UserError
-from planner.stage_sim import build, peak_inflight, simulate, whole_stages
-from planner.stage_types import StageInputs, StagePlan
+from oases_jax.planner.stage_sim import build, peak_inflight, simulate, whole_stages
+from oases_jax.planner.stage_types import StageInputs, StagePlan
 
 __all__ = ["StageInputs", "StagePlan", "bottleneck", "build", "fixed", "partition",
            "peak_inflight", "simulate"]

@@ -14,10 +14,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-from oases_jax.pipeline import events, schedules
+from oases_jax.pipeline import events
+from oases_jax.pipeline import registry as pipelines
 from oases_jax.pipeline.table import Schedule, place
 from oases_jax.pipeline.validate import inflight
-from planner.prices import SharedCores
+from oases_jax.planner.prices import SharedCores
 
 Ends = tuple[float, float, float, float]
 NO_ENDS: Ends = (0.0, 0.0, 0.0, 0.0)  # (first_f, first_b, last_f, last_b): see `chunk_costs`
@@ -33,18 +34,16 @@ def build(name: str, stages: int, microbatches: int, chunks: int = 1,
 
 def _flags_key(name: str, recompute: tuple[bool, ...] | None) -> tuple[bool, ...] | None:
     """The recompute flags as a cache key: none for Merak's schedule, which has its own."""
-    return None if name == "merak" else recompute
+    return None if pipelines.get(name).recompute == "own" else recompute
 
 
 @functools.lru_cache(maxsize=512)
 def _build(name: str, stages: int, microbatches: int, chunks: int,
            recompute: tuple[bool, ...] | None) -> Schedule:
-    flags = recompute if recompute is not None else False
-    if name == "merak":
-        return schedules.merak(stages, microbatches)
-    if name == "interleaved":
-        return schedules.interleaved(stages, microbatches, chunks, recompute=flags)
-    return schedules.get(name)(stages, microbatches, recompute=flags)
+    spec = pipelines.get(name)
+    flags = {} if spec.recompute == "own" else {
+        "recompute": recompute if recompute is not None else False}
+    return spec.build(stages, microbatches, chunks=chunks, **flags)
 
 
 @functools.lru_cache(maxsize=512)
@@ -66,9 +65,10 @@ def peak_inflight(name: str, stages: int, microbatches: int, chunks: int = 1,
     gpipe_spmd every stage saves the residuals of all M+S-1 ticks (its bubble ticks' too: the
     scan's autodiff keeps every iteration's); under 1f1b_spmd one (the stage inputs it keeps
     are not residuals)."""
-    if name == "gpipe_spmd":
+    executor = pipelines.get(name).executor
+    if executor == "spmd_gpipe":
         return (microbatches + stages - 1,) * stages
-    if name == "1f1b_spmd":  # one micro-batch's residuals, in its backward's recompute
+    if executor == "spmd_1f1b":  # one micro-batch's residuals, in its backward's recompute
         return (1,) * stages
     sch = build(name, stages, microbatches, chunks)
     fuse = fused(name, stages, microbatches, chunks, split_head)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 from fractions import Fraction
 
-from planner.prices import SharedCores
-from planner.stage_sim import NO_ENDS, Ends, table_choice
+from oases_jax.planner.prices import SharedCores
+from oases_jax.planner.stage_sim import NO_ENDS, Ends, table_choice
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

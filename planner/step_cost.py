@@ -8,15 +8,15 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 
-from models.config import ModelConfig
 from oases_jax.layer_plan import LayerSpec
+from oases_jax.models.config import ModelConfig
+from oases_jax.planner.fsdp_chain import layer_exposed
+from oases_jax.planner.layer_cost import LayerCost, LayerModel
+from oases_jax.planner.layer_work import elem_bytes, layer_matrices
+from oases_jax.planner.layout import Layout, replica_group, tensor_group
+from oases_jax.planner.prices import Hardware
+from oases_jax.planner.primepar_cost import head_extra
 from oases_jax.registry import SCHEDULES
-from planner.fsdp_chain import layer_exposed
-from planner.layer_cost import LayerCost, LayerModel
-from planner.layer_work import elem_bytes, layer_matrices
-from planner.layout import Layout, replica_group, tensor_group
-from planner.prices import Hardware
-from planner.primepar_cost import head_extra
 
 # Passes over the logits of a micro-batch (compute dtype), forward and backward, counted in the
 # compiled bf16 steps of GPT-2 1.5B and Llama-2 7B on h100:1: the max and the sum of

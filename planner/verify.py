@@ -9,12 +9,12 @@ from collections.abc import Callable
 
 import jax
 
-from models.config import ModelConfig
-from oases_jax.analysis.hardware import ClusterSpec
-from oases_jax.analysis.targets import GPU_FACTS, Target, get_target
 from oases_jax.errors import UserError
-from planner import plan as plans
-from planner.search import Candidate, SearchResult
+from oases_jax.hardware import ClusterSpec
+from oases_jax.models.config import ModelConfig
+from oases_jax.planner import plan as plans
+from oases_jax.planner.search import Candidate, SearchResult
+from oases_jax.targets import GPU_FACTS, Target, get_target
 
 CHOSEN_BY = "simulated_step_s"  # the opinion that ranks the verified plans that fit
 
@@ -115,7 +115,7 @@ def verify_one(c: Candidate, rank: int, cfg: ModelConfig, target: Target) -> Ver
     """Compile one candidate for `target` and read its figures. Schedules XLA may abort on
     (`tools.inspection.may_abort`) compile in a child process, simulated on the target's
     built-in cluster. A compile that fails is recorded as the candidate's `error`: it never fits."""
-    from tools.inspection import inspect_isolated, inspect_program, may_abort
+    from oases_jax.tools.inspection import inspect_isolated, inspect_program, may_abort
 
     spec = candidate_spec(c, cfg)
     memory = target.cluster.device_spec.memory_bytes

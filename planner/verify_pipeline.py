@@ -7,21 +7,20 @@ from __future__ import annotations
 
 import dataclasses
 
-from models.config import ModelConfig
 from oases_jax.layer_plan import LayerSpec
-from oases_jax.pipeline import SPMD_PIPELINES
-from planner import plan as plans
-from planner.layout import Layout
-from planner.pipeline_search import (
-    CHUNKS,
+from oases_jax.models.config import ModelConfig
+from oases_jax.pipeline import registry as pipelines
+from oases_jax.planner import plan as plans
+from oases_jax.planner.layout import Layout
+from oases_jax.planner.pipeline_search import (
     PipelineCandidate,
     price,
     stage_inputs,
     transfer_s,
 )
-from planner.prices import Hardware
-from planner.rank import spearman
-from planner.stage_partition import partition
+from oases_jax.planner.prices import Hardware
+from oases_jax.planner.rank import spearman
+from oases_jax.planner.stage_partition import partition
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -63,7 +62,7 @@ def candidate(cfg: ModelConfig, hw: Hardware, stages: int, layout: Layout,
               strategy: LayerSpec, schedule: str) -> PipelineCandidate | None:
     """One hand-picked 3D plan of the tick executor, priced as `search_3d` prices its own:
     the balanced partition under the memory budget (None when none fits)."""
-    chunks = CHUNKS if schedule == "interleaved" else 1
+    chunks = pipelines.get(schedule).chunks
     x = stage_inputs(cfg, layout, hw, strategy)
     p2p = transfer_s(cfg, layout, hw, strategy, stages)
     sp = partition(x, schedule=schedule, stages=stages, microbatches=layout.microbatches,
@@ -76,8 +75,8 @@ def compile_candidate(cfg: ModelConfig, c: PipelineCandidate, target: str, *, mo
     """Compile candidate `c` for `target` through the one compile path (its plan JSON, as
     `train.py --plan` and `inspect_hlo.py --plan` read it): the `tools.inspection.Inspection`,
     whose `pipeline` block times the tick loop."""
-    from oases_jax.analysis.targets import get_target
-    from tools.inspection import inspect_program
+    from oases_jax.targets import get_target
+    from oases_jax.tools.inspection import inspect_program
 
     plan = plans.from_json(plans.pipeline_plan_json(c, model=model, cfg=cfg, cluster=cluster,
                                                     cost_source="model", search_s=0.0))
@@ -95,7 +94,7 @@ def verify_3d(cfg: ModelConfig, candidates: list[PipelineCandidate], target: str
         except Exception as e:  # a compile or analysis failure is a finding, not a crash
             out.append(VerifiedStage(candidate=c, rank=rank, error=str(e)[:300]))
             continue
-        if ins.pipeline is None and c.stage_plan.schedule in SPMD_PIPELINES:
+        if ins.pipeline is None and pipelines.get(c.stage_plan.schedule).executor != "ticks":
             # No tick switch: the whole-program simulation is the step.
             out.append(VerifiedStage(
                 candidate=c, rank=rank, simulated_step_s=ins.sim.step_s,

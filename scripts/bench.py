@@ -8,12 +8,12 @@ Every flag is documented in docs/cli.md.
 from __future__ import annotations
 
 import json
-import shlex
 import sys
 
-from oases_jax import registry
+from oases_jax import provenance, registry
 from oases_jax.cli import Parser, add_runtime_flags, init_runtime, run_main, write_atomic
-from training.flags import add_model_flags, model_from_flags
+from oases_jax.pipeline import registry as pipeline_registry
+from oases_jax.training.flags import add_model_flags, model_from_flags
 
 
 def parse_args(argv=None):
@@ -36,10 +36,10 @@ def parse_args(argv=None):
     g.add_argument("--mesh", default="data=2,tensor=4", help="mesh for --schedules and --pipeline")
     g.add_argument("--rules", default="tp", help="rule set for --schedules and --variant")
     g.add_argument("--pipeline", metavar="A,B,...",
-                   help="one variant per pipeline schedule (gpipe, 1f1b, interleaved, merak, "
-                        "gpipe_spmd, 1f1b_spmd) on --mesh, which needs a stage axis, and per "
-                        "tensor-parallel "
-                        "schedule inside its stages: megatron, or each --schedules names")
+                   help="one variant per pipeline schedule "
+                        f"({', '.join(pipeline_registry.names(runnable=True))}) on --mesh, "
+                        "which needs a stage axis, and per tensor-parallel schedule inside its "
+                        "stages: megatron, or each --schedules names")
     g.add_argument("--microbatches", type=int, default=1,
                    help="micro-batches per step, for every variant (pipelined ones run them "
                         "through the stages, the others accumulate gradients)")
@@ -76,7 +76,7 @@ def parse_args(argv=None):
                         "profile or xla costs) and report both rankings and their Spearman "
                         "correlation")
     g.add_argument("--profile", help="calibration profile for --predict profile|xla (default: "
-                                     "profiles/DEVICE-N.json)")
+                                     "planner/profiles/DEVICE-N.json)")
     add_runtime_flags(p)
     return p.parse_args(argv)
 
@@ -84,9 +84,9 @@ def parse_args(argv=None):
 def build_config(args):
     from oases_jax.errors import UserError
     from oases_jax.files import output_file
-    from tools.bench import BenchConfig, VariantSpec, parse_variant
-    from training.config import check_seed
-    from training.data import data_files
+    from oases_jax.tools.bench import BenchConfig, VariantSpec, parse_variant
+    from oases_jax.training.config import check_seed
+    from oases_jax.training.data import data_files
 
     check_seed(args.seed)
     if args.trace_dir and not args.op_times:
@@ -145,8 +145,8 @@ def plan_variant(path: str, model, args):
     import pathlib
 
     from oases_jax.errors import UserError
-    from planner import plan as plans
-    from tools.bench import VariantSpec
+    from oases_jax.planner import plan as plans
+    from oases_jax.tools.bench import VariantSpec
 
     plan = plans.load(path)
     plan.check_model(model)
@@ -166,7 +166,7 @@ def plan_variant(path: str, model, args):
 def add_predictions(report: dict, cfg, hw, source: str) -> None:
     """Put the planner's predicted step time beside every measured variant, and the rank
     correlation of the two over the variants it prices."""
-    from planner.rank import predict_pipeline_step_s, predict_step_s, spearman
+    from oases_jax.planner.rank import predict_pipeline_step_s, predict_step_s, spearman
 
     rows = report["variants"]
     for r in rows:
@@ -193,7 +193,7 @@ def add_predictions(report: dict, cfg, hw, source: str) -> None:
 
 
 def format_predictions(report: dict) -> str:
-    from planner.rank import ranks
+    from oases_jax.planner.rank import ranks
 
     rows = [r for r in report["variants"] if r.get("predicted_s") is not None]
     pred = report["prediction"]
@@ -222,13 +222,13 @@ def main() -> int:
 
     hw = None
     if args.predict is not None:  # load the costs first: a bad source fails before compiling
-        from planner import load_profile, local_cluster
-        from planner.prices import Hardware
+        from oases_jax.planner import load_profile, local_cluster
+        from oases_jax.planner.prices import Hardware
 
         cluster = local_cluster()
         hw = Hardware.of(cluster, load_profile(args.predict, cluster, args.profile))
 
-    from tools.bench import format_table, run_bench
+    from oases_jax.tools.bench import format_table, run_bench
 
     main_process = jax.process_index() == 0
 
@@ -244,15 +244,20 @@ def main() -> int:
         if hw is not None:
             print(format_predictions(report))
         if cfg.op_times:
-            from tools.op_times import format_table as op_table
+            from oases_jax.tools.op_times import format_table as op_table
 
             for r in report["variants"]:
                 print(op_table(r["label"], r["op_times"]))
         if args.json:
-            report["command"] = shlex.join(["python", *sys.argv])
+            report.update(provenance.record())
             write_atomic(args.json, json.dumps(report, indent=1) + "\n")
     return 0
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The console entry point (`[project.scripts]` in pyproject.toml)."""
     run_main(main)
+
+
+if __name__ == "__main__":
+    cli()

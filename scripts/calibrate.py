@@ -1,6 +1,6 @@
 """Measure GEMM and collective costs on the local devices and write a calibration profile.
 `python scripts/calibrate.py` measures 8 virtual CPU devices (about a minute on 2 cores) and
-writes profiles/cpu-8.json, which the planner prefers over datasheet numbers.
+writes planner/profiles/cpu-8.json, which the planner prefers over datasheet numbers.
 
 Every flag is documented in docs/cli.md.
 """
@@ -8,12 +8,11 @@ Every flag is documented in docs/cli.md.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import platform
-import shlex
 import sys
 
+from oases_jax import provenance
 from oases_jax.cli import Parser, add_runtime_flags, init_runtime, run_main
 
 KIB = 2**10
@@ -93,7 +92,8 @@ def parse_args(argv=None):
     g.add_argument("--quick", action="store_true",
                    help="a seconds-long smoke run: tiny shapes, float32, 16K-32K collectives, "
                    "256K-4M memory passes, 3 repeats")
-    g.add_argument("--out", help="profile JSON (default profiles/DEVICE-N.json in the repository)")
+    g.add_argument("--out", help="profile JSON (default planner/profiles/DEVICE-N.json in the "
+                   "repository)")
     add_runtime_flags(p)
     return p.parse_args(argv)
 
@@ -116,14 +116,14 @@ def check_args(args) -> None:
 
 
 def build_config(args, n_devices: int):
-    from models.presets import get_preset
-    from planner.calibrate import (
+    from oases_jax.models.presets import get_preset
+    from oases_jax.planner.calibrate import (
         CalibrationConfig,
         byte_sizes,
         default_axis_sizes,
         projection_shapes,
     )
-    from planner.profile import COMM_KINDS
+    from oases_jax.planner.profile import COMM_KINDS
 
     base = QUICK if args.quick else FULL
     tokens = args.tokens if args.tokens is not None else base["tokens"]
@@ -155,8 +155,13 @@ def main() -> int:
     import jax
 
     from oases_jax.files import output_file
-    from planner.calibrate import calibrate, check_axis_sizes, format_table, local_device_name
-    from planner.profile import default_profile_out
+    from oases_jax.planner.calibrate import (
+        calibrate,
+        check_axis_sizes,
+        format_table,
+        local_device_name,
+    )
+    from oases_jax.planner.profile import default_profile_out
 
     cfg = build_config(args, len(jax.devices()))
     check_axis_sizes(cfg, len(jax.devices()))
@@ -168,9 +173,7 @@ def main() -> int:
         if main_process:
             print(msg, file=sys.stderr, flush=True)
 
-    meta = {"command": shlex.join(["python", *sys.argv]),
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "jax": jax.__version__, "host": platform.node(),
+    meta = {**provenance.record(), "host": platform.node(),
             "device_kind": jax.devices()[0].device_kind, "load_average": [os.getloadavg()[0]],
             "host_cores": len(os.sched_getaffinity(0))}
     prof = calibrate(cfg, log, device=device, meta=meta)
@@ -182,5 +185,10 @@ def main() -> int:
     return 0
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The console entry point (`[project.scripts]` in pyproject.toml)."""
     run_main(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -14,10 +14,15 @@ import os
 import pathlib
 import sys
 
-from oases_jax import registry
+from oases_jax import provenance, registry
 from oases_jax.cli import Parser, add_runtime_flags, init_runtime, run_main, write_atomic
-from oases_jax.pipeline import SPMD_PIPELINES
-from training.flags import add_layout_flags, add_model_flags, layout_kwargs, model_from_flags
+from oases_jax.pipeline import registry as pipeline_registry
+from oases_jax.training.flags import (
+    add_layout_flags,
+    add_model_flags,
+    layout_kwargs,
+    model_from_flags,
+)
 
 DEFAULTS = {"mesh": "tensor=-1", "rules": "tp", "schedule": "megatron", "sub_batches": 2,
             "batch_size": 8, "seq_len": None}
@@ -84,7 +89,7 @@ def check_args(args) -> None:
     if args.diff is not None and len(args.diff.split(",")) != 2:
         raise UserError(f"--diff {args.diff!r} needs two entries, e.g. megatron,xla_auto")
     if args.op_trace is not None:
-        from tools.op_times import find_trace
+        from oases_jax.tools.op_times import find_trace
 
         find_trace(args.op_trace, "--op-trace")  # missing or empty: now, not after the compile
         if args.compare or args.diff or (args.pipeline and "," in args.pipeline):
@@ -106,12 +111,12 @@ def main() -> int:
 
         jax.config.update("jax_platforms", "cpu")
     init_runtime(args)
-    from oases_jax.analysis.targets import get_target
     from oases_jax.errors import UserError
-    from tools import report
-    from tools.inspection import inspect_isolated, inspect_program, may_abort
-    from training.config import ParallelConfig
-    from training.program import CompileSpec
+    from oases_jax.targets import get_target
+    from oases_jax.tools import report
+    from oases_jax.tools.inspection import inspect_isolated, inspect_program, may_abort
+    from oases_jax.training.config import ParallelConfig
+    from oases_jax.training.program import CompileSpec
 
     if args.model is None and not args.plan:
         args.model = "small"
@@ -156,7 +161,8 @@ def main() -> int:
         # A pipelined step's picture is one row per stage, tick by tick (`pipeline_plot`): the
         # two-stream replay takes each tick's conditional by its first branch. The SPMD
         # pipelines have no conditional: the whole program's two-stream replay is their step.
-        ticked = spec.parallel.pipeline not in (None, *SPMD_PIPELINES)
+        ticked = (spec.parallel.pipeline is not None
+                  and pipeline_registry.get(spec.parallel.pipeline).executor == "ticks")
         stage_png = png if ticked and not spec.layer and not xla_png else None
         png = None if stage_png else png
         if target.is_gpu_aot and may_abort(spec):
@@ -165,7 +171,7 @@ def main() -> int:
             ins = inspect_program(spec, target, memory_report=args.memory_report > 0)
             r = ins.report()
             if args.op_trace:
-                from tools.op_times import traced
+                from oases_jax.tools.op_times import traced
 
                 r["op_times"] = traced(ins.program, target.cluster.device_spec, args.op_trace,
                                        args.op_trace_steps)
@@ -196,36 +202,36 @@ def main() -> int:
     for r in reports:
         print(report.summary(r), end="\n\n")
         if args.fusions and r.get("fusions"):
-            from oases_jax.analysis.fusions import format_summary
+            from oases_jax.tools.analysis.fusions import format_summary
 
             print(format_summary(r["fusions"]), end="\n\n")
         if r.get("op_times"):
-            from tools.op_times import format_table
+            from oases_jax.tools.op_times import format_table
 
             print(format_table(f"{args.op_trace} ({args.op_trace_steps} steps)", r["op_times"]),
                   end="\n\n")
         if args.memory_report and r.get("memory_report"):
-            from oases_jax.analysis.memory_report import MemoryReport
+            from oases_jax.tools.analysis.memory_report import MemoryReport
 
             print(MemoryReport.from_json(r["memory_report"]).format(args.memory_report),
                   end="\n\n")
     if len(pipelines) > 1 and all("error" not in r for r in reports):
-        from tools.pipeline_report import schedules_table
+        from oases_jax.tools.pipeline_report import schedules_table
 
         print(schedules_table(reports))
     elif len(reports) > 1:
         print(report.compare_table(reports))
     if args.json:
-        command = "python " + " ".join(sys.argv)
+        made = provenance.record()
         for r in reports:
-            r["command"] = command
+            r.update(made)
         write_atomic(args.json, json.dumps(reports[0] if len(reports) == 1 else reports, indent=1))
     return 0
 
 
 def draw_stages(r: dict, path: str) -> None:
-    """The per-stage timeline of a pipelined report (`oases_jax.analysis.pipeline_plot`)."""
-    from oases_jax.analysis import pipeline_plot
+    """The per-stage timeline of a pipelined report (`oases_jax.tools.analysis.pipeline_plot`)."""
+    from oases_jax.tools.analysis import pipeline_plot
 
     p = r.get("pipeline") or {"error": "the report has no pipeline block"}
     if "error" in p:
@@ -243,7 +249,7 @@ def load_plan(args, model, n_devices: int):
     applied, or --model's when given; either way it must be the model the plan was made for."""
     from oases_jax.errors import UserError
     from oases_jax.mesh import parse_mesh
-    from planner import plan as plans
+    from oases_jax.planner import plan as plans
 
     given = [f"--{k.replace('_', '-')}" for k in DEFAULTS if getattr(args, k) is not None]
     given += [f"--{k}" for k in ("compare", "diff", "layer") if getattr(args, k)]
@@ -281,9 +287,9 @@ def plan_cluster(plan, target):
     and a plan for `3090-nvlink-32` is timed over its bridges, as `plan.py --verify` timed it."""
     import dataclasses as dc
 
-    from oases_jax.analysis.hardware import get_cluster
     from oases_jax.errors import UserError
-    from planner.verify import compile_target
+    from oases_jax.hardware import get_cluster
+    from oases_jax.planner.verify import compile_target
 
     name = plan.raw.get("cluster")
     if not name or name == target.cluster.name:
@@ -304,5 +310,10 @@ def model_from_plan(args, model):
     return model.replace(**{k: v for k, v in given if v is not None})
 
 
+def cli() -> None:
+    """The console entry point (`[project.scripts]` in pyproject.toml)."""
+    run_main(main)
+
+
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    cli()

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import json
 import pathlib
-import sys
 
+from oases_jax import provenance
 from oases_jax.cli import Parser, add_runtime_flags, init_runtime, run_main, write_atomic
 
 # (model, overrides) and (target, [(schedule, mesh), ...]): the first schedule is the baseline.
@@ -68,10 +68,10 @@ def main() -> int:
         return pipeline_main(args)
     args.models = args.models or ",".join(MODELS)
     args.targets = args.targets or ",".join(RUNS)
-    from models.presets import get_preset
-    from tools.inspection import inspect_isolated
-    from training.config import ParallelConfig
-    from training.program import CompileSpec
+    from oases_jax.models.presets import get_preset
+    from oases_jax.tools.inspection import inspect_isolated
+    from oases_jax.training.config import ParallelConfig
+    from oases_jax.training.program import CompileSpec
 
     rows = []
     for name in args.models.split(","):
@@ -96,24 +96,24 @@ def main() -> int:
     text = table(rows)
     print("\n" + text)
     if args.json:
-        command = "python " + " ".join(sys.argv)
-        meta = {"command": command, "batch_size": args.batch_size, "seq_len": args.seq_len,
+        meta = {**provenance.record(), "batch_size": args.batch_size, "seq_len": args.seq_len,
                 "dtype": args.dtype, "remat": args.remat}
         write_atomic(args.json, json.dumps({**meta, "rows": rows}, indent=1))
-        write_atomic(str(pathlib.Path(args.json).with_suffix(".txt")), f"{command}\n\n{text}\n")
+        write_atomic(str(pathlib.Path(args.json).with_suffix(".txt")),
+                     f"{provenance.header()}\n\n{text}\n")
     return 0
 
 
 def pipeline_main(args) -> int:
     """Per-stage memory of pipelined steps (`tools.pipeline_report.memory_rows`)."""
-    from models.presets import get_preset
-    from oases_jax.analysis.targets import get_target
     from oases_jax.errors import UserError
     from oases_jax.mesh import make_mesh
-    from tools.inspection import inspect_isolated, inspect_program
-    from tools.pipeline_report import memory_rows, memory_text, step_plan
-    from training.config import ParallelConfig
-    from training.program import CompileSpec
+    from oases_jax.models.presets import get_preset
+    from oases_jax.targets import get_target
+    from oases_jax.tools.inspection import inspect_isolated, inspect_program
+    from oases_jax.tools.pipeline_report import memory_rows, memory_text, step_plan
+    from oases_jax.training.config import ParallelConfig
+    from oases_jax.training.program import CompileSpec
 
     variants = (("no remat", "none", None), ("uniform full remat", "full", None),
                 (f"Merak's ratios r0={args.r0}", "none", args.r0))
@@ -145,11 +145,16 @@ def pipeline_main(args) -> int:
     text = memory_text(rows)
     print("\n" + text)
     if args.json:
-        command = "python " + " ".join(sys.argv)
-        write_atomic(args.json, json.dumps({"command": command, "rows": rows}, indent=1))
-        write_atomic(str(pathlib.Path(args.json).with_suffix(".txt")), f"{command}\n\n{text}\n")
+        write_atomic(args.json, json.dumps({**provenance.record(), "rows": rows}, indent=1))
+        write_atomic(str(pathlib.Path(args.json).with_suffix(".txt")),
+                     f"{provenance.header()}\n\n{text}\n")
     return 0
 
 
+def cli() -> None:
+    """The console entry point (`[project.scripts]` in pyproject.toml)."""
+    run_main(main)
+
+
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    cli()

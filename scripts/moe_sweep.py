@@ -15,6 +15,7 @@ import json
 import sys
 import time
 
+from oases_jax import provenance
 from oases_jax.cli import Parser, run_main, write_atomic
 
 
@@ -31,29 +32,34 @@ def parse_args(argv=None):
 
 def main() -> int:
     args = parse_args()
-    command = "python " + " ".join(sys.argv)
+    made = provenance.record()
     if args.compiled:
-        from planner.moe_compiled import markdown, subset, summary, validate
+        from oases_jax.planner.moe_compiled import markdown, subset, summary, validate
 
         configs = subset(args.compiled)
         t0 = time.perf_counter()
         rows = validate(configs, log=lambda line: print(line, file=sys.stderr, flush=True))
         seconds = time.perf_counter() - t0
-        print(f"command: {command}\n")
+        print(provenance.header() + "\n")
         print(markdown(rows))
         print(f"\n{len(rows)} layers, {sum(len(r['simulated']) for r in rows)} programs "
               f"compiled in {seconds:.0f} s")
-        out = {"command": command, "seconds": seconds, "summary": summary(rows), "rows": rows}
+        out = {**made, "seconds": seconds, "summary": summary(rows), "rows": rows}
     else:
-        from planner.moe_cost import markdown, summary, sweep
+        from oases_jax.planner.moe_cost import markdown, summary, sweep
 
         rows = sweep(dtype_bytes=args.dtype_bytes)
         print(markdown(rows))
-        out = {"command": command, "summary": summary(rows), "rows": rows}
+        out = {**made, "summary": summary(rows), "rows": rows}
     if args.out:
         write_atomic(args.out, json.dumps(out, indent=1))
     return 0
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """The console entry point (`[project.scripts]` in pyproject.toml)."""
     run_main(main)
+
+
+if __name__ == "__main__":
+    cli()

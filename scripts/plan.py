@@ -6,10 +6,9 @@ Every flag is documented in docs/cli.md.
 
 from __future__ import annotations
 
-import sys
-
+from oases_jax import provenance
 from oases_jax.cli import Parser, run_main
-from training.flags import add_model_flags, model_from_flags
+from oases_jax.training.flags import add_model_flags, model_from_flags
 
 
 def parse_args(argv=None):
@@ -42,7 +41,8 @@ def parse_args(argv=None):
                         "XLA); costs a compile per plan. 0: off (default)")
     g = p.add_argument_group("costs")
     g.add_argument("--cost-source", default="datasheet", help="datasheet, profile or xla")
-    g.add_argument("--profile", help="calibration profile JSON (default: profiles/DEVICE-N.json)")
+    g.add_argument("--profile",
+                   help="calibration profile JSON (default: planner/profiles/DEVICE-N.json)")
     g = p.add_argument_group("output")
     g.add_argument("--top", type=int, default=10, help="rows of the ranked table")
     g.add_argument("--json", metavar="OUT", help="write the best plan here")
@@ -102,8 +102,8 @@ def moe_baselines(result) -> str:
 def explain_moe(result, cfg, hw) -> str:
     """For the chosen layout: every (dense strategy, MoE schedule) pair's step, MoE time and
     memory, and why the layers share one strategy."""
-    from planner.moe_search import UNIFORM, plan_moe_layout
-    from planner.search import REMATS, SCHEDULES
+    from oases_jax.planner.moe_search import UNIFORM, plan_moe_layout
+    from oases_jax.planner.search import REMATS, SCHEDULES
 
     best = result.best
     lines = [f"layout {best.layout.label()}: each dense strategy x MoE schedule (whole step)",
@@ -117,14 +117,14 @@ def explain_moe(result, cfg, hw) -> str:
                      f"{c.step.moe_s * 1e3:9.2f} {c.step.moe_comm_s * 1e3:9.2f} "
                      f"{c.cost.peak_memory_bytes / 2**30:9.2f}{mark}")
     lines.append(f"{UNIFORM}; the MoE feed-forwards are priced by the alpha-beta MoE model "
-                 "(oases_jax/analysis/moe_cost.py) on the datasheet numbers")
+                 "(oases_jax/moe/cost.py) on the datasheet numbers")
     return "\n".join(lines)
 
 
 def explain(result, cfg, hw) -> str:
     """For the chosen layout: every strategy's layer time and memory, and the choice."""
-    from planner.layer_cost import LayerModel
-    from planner.search import strategies
+    from oases_jax.planner.layer_cost import LayerModel
+    from oases_jax.planner.search import strategies
 
     best = result.best
     lm = LayerModel(cfg, best.layout, hw)
@@ -157,9 +157,9 @@ def compare_table(args, cluster, profiles: dict, schedules) -> str:
     """One row per model (`--compare`, else `--model`) and cost source (`profiles`: source ->
     calibration profile): the chosen plan, the best megatron plan and the predicted speedup,
     each under that source."""
-    from models.presets import get_preset
     from oases_jax.errors import UserError
-    from planner import make_plan
+    from oases_jax.models.presets import get_preset
+    from oases_jax.planner import make_plan
 
     if args.compare:
         names = OASES_FAMILY if args.compare == "oases-family" else args.compare.split(",")
@@ -193,7 +193,7 @@ def compare_profiles(args, cluster) -> dict:
     others from their default files), all loaded before any search so a bad source fails
     first; with `--compare` alone, the `--cost-source` one."""
     from oases_jax.errors import UserError
-    from planner import COST_SOURCES, load_profile
+    from oases_jax.planner import COST_SOURCES, load_profile
 
     if not args.compare_sources:
         return {args.cost_source: load_profile(args.cost_source, cluster, args.profile)}
@@ -264,8 +264,8 @@ def search_plan(args, cfg, cluster, profile, seq_len, schedules):
     """(plan JSON, SearchResult): `planner.make_plan`, or for an MoE model the MoE search with
     --expert-degrees and --moe-schedules (refused for dense models)."""
     from oases_jax.errors import UserError
-    from planner import make_plan
-    from planner.plan import plan_json
+    from oases_jax.planner import make_plan
+    from oases_jax.planner.plan import plan_json
 
     moe_flags = [f for f, v in (("--expert-degrees", args.expert_degrees),
                                 ("--moe-schedules", args.moe_schedules)) if v is not None]
@@ -276,8 +276,8 @@ def search_plan(args, cfg, cluster, profile, seq_len, schedules):
         return make_plan(cfg, model=args.model, cluster=cluster, global_batch=args.global_batch,
                          seq_len=seq_len, memory_fraction=args.memory_fraction, profile=profile,
                          cost_source=args.cost_source, schedules=schedules)
-    from planner.moe_search import EP_SCHEDULES, search_moe
-    from planner.prices import Hardware
+    from oases_jax.planner.moe_search import EP_SCHEDULES, search_moe
+    from oases_jax.planner.prices import Hardware
 
     result = search_moe(cfg, Hardware.of(cluster, profile), global_batch=args.global_batch,
                         seq_len=seq_len, memory_fraction=args.memory_fraction,
@@ -291,9 +291,9 @@ def pipeline_choice(args, cfg, cluster, profile, seq_len, plan: dict, best_2d_s:
     """`--pipeline`: the 3D search beside the 2D plan; returns the plan to write (the 3D one
     when it is faster)."""
     from oases_jax.errors import UserError
-    from planner.pipeline_search import megatron_3d, timed_search
-    from planner.plan import pipeline_plan_json, report_3d
-    from planner.prices import Hardware
+    from oases_jax.planner.pipeline_search import megatron_3d, timed_search
+    from oases_jax.planner.plan import pipeline_plan_json, report_3d
+    from oases_jax.planner.prices import Hardware
 
     if cfg.moe:
         raise UserError("--pipeline plans dense models; MoE models are not pipelined yet: drop "
@@ -317,7 +317,7 @@ def setup_verify(cluster) -> None:
 
     import jax
 
-    from planner.verify import compile_target
+    from oases_jax.planner.verify import compile_target
 
     if compile_target(cluster) == "local":
         jax.config.update("jax_num_cpu_devices", cluster.n_devices)
@@ -328,7 +328,7 @@ def setup_verify(cluster) -> None:
 def agreement(verified) -> str:
     """Predicted against simulated step over the compiled plans: the ratio range and the
     Spearman rank correlation."""
-    from planner.rank import spearman
+    from oases_jax.planner.rank import spearman
 
     done = [v for v in verified if v.simulated_step_s and not v.baseline]
     if len(done) < 2:
@@ -345,12 +345,12 @@ def main() -> int:
     check_args(args)
     import time
 
-    from oases_jax.analysis.hardware import get_cluster
     from oases_jax.errors import UserError
-    from planner import load_profile
-    from planner.plan import save
-    from planner.prices import Hardware
-    from planner.search import SCHEDULES
+    from oases_jax.hardware import get_cluster
+    from oases_jax.planner import load_profile
+    from oases_jax.planner.plan import save
+    from oases_jax.planner.prices import Hardware
+    from oases_jax.planner.search import SCHEDULES
 
     cluster = get_cluster(args.cluster)
     if args.save_cluster:
@@ -396,7 +396,7 @@ def main() -> int:
     if args.pipeline:
         plan = pipeline_choice(args, cfg, cluster, profile, seq_len, plan, best.cost.step_s)
     if args.verify:
-        from planner.verify import verify_plan
+        from oases_jax.planner.verify import verify_plan
 
         plan, verified, chosen = verify_plan(result, cfg, cluster, args.verify,
                                              model=args.model, cost_source=args.cost_source,
@@ -405,10 +405,15 @@ def main() -> int:
               f"simulated {chosen.simulated_step_s * 1e3:.2f} ms)")
         print(agreement(verified))
     if args.json:
-        save(plan, args.json)
+        save({**plan, "provenance": provenance.record()}, args.json)
         print(f"plan written to {args.json}")
     return 0
 
 
+def cli() -> None:
+    """The console entry point (`[project.scripts]` in pyproject.toml)."""
+    run_main(main)
+
+
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    cli()

@@ -11,7 +11,12 @@ import statistics
 
 from oases_jax import registry
 from oases_jax.cli import Parser, add_runtime_flags, init_runtime, run_main
-from training.flags import add_layout_flags, add_model_flags, layout_kwargs, model_from_flags
+from oases_jax.training.flags import (
+    add_layout_flags,
+    add_model_flags,
+    layout_kwargs,
+    model_from_flags,
+)
 
 
 def parse_args(argv=None):
@@ -56,7 +61,7 @@ def parse_args(argv=None):
 
 def build_config(args):
     from oases_jax.errors import UserError
-    from training import CheckpointConfig, OptimConfig, ParallelConfig, TrainConfig
+    from oases_jax.training import CheckpointConfig, OptimConfig, ParallelConfig, TrainConfig
 
     model = model_from_flags(args)
     import jax
@@ -111,7 +116,7 @@ def check_paths(args, cfg) -> None:
     belongs (or the reverse), and data that is missing, empty, a FIFO or a device, are one line
     now rather than a traceback after the compile."""
     from oases_jax.files import output_dir, output_file
-    from training.data import data_files
+    from oases_jax.training.data import data_files
 
     if args.out_dir:
         output_dir(args.out_dir, "--out-dir")
@@ -125,9 +130,9 @@ def plan_config(args, model):
     auto; the model is --model's, with an MoE plan's remat policy (`Plan.run_model`)."""
     import jax
 
-    from planner import local_cluster, make_plan
-    from planner import plan as plans
-    from planner.profile import Profile, default_profile_path
+    from oases_jax.planner import local_cluster, make_plan
+    from oases_jax.planner import plan as plans
+    from oases_jax.planner.profile import Profile, default_profile_path
 
     if args.plan == "auto":
         cluster = local_cluster(jax.devices())
@@ -159,7 +164,7 @@ def main() -> int:
     cfg = build_config(args)
     import jax
 
-    from training import train
+    from oases_jax.training import train
 
     result = train(cfg)
     if jax.process_index() == 0 and result.losses:
@@ -185,8 +190,13 @@ def _print_throughput(path: str) -> None:
         print(f"tokens/s: median {statistics.median(rates):,.0f} over {len(rates)} log windows")
 
 
-if __name__ == "__main__":
-    from training import TrainingDiverged
-    from training.checkpoint import CheckpointWriteError
+def cli() -> None:
+    """The console entry point (`[project.scripts]` in pyproject.toml)."""
+    from oases_jax.training import TrainingDiverged
+    from oases_jax.training.checkpoint import CheckpointWriteError
 
     run_main(main, extra_errors={TrainingDiverged: 3, CheckpointWriteError: 5})
+
+
+if __name__ == "__main__":
+    cli()

@@ -7,13 +7,12 @@ Every flag is documented in docs/cli.md.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import pathlib
-import shlex
 import sys
 
+from oases_jax import provenance
 from oases_jax.cli import Parser, add_runtime_flags, init_runtime, run_main, write_atomic
 
 
@@ -38,9 +37,9 @@ def main() -> int:
     init_runtime(args)
     import jax
 
-    from oases_jax.analysis import xla_sweep
-    from oases_jax.analysis.targets import get_target
     from oases_jax.errors import UserError
+    from oases_jax.targets import get_target
+    from oases_jax.tools.analysis import xla_sweep
 
     target = get_target(args.target)
     if not target.is_gpu_aot:
@@ -53,11 +52,10 @@ def main() -> int:
     gemm, comm = xla_sweep.sweep(target.devices, cfg,
                                  log=lambda s: print(s, file=sys.stderr, flush=True))
     cluster = target.cluster
-    meta = {"command": "python " + shlex.join(sys.argv), "target": args.target,
-            "jax": jax.__version__, "estimator": "XLA latency-hiding scheduler, sol prices",
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+    meta = {**provenance.record(), "target": args.target,
+            "estimator": "XLA latency-hiding scheduler, sol prices"}
     try:
-        from planner.profile import Profile
+        from oases_jax.planner.profile import Profile
     except ImportError:  # the planner's profile format is not in this checkout
         Profile = None
     if Profile is not None:
@@ -81,5 +79,10 @@ def main() -> int:
     return 0
 
 
+def cli() -> None:
+    """The console entry point (`[project.scripts]` in pyproject.toml)."""
+    run_main(main)
+
+
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    cli()

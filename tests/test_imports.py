@@ -1,31 +1,39 @@
 """The house rules of imports, read from the source with `ast` (every import, at module or
 function level): no cycles between modules, packages import only the packages below them, and
-no library module grows past 400 lines.
+library modules stay readable in size (a warning past 600 lines, a failure past 800).
 
-Layering, lowest first: the `oases_jax` core (pure JAX: never Flax) <- `oases_jax.analysis` <-
-`models` <- `training` <- `tools` <- `planner` <- `scripts`. A module may import its own package
-and those below it.
+Everything installs under one namespace, `oases_jax`, each top-level folder as one subpackage
+(pyproject.toml's package-dir). Layering, lowest first: the `oases_jax` core (pure JAX: never
+Flax; meshes, rules, collectives, schedules, the hardware model, the pipeline and MoE runtimes)
+<- `oases_jax.models` <- `oases_jax.training` <- `oases_jax.tools` (inspection: HLO parsing,
+the simulator, XLA's estimate) <- `oases_jax.planner` <- `oases_jax.scripts`. A module may
+import its own package and those below it.
 """
 
 import ast
 import pathlib
+import warnings
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-LIBRARY = ("oases_jax", "models", "training", "tools", "planner")
-LAYERS = ("oases_jax", "oases_jax.analysis", "models", "training", "tools", "planner", "scripts")
-PURE_JAX = {"flax"}  # never imported by `oases_jax`, core or analysis
-MAX_LINES = 400
+# folder -> the package it installs as (pyproject.toml's [tool.setuptools.package-dir])
+FOLDERS = {"oases_jax": "oases_jax", "models": "oases_jax.models",
+           "training": "oases_jax.training", "tools": "oases_jax.tools",
+           "planner": "oases_jax.planner", "scripts": "oases_jax.scripts"}
+LAYERS = ("oases_jax", "oases_jax.models", "oases_jax.training", "oases_jax.tools",
+          "oases_jax.planner", "oases_jax.scripts")
+PURE_JAX = {"flax"}  # never imported by the `oases_jax` core
+WARN_LINES, MAX_LINES = 600, 800
 
 
 def module_files() -> dict[str, pathlib.Path]:
-    """Dotted module name -> file, for every module of the library packages and scripts/."""
+    """Installed dotted module name -> file, for every module of the mapped folders."""
     out = {}
-    for top in (*LIBRARY, "scripts"):
-        for path in sorted((ROOT / top).rglob("*.py")):
-            parts = path.relative_to(ROOT).with_suffix("").parts
+    for folder, package in FOLDERS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
             if parts[-1] == "__init__":
                 parts = parts[:-1]
-            out[".".join(parts)] = path
+            out[".".join((package, *parts))] = path
     return out
 
 
@@ -134,11 +142,12 @@ def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
 def test_the_graph_sees_every_kind_of_import():
     """The parser finds function-level and relative imports and resolves `from a import b`."""
     graph = import_graph()
-    assert {"planner", "planner.search", "oases_jax.analysis.hardware", "scripts.plan"} <= set(
-        MODULES)
-    assert "planner.layer_cost" in graph["planner.search"]
-    assert "planner.plan" in graph["scripts.plan"]  # imported inside main()
-    assert "oases_jax.registry" in graph["planner.search"]  # `from oases_jax import registry`
+    assert {"oases_jax.planner", "oases_jax.planner.search", "oases_jax.hardware",
+            "oases_jax.scripts.plan"} <= set(MODULES)
+    assert "oases_jax.planner.layer_cost" in graph["oases_jax.planner.search"]
+    assert "oases_jax.planner.plan" in graph["oases_jax.scripts.plan"]  # imported inside main()
+    # `from oases_jax import registry`
+    assert "oases_jax.registry" in graph["oases_jax.planner.search"]
     assert cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [
         ["a", "b", "c", "a"]]
 
@@ -157,15 +166,35 @@ def test_imports_follow_the_package_layering():
                 bad.append(f"{MODULES[module].relative_to(ROOT)}:{line} ({layer(module)}) "
                            f"imports {target} ({layer(target)})")
     for module, path in MODULES.items():
-        if layer(module).startswith("oases_jax"):
-            bad += [f"{path.relative_to(ROOT)}:{line} imports {name}, but oases_jax is pure JAX"
+        if layer(module) == "oases_jax":
+            bad += [f"{path.relative_to(ROOT)}:{line} imports {name}, "
+                    "but the oases_jax core is pure JAX"
                     for name, line in imported(module, path) if name.split(".")[0] in PURE_JAX]
     assert not bad, ("imports against the layering " + " <- ".join(LAYERS) + ":\n  "
                      + "\n  ".join(sorted(bad)))
 
 
-def test_library_modules_stay_under_400_lines():
-    long = {str(p.relative_to(ROOT)): n for m, p in MODULES.items()
-            if layer(m) != "scripts" and (n := len(p.read_text().splitlines())) > MAX_LINES}
-    assert not long, (f"modules over {MAX_LINES} lines (one concept per module; split them): "
-                      + ", ".join(f"{p} ({n})" for p, n in sorted(long.items())))
+def test_library_modules_stay_readable_in_size():
+    """Past 600 lines a module probably holds two concepts (a warning); past 800 it fails."""
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines())
+             for m, p in MODULES.items() if layer(m) != "oases_jax.scripts"}
+    long = {p: n for p, n in sizes.items() if n > WARN_LINES}
+    if long:
+        warnings.warn(f"modules over {WARN_LINES} lines (one concept per module?): "
+                      + ", ".join(f"{p} ({n})" for p, n in sorted(long.items())), stacklevel=1)
+    too_long = {p: n for p, n in long.items() if n > MAX_LINES}
+    assert not too_long, (f"modules over {MAX_LINES} lines (split them by concept): "
+                          + ", ".join(f"{p} ({n})" for p, n in sorted(too_long.items())))
+
+
+def test_nothing_imports_a_folder_by_its_bare_name():
+    """`models`, `planner`, ... install as `oases_jax.models`, ...; imported bare they resolve
+    only from a checkout on `sys.path`, as a second copy of every module."""
+    bare = set(FOLDERS) - {"oases_jax"}
+    files = [*MODULES.values(), *(p for p in (ROOT / "tests").rglob("*.py")
+                                  if p.name != "test_wheel.py"),
+             *(ROOT / "benchmarks").rglob("*.py")]
+    bad = [f"{p.relative_to(ROOT)}:{line} imports {name}"
+           for p in files for name, line in imported("", p) if name.split(".")[0] in bare]
+    assert not bad, "import these through oases_jax (oases_jax.models, ...):\n  " + "\n  ".join(
+        bad)

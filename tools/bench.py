@@ -12,19 +12,19 @@ from collections.abc import Callable
 import jax
 from flax import nnx
 
-from models.config import ModelConfig
-from models.sharding import init_sharded
 from oases_jax.errors import UserError
 from oases_jax.mesh import make_mesh, parse_mesh
-from oases_jax.pipeline import SPMD_PIPELINES
+from oases_jax.models.config import ModelConfig
+from oases_jax.models.sharding import init_sharded
+from oases_jax.pipeline import registry as pipelines
 from oases_jax.rules import get_rules
-from tools.op_times import for_variant, kept_dir
-from training.config import OptimConfig, ParallelConfig
-from training.data import BatchSampler, load_corpus
-from training.metrics import peak_flops_per_device, throughput
-from training.optim import make_optimizer
-from training.program import CompileSpec, lower
-from training.state import TrainState, new_state
+from oases_jax.tools.op_times import for_variant, kept_dir
+from oases_jax.training.config import OptimConfig, ParallelConfig
+from oases_jax.training.data import BatchSampler, load_corpus
+from oases_jax.training.metrics import peak_flops_per_device, throughput
+from oases_jax.training.optim import make_optimizer
+from oases_jax.training.program import CompileSpec, lower
+from oases_jax.training.state import TrainState, new_state
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -180,7 +180,7 @@ def resolve_variants(specs: tuple[VariantSpec, ...], n_devices: int,
             mesh = parse_mesh(spec.mesh).resolve(n_devices)
             meshes.append(str(mesh))
             if parallel.pipeline and cfg is not None:
-                from training.pipeline_step import spec_for
+                from oases_jax.training.pipeline_step import spec_for
 
                 spec_for(cfg.model, parallel, spec.microbatches or cfg.microbatches,
                          dict(mesh.axes).get("stage", 1))
@@ -229,11 +229,11 @@ def build_variant(cfg: BenchConfig, spec: Resolved, sampler: BatchSampler) -> Va
         fns = prog.fns
         params = nnx.state(init_sharded(cfg.model, rules, mesh, cfg.seed))
         if spec.pipeline:  # the same initial weights, in the stage layout the step reads
-            from training import pipeline_step
+            from oases_jax.training import pipeline_step
 
             pipe = pipeline_step.spec_for(cfg.model, prog.spec.parallel, m, mesh)
             params = pipeline_step.layout(pipe, fns, rules, mesh)[0](params)
-            fused = None if spec.pipeline in SPMD_PIPELINES else pipe.fused()  # its table
+            fused = pipe.fused() if pipelines.get(spec.pipeline).executor == "ticks" else None
         state = new_state(params, fns, cfg.seed)
     except UserError as e:
         raise UserError(f"variant {spec.label}: {e}") from None

@@ -13,17 +13,17 @@ import tempfile
 import time
 
 from oases_jax import registry
-from oases_jax.analysis import fusions, moe_program, pipeline_time
-from oases_jax.analysis import memory_report as memory_reports
-from oases_jax.analysis.attention import attention_kernel
-from oases_jax.analysis.program import Analysis, Program, analyze
-from oases_jax.analysis.simulate import SimResult, simulate
-from oases_jax.analysis.targets import Target
-from oases_jax.analysis.xla_compile import compile_with_estimate
-from oases_jax.analysis.xla_estimate import XlaEstimate
 from oases_jax.mesh import make_mesh
-from oases_jax.pipeline import SPMD_PIPELINES
-from training.program import CompileSpec, lower
+from oases_jax.pipeline import registry as pipelines
+from oases_jax.targets import Target
+from oases_jax.tools.analysis import fusions, moe_program, pipeline_time
+from oases_jax.tools.analysis import memory_report as memory_reports
+from oases_jax.tools.analysis.attention import attention_kernel
+from oases_jax.tools.analysis.program import Analysis, Program, analyze
+from oases_jax.tools.analysis.simulate import SimResult, simulate
+from oases_jax.tools.analysis.xla_compile import compile_with_estimate
+from oases_jax.tools.analysis.xla_estimate import XlaEstimate
+from oases_jax.training.program import CompileSpec, lower
 
 MEMORY_REPORT_TOP = 50  # allocations a report's JSON keeps
 
@@ -86,7 +86,7 @@ class Inspection:
             # MoE collectives by kind and axis, parm_s2's chunk overlap (`analysis.moe_program`).
             "moe": (moe_program.report(self.program, self.spec.model.n_moe_layers)
                     if self.spec.model.moe else None),
-            # Where the compute time goes outside the GEMMs (`oases_jax.analysis.fusions`).
+            # Where the compute time goes outside the GEMMs (`oases_jax.tools.analysis.fusions`).
             "fusions": fusions.summarize(
                 fusions.account(self.program, self.target.cluster.device_spec)),
             # Pipelined programs: the tick loop priced per branch and stage (the simulated step
@@ -105,8 +105,8 @@ def inspect_isolated(spec: CompileSpec, target: str, timeline: str | None = None
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = pathlib.Path(tmp, "spec.json"), pathlib.Path(tmp, "report.json")
         spec_path.write_text(json.dumps(spec.to_json()))
-        cmd = [sys.executable, "-m", "tools.inspection", str(spec_path), target, str(out_path),
-               timeline or ""]
+        cmd = [sys.executable, "-m", "oases_jax.tools.inspection", str(spec_path), target,
+               str(out_path), timeline or ""]
         env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
         if proc.returncode == 0 and out_path.exists():
@@ -159,16 +159,17 @@ def inspect_program(spec: CompileSpec, target: Target, *,
 def _pipeline(spec: CompileSpec, mesh, program: Program, target: Target,
               peak_bytes: int) -> dict | None:
     """A pipelined train step's tick loop timed by `analysis.pipeline_time` (None otherwise)."""
-    if not spec.parallel.pipeline or spec.layer or spec.parallel.pipeline in SPMD_PIPELINES:
+    if (not spec.parallel.pipeline or spec.layer
+            or pipelines.get(spec.parallel.pipeline).executor != "ticks"):
         return None  # no tick switch (gpipe_spmd, 1f1b_spmd): the whole program is the step
-    from training.pipeline_step import spec_for, step_plan
+    from oases_jax.training.pipeline_step import spec_for, step_plan
 
     plan = step_plan(spec.model, spec_for(spec.model, spec.parallel, spec.microbatches, mesh))
     timed = pipeline_time.pipeline_time(program, target.cluster, plan)
     if timed is None:
         return {"error": "no tick loop matching the plan found"}
-    from oases_jax.analysis.pipeline_plot import timeline_json
-    from tools.pipeline_report import stage_account
+    from oases_jax.tools.analysis.pipeline_plot import timeline_json
+    from oases_jax.tools.pipeline_report import stage_account
 
     # Per tick and stage what ran (the --timeline picture), and per stage its FLOPs (recompute
     # included) and the activation memory its slots hold.
@@ -177,13 +178,13 @@ def _pipeline(spec: CompileSpec, mesh, program: Program, target: Target,
 
 
 if __name__ == "__main__":  # the child of `inspect_isolated`
-    from oases_jax.analysis.targets import get_target
+    from oases_jax.targets import get_target
 
     spec_file, target_name, out_file, timeline_file = sys.argv[1:5]
     ins = inspect_program(CompileSpec.from_json(json.loads(pathlib.Path(spec_file).read_text())),
                           get_target(target_name))
     pathlib.Path(out_file).write_text(json.dumps(ins.report()))
     if timeline_file:
-        from tools.report import draw_timeline
+        from oases_jax.tools.report import draw_timeline
 
         draw_timeline(ins.sim.events, ins.report(), timeline_file)

@@ -1,5 +1,5 @@
 """Measured time of each op of a compiled train step beside the account's roofline
-(`oases_jax.analysis.fusions`): a few steps run under the JAX profiler, every traced op is
+(`oases_jax.tools.analysis.fusions`): a few steps run under the JAX profiler, every traced op is
 attributed to the HLO op it ran (the `hlo_op` each XLA kernel or thunk event carries) and summed
 by the account's categories, so the roofline's opinion of each category stands next to what the
 device spent on it.
@@ -23,10 +23,10 @@ import re
 import tempfile
 from collections.abc import Callable, Iterable
 
-from oases_jax.analysis import fusions
-from oases_jax.analysis.hardware import DeviceSpec
-from oases_jax.analysis.program import Program
 from oases_jax.errors import UserError
+from oases_jax.hardware import DeviceSpec
+from oases_jax.tools.analysis import fusions
+from oases_jax.tools.analysis.program import Program
 
 
 def op_seconds(events: Iterable[dict], process_names: dict[int, str]) -> dict[str, float]:
@@ -175,7 +175,7 @@ def local_device() -> DeviceSpec:
     CPU's."""
     import jax
 
-    from oases_jax.analysis.hardware import detect, get_cluster
+    from oases_jax.hardware import detect, get_cluster
 
     dev = jax.devices()[0]
     spec = detect(dev.device_kind) if dev.platform != "cpu" else None

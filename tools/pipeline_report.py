@@ -1,4 +1,4 @@
-"""The per-stage account of a compiled pipelined train step (`oases_jax.analysis.
+"""The per-stage account of a compiled pipelined train step (`oases_jax.tools.analysis.
 pipeline_stages`): which leaves each virtual stage's residual and stash slots hold, read the way
 the executor lays them out, and the FLOPs and memory per stage that follow from the program."""
 
@@ -9,17 +9,17 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from models.sharding import abstract_model
-from oases_jax.analysis import pipeline_stages
-from oases_jax.analysis.pipeline_time import find_tick_loop
-from oases_jax.analysis.program import Program
+from oases_jax.models.sharding import abstract_model
 from oases_jax.pipeline import executor
 from oases_jax.rules import get_rules, outer_axes
 from oases_jax.stacks import Parallel, use_parallel
-from training import pipeline_step
-from training.pipeline_layout import STAGE, _is_var, _stacked, shifted, to_stages
-from training.program import CompileSpec
-from training.state import accumulation_groups
+from oases_jax.tools.analysis import pipeline_stages
+from oases_jax.tools.analysis.pipeline_time import find_tick_loop
+from oases_jax.tools.analysis.program import Program
+from oases_jax.training import pipeline_step
+from oases_jax.training.pipeline_layout import STAGE, _is_var, _stacked, shifted, to_stages
+from oases_jax.training.program import CompileSpec
+from oases_jax.training.state import accumulation_groups
 
 
 def step_plan(spec: CompileSpec, mesh: Mesh) -> tuple[executor.Plan, pipeline_step.PipelineSpec]:

@@ -66,7 +66,7 @@ def summary(r: dict) -> str:
 
 def pipeline_lines(r: dict) -> list[str]:
     """A pipelined program's tick loop, priced per branch and stage
-    (`oases_jax.analysis.pipeline_time`): the simulated step above replays each tick's
+    (`oases_jax.tools.analysis.pipeline_time`): the simulated step above replays each tick's
     conditional by its first branch, this one by what each stage runs."""
     p = r.get("pipeline")
     if not p:
@@ -120,7 +120,7 @@ def stage_lines(st: dict | None) -> list[str]:
 def moe_lines(r: dict) -> list[str]:
     """An MoE program's collectives by kind and axis (per step and per MoE layer, forward and
     backward together) and, where the schedule chunks them, whether each chunk's ESP
-    all-gather runs beside the next chunk's all-to-all (`oases_jax.analysis.moe_program`)."""
+    all-gather runs beside the next chunk's all-to-all (`oases_jax.tools.analysis.moe_program`)."""
     moe = r.get("moe")
     if not moe:
         return []
@@ -293,7 +293,7 @@ TIMELINE_SOURCES = ("sim", "xla")
 
 def xla_events(r: dict) -> list:
     """XLA's timeline from a report's `xla_estimate.per_op`, as drawable events."""
-    from oases_jax.analysis.simulate import Event
+    from oases_jax.tools.analysis.simulate import Event
 
     x = _xla(r)
     if x is None:

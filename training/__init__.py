@@ -1,7 +1,7 @@
 """Training: data, optimizer, checkpoints, metrics and the loop (`training.train`)."""
 
-from training.config import CheckpointConfig, OptimConfig, ParallelConfig, TrainConfig
-from training.loop import TrainingDiverged, TrainResult, train
+from oases_jax.training.config import CheckpointConfig, OptimConfig, ParallelConfig, TrainConfig
+from oases_jax.training.loop import TrainingDiverged, TrainResult, train
 
 __all__ = [
     "CheckpointConfig",

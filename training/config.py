@@ -5,14 +5,14 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from models.config import ModelConfig
 from oases_jax import registry
 from oases_jax.errors import UserError
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.mesh import parse_mesh
+from oases_jax.models.config import ModelConfig
 from oases_jax.moe import MoESetup
 from oases_jax.moe import schedules as moe_schedules
-from oases_jax.pipeline import SPMD_PIPELINES, STAGE_SCHEDULES
+from oases_jax.pipeline import registry as pipelines
 from oases_jax.primepar import square_size
 from oases_jax.rules import RULE_SETS
 from oases_jax.schema import MAX_GLOBAL_BATCH, MAX_SEQ_LEN, MAX_TOKENS_PER_STEP
@@ -125,7 +125,7 @@ class ParallelConfig:
     @property
     def moe_setup(self) -> MoESetup:
         """How the MoE layers run, with the alpha-beta model `auto` asks."""
-        from oases_jax.analysis.moe_cost import choose_for_mesh
+        from oases_jax.moe.cost import choose_for_mesh
 
         return MoESetup(schedule=self.moe_schedule, chunks=self.moe_chunks,
                         choose=choose_for_mesh)
@@ -164,76 +164,70 @@ def _check_moe_flags(par: ParallelConfig) -> None:
                         "use --moe-schedule auto")
 
 
-def _check_pipeline(par: ParallelConfig) -> None:
-    """The pipeline flags against the mesh and the rest of the parallel config (what needs the
-    model or the micro-batches is checked by `training.pipeline_step.pipeline_spec`)."""
-    from oases_jax.pipeline.schedules import SCHEDULES
+# The tick executor's per-stage settings: (flag, the value a run gave, or None at its default).
+def _per_stage_flags(par: ParallelConfig) -> tuple[tuple[str, object], ...]:
+    return (("--stage-layers", par.stage_layers), ("--remat-ratios", par.remat_ratios),
+            ("--backward-ticks", par.backward_ticks or None),
+            ("--fused-ticks", None if par.fused_ticks == "auto" else par.fused_ticks),
+            ("--split-head", None if par.split_head == "off" else "on"))
 
+
+def _check_pipeline(par: ParallelConfig) -> None:
+    """The pipeline flags against the mesh and the rest of the parallel config, from the
+    schedule's record (`oases_jax.pipeline.registry`); what needs the model or the micro-batches
+    is checked by `training.pipeline_step.pipeline_spec`."""
     mesh = parse_mesh(par.mesh)
-    stages = mesh.size("stage")
+    runnable = ", ".join(pipelines.names(runnable=True))
     if par.pipeline is None:
-        if stages != 1:
+        if mesh.size("stage") != 1:
             raise UserError(f"--mesh {par.mesh} has a stage axis but no --pipeline schedule: pass "
-                            f"--pipeline 1f1b (or gpipe, interleaved, merak, gpipe_spmd, "
-                            f"1f1b_spmd), or drop stage=")
-        for flag, value in (("--stage-layers", par.stage_layers),
-                            ("--remat-ratios", par.remat_ratios),
-                            ("--virtual-stages", par.virtual_stages or None),
-                            ("--backward-ticks", par.backward_ticks or None),
-                            ("--fused-ticks", None if par.fused_ticks == "auto"
-                             else par.fused_ticks),
-                            ("--split-head", None if par.split_head == "off" else "on")):
-            if value is not None:
-                raise UserError(f"{flag} {value} needs --pipeline and a stage mesh axis")
+                            f"--pipeline 1f1b (or {runnable}), or drop stage=")
+        extra = [(f, v) for f, v in _per_stage_flags(par) if v is not None]
+        if par.virtual_stages:
+            extra.append(("--virtual-stages", par.virtual_stages))
+        if extra:
+            raise UserError(f"{extra[0][0]} {extra[0][1]} needs --pipeline and a stage mesh axis")
         return
-    runnable = tuple(n for n in SCHEDULES if n != "zb_h1")
-    if par.pipeline not in runnable:
-        raise UserError(f"unknown --pipeline {par.pipeline!r}: choose one of "
-                        f"{', '.join(runnable)}")
+    pipe = pipelines.runnable(par.pipeline)
     # stage=1 named in the mesh is a one-stage pipeline: the tick loop, residual pools and
     # stage program with no transfers, to measure the executor against plain accumulation.
-    if stages == 1 and "stage" not in mesh.names:
-        raise UserError(f"--pipeline {par.pipeline} needs a stage axis in --mesh (e.g. "
+    if "stage" not in mesh.names:
+        raise UserError(f"--pipeline {pipe.name} needs a stage axis in --mesh (e.g. "
                         f"--mesh data=2,stage=2,tensor=2, or stage=1 for a one-stage "
                         f"pipeline), got --mesh {par.mesh}")
-    spmd = par.pipeline in SPMD_PIPELINES  # no per-stage control flow: any collective inside
-    if (par.rules == "primepar" or par.schedule == "primepar") and not spmd:
-        # The square's layout changes (batch over tp_row, features over tp_col) are
-        # collective-permutes, which inside the tick's per-stage switch would wait forever.
-        what = "--schedule primepar" if par.schedule == "primepar" else "--rules primepar"
-        raise UserError(f"--pipeline {par.pipeline} cannot run {what} inside its stages (the "
-                        f"square's collective-permutes inside the tick's switch would wait for "
-                        f"stages running other branches): use --pipeline gpipe_spmd or 1f1b_spmd")
-    if par.schedule not in STAGE_SCHEDULES and not spmd:
-        raise UserError(f"--pipeline {par.pipeline} cannot run --schedule {par.schedule} inside "
+    permuting = pipelines.names(permutes_inside=True)
+    if not pipe.runs(par.schedule):
+        raise UserError(f"--pipeline {pipe.name} cannot run --schedule {par.schedule} inside "
                         f"its stages (its collective-permutes inside the tick's switch would "
-                        f"wait for stages running other branches): use --pipeline gpipe_spmd "
-                        f"or 1f1b_spmd, "
-                        f"or --schedule {', '.join(STAGE_SCHEDULES)}")
-    if spmd:
-        for flag, value in (("--stage-layers", par.stage_layers),
-                            ("--remat-ratios", par.remat_ratios),
-                            ("--backward-ticks", par.backward_ticks or None),
-                            ("--fused-ticks", None if par.fused_ticks == "auto"
-                             else par.fused_ticks),
-                            ("--split-head", None if par.split_head == "off" else "on")):
+                        f"wait for stages running other branches): use --pipeline "
+                        f"{' or '.join(permuting)}, or --schedule "
+                        f"{', '.join(pipelines.stage_schedules())}")
+    if par.rules == "primepar" and not pipe.permutes_inside:
+        raise UserError(f"--pipeline {pipe.name} cannot run --rules primepar inside its stages "
+                        f"(the square's collective-permutes inside the tick's switch would wait "
+                        f"for stages running other branches): use --pipeline "
+                        f"{' or '.join(permuting)}")
+    if pipe.equal_stages:
+        for flag, value in _per_stage_flags(par):
             if value is not None:
-                raise UserError(f"--pipeline {par.pipeline} runs one program on every stage: "
+                raise UserError(f"--pipeline {pipe.name} runs one program on every stage: "
                                 f"equal stages under --remat, one backward; drop {flag} {value}")
     if par.layers is not None:
-        if spmd:
-            raise UserError(f"--pipeline {par.pipeline} runs one program on every stage, so one "
+        if pipe.equal_stages:
+            raise UserError(f"--pipeline {pipe.name} runs one program on every stage, so one "
                             f"--schedule for every layer; run a per-layer plan under --pipeline "
-                            f"gpipe, 1f1b, interleaved or merak, or drop --plan")
-        bad = sorted({spec.schedule for spec in par.layers} - set(STAGE_SCHEDULES))
+                            f"{', '.join(pipelines.names(runnable=True, equal_stages=False))}, "
+                            f"or drop --plan")
+        bad = sorted({s.schedule for s in par.layers if not pipe.runs(s.schedule)})
         if bad:
-            raise UserError(f"--pipeline {par.pipeline} cannot run the plan's {', '.join(bad)} "
+            raise UserError(f"--pipeline {pipe.name} cannot run the plan's {', '.join(bad)} "
                             f"layers inside its stages; plan with --schedules "
-                            f"{','.join(STAGE_SCHEDULES)}, or drop --pipeline")
-    if par.virtual_stages < 0 or (par.virtual_stages and par.pipeline != "interleaved"
-                                  and par.virtual_stages != 1):
-        raise UserError(f"--virtual-stages {par.virtual_stages} needs --pipeline interleaved "
-                        f"and a count >= 2")
+                            f"{','.join(pipelines.stage_schedules())}, or drop --pipeline")
+    if par.virtual_stages < 0:
+        raise UserError(f"--virtual-stages {par.virtual_stages} must be >= 2 (or 0: the "
+                        f"schedule's default)")
+    if par.virtual_stages != 1:  # 1 is every schedule's one chunk
+        pipe.check_chunks(par.virtual_stages)
     if not 0 <= par.backward_ticks <= 8:
         raise UserError(f"--backward-ticks {par.backward_ticks} must be 1 to 8 (or 0: the "
                         f"schedule's default)")

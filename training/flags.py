@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from models.config import REMAT_POLICIES, ModelConfig
+from oases_jax.models.config import REMAT_POLICIES, ModelConfig
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -19,7 +19,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def model_from_flags(args: argparse.Namespace) -> ModelConfig:
-    from models.presets import get_preset
+    from oases_jax.models.presets import get_preset
 
     model = get_preset(args.model).with_overrides(args.model_set)
     given = (("dtype", args.dtype), ("remat", args.remat), ("scan_layers", args.scan))
@@ -29,17 +29,19 @@ def model_from_flags(args: argparse.Namespace) -> ModelConfig:
 def add_layout_flags(group) -> None:
     """The MoE and pipeline flags of train.py and inspect_hlo.py (docs/cli.md)."""
     from oases_jax.moe import schedules as moe_schedules
+    from oases_jax.pipeline import registry as pipelines
 
     group.add_argument("--moe-schedule", default="auto", help="MoE models: how MoE layers run: "
                        f"{', '.join(moe_schedules.CHOICES)} (default auto: by the cost model)")
     group.add_argument("--moe-chunks", type=int, default=0,
                        help="parm_s2's capacity chunks (default 0: the cost model's choice)")
-    group.add_argument("--pipeline", help="pipeline schedule over the mesh's stage axis: gpipe, "
-                       "1f1b, interleaved or merak (default: none)")
+    group.add_argument("--pipeline", help="pipeline schedule over the mesh's stage axis: "
+                       f"{', '.join(pipelines.names(runnable=True))} (default: none)")
     group.add_argument("--stage-layers", help="layers per pipeline stage, e.g. 5,6,6,7 "
                        "(default uniform)")
     group.add_argument("--virtual-stages", type=int, default=0,
-                       help="interleaved: model chunks per stage (default 2)")
+                       help=f"{', '.join(pipelines.names(chunked=True))}: model chunks per stage "
+                       "(default: the schedule's, 2)")
     group.add_argument("--remat-ratios", help="stage-aware recompute: the first stage's ratio r0 "
                        "(Merak's rule for the others) or one ratio per stage, e.g. 0.8,0.7,0.4,0")
     group.add_argument("--backward-ticks", type=int, default=0,

@@ -16,20 +16,20 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from tqdm import tqdm
 
-from models.layout import layout_fns
-from models.sharding import init_sharded
 from oases_jax.errors import UserError
 from oases_jax.mesh import make_mesh
+from oases_jax.models.layout import layout_fns
+from oases_jax.models.sharding import init_sharded
 from oases_jax.rules import get_rules
-from training import pipeline_step
-from training.checkpoint import Checkpointer
-from training.config import TrainConfig
-from training.data import BatchSampler, load_corpus
-from training.metrics import MetricsWriter, peak_flops_per_device, throughput
-from training.optim import lr_schedule, make_optimizer
-from training.program import CompileSpec, StepProgram, lower
-from training.runlock import RunLock
-from training.state import new_state
+from oases_jax.training import pipeline_step
+from oases_jax.training.checkpoint import Checkpointer
+from oases_jax.training.config import TrainConfig
+from oases_jax.training.data import BatchSampler, load_corpus
+from oases_jax.training.metrics import MetricsWriter, peak_flops_per_device, throughput
+from oases_jax.training.optim import lr_schedule, make_optimizer
+from oases_jax.training.program import CompileSpec, StepProgram, lower
+from oases_jax.training.runlock import RunLock
+from oases_jax.training.state import new_state
 
 
 class TrainingDiverged(RuntimeError):

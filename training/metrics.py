@@ -7,8 +7,8 @@ import pathlib
 
 import jax
 
-from models.config import ModelConfig
-from oases_jax.analysis import hardware
+from oases_jax import hardware
+from oases_jax.models.config import ModelConfig
 
 
 def peak_flops_per_device(dtype: str, peak_tflops: float | None) -> float | None:

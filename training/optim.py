@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import optax
 
-from training.config import OptimConfig
+from oases_jax.training.config import OptimConfig
 
 
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:

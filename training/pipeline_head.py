@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.config import ModelConfig
-from models.transformer import Transformer, cross_entropy
 from oases_jax.errors import UserError
+from oases_jax.models.config import ModelConfig
+from oases_jax.models.transformer import Transformer, cross_entropy
 from oases_jax.pipeline.executor import HeadProgram
-from training.pipeline_layout import STAGE, PipelineSpec, _graphdefs
+from oases_jax.training.pipeline_layout import STAGE, PipelineSpec, _graphdefs
 
 __all__ = ["split_head"]
 

@@ -20,10 +20,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models.config import ModelConfig
-from models.transformer import Transformer
 from oases_jax.errors import UserError
-from oases_jax.pipeline import events, schedules
+from oases_jax.models.config import ModelConfig
+from oases_jax.models.transformer import Transformer
+from oases_jax.pipeline import events
+from oases_jax.pipeline import registry as pipelines
+from oases_jax.pipeline.table import Schedule
 from oases_jax.rules import ShardingRules, outer_axes, spec_divides
 from oases_jax.stacks import Parallel, use_parallel
 
@@ -92,11 +94,9 @@ class PipelineSpec:
         layers run without checkpoints, which would recompute them a second time."""
         return self.schedule_table().whole()
 
-    def schedule_table(self) -> schedules.Schedule:
-        build = schedules.get(self.schedule)
-        if self.schedule == "interleaved":
-            return build(self.stages, self.microbatches, self.chunks)
-        return build(self.stages, self.microbatches)
+    def schedule_table(self) -> Schedule:
+        return pipelines.get(self.schedule).table(self.stages, self.microbatches,
+                                                  chunks=self.chunks)
 
     def index(self) -> tuple[np.ndarray, np.ndarray]:
         """(layer index [S, v, Lmax], valid mask [S, v, Lmax]) of the stage layout."""

@@ -38,18 +38,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.config import ModelConfig
-from models.layers import block_fns, compute_weights
-from models.loss import split_cross_entropy
-from models.transformer import Transformer, cross_entropy
+from oases_jax.models.config import ModelConfig
+from oases_jax.models.layers import block_fns, compute_weights
+from oases_jax.models.loss import split_cross_entropy
+from oases_jax.models.transformer import Transformer, cross_entropy
 from oases_jax.rules import constrain, entry_axes
 from oases_jax.stacks import Parallel, run_stack
-from training.pipeline_layout import STAGE, PipelineSpec, _graphdefs, over_stages
+from oases_jax.training.pipeline_layout import STAGE, PipelineSpec, _graphdefs, over_stages
 
-__all__ = ["NAME", "NAME_1F1B", "spmd_1f1b_grads", "spmd_pipeline_grads", "vocab_part",
+__all__ = ["spmd_1f1b_grads", "spmd_pipeline_grads", "vocab_part",
            "vocab_shards"]
-
-NAME = "gpipe_spmd"
 
 
 def vocab_shards(cfg: ModelConfig, parallel: Parallel, manual: set[str]) -> int:
@@ -216,8 +214,6 @@ def spmd_pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel
 
     return over_stages(parallel, params, batch_MBL, groups, stage_grads)
 
-
-NAME_1F1B = "1f1b_spmd"
 
 
 def spmd_1f1b_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,

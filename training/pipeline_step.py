@@ -26,19 +26,20 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models.config import ModelConfig
-from models.layers import block_fns, compute_weights
-from models.sharding import abstract_model
-from models.transformer import Transformer, cross_entropy
 from oases_jax.errors import UserError
-from oases_jax.pipeline import SPMD_PIPELINES, executor, schedules
+from oases_jax.models.config import ModelConfig
+from oases_jax.models.layers import block_fns, compute_weights
+from oases_jax.models.sharding import abstract_model
+from oases_jax.models.transformer import Transformer, cross_entropy
+from oases_jax.pipeline import executor
+from oases_jax.pipeline import registry as pipelines
 from oases_jax.pipeline import remat as pipe_remat
 from oases_jax.rules import ShardingRules
 from oases_jax.stacks import Parallel, run_stack, use_parallel
 from oases_jax.stacks import active as active_parallel
-from training import pipeline_spmd
-from training.pipeline_head import split_head
-from training.pipeline_layout import (
+from oases_jax.training import pipeline_spmd
+from oases_jax.training.pipeline_head import split_head
+from oases_jax.training.pipeline_layout import (
     STAGE,
     PipelineSpec,
     _graphdefs,
@@ -56,32 +57,24 @@ __all__ = ["STAGE", "PipelineSpec", "backward_parts", "build_pipeline_step_fns",
 
 
 def pipeline_spec(cfg: ModelConfig, *, schedule: str, stages: int, microbatches: int,
-                  stage_layers: str | Sequence[int] | None = None, chunks: int = 1,
+                  stage_layers: str | Sequence[int] | None = None, chunks: int = 0,
                   remat_ratios: str | None = None, backward_ticks: int = 0,
                   fused_ticks: str = "auto", split_head: str = "off") -> PipelineSpec:
-    """Checked pipeline settings (one-line UserErrors naming the value and the fix)."""
+    """Checked pipeline settings (one-line UserErrors naming the value and the fix); `chunks`
+    0 is the schedule's default."""
     if cfg.moe:
         raise UserError("--pipeline does not run MoE models yet; drop --pipeline or use a dense "
                         "model")
-    if schedule == "zb_h1":
-        raise UserError("--pipeline zb_h1 splits the backward into B and W, which the executor "
-                        "does not run yet; use 1f1b, gpipe, interleaved or merak")
-    if schedule != "interleaved" and chunks != 1:
-        raise UserError(f"--virtual-stages {chunks} needs --pipeline interleaved (the "
-                        f"{schedule} schedule holds one chunk per stage)")
-    if schedule == "interleaved" and chunks < 2:
-        chunks = 2
-    schedules.get(schedule)(stages, microbatches, *((chunks,) if schedule == "interleaved"
-                                                     else ()))  # its own M/S checks
+    spec = pipelines.runnable(schedule)
+    chunks = spec.table(stages, microbatches, chunks=chunks).chunks  # its own M/S/v checks
     layers = pipe_remat.parse_stage_layers(stage_layers, cfg.n_layers, stages, chunks)
-    if schedule in SPMD_PIPELINES and len(set(layers)) > 1:
+    if spec.equal_stages and len(set(layers)) > 1:
         raise UserError(f"--pipeline {schedule} runs one program on every stage: the model's "
                         f"{cfg.n_layers} layers do not split into {stages} equal stages; use a "
-                        f"stage count dividing them, or --pipeline "
-                        f"{schedule.removesuffix('_spmd')}")
+                        f"stage count dividing them, or --pipeline {spec.ticked}")
     ratios = None
     if remat_ratios:
-        ratios = pipe_remat.parse_ratios(remat_ratios, stages, shifted=schedule == "merak")
+        ratios = pipe_remat.parse_ratios(remat_ratios, stages, shifted=spec.shifted_recompute)
     _graphdefs(cfg)
     return PipelineSpec(schedule=schedule, stages=stages, microbatches=microbatches,
                         layers=layers, chunks=chunks, ratios=ratios, backward_ticks=backward_ticks,
@@ -315,19 +308,23 @@ def spec_for(cfg: ModelConfig, parallel_cfg, microbatches: int, mesh: Mesh | int
     stages = mesh if isinstance(mesh, int) else mesh.shape.get(STAGE, 1)
     return pipeline_spec(cfg, schedule=parallel_cfg.pipeline, stages=stages,
                          microbatches=microbatches, stage_layers=parallel_cfg.stage_layers,
-                         chunks=parallel_cfg.virtual_stages or (
-                             2 if parallel_cfg.pipeline == "interleaved" else 1),
+                         chunks=parallel_cfg.virtual_stages,
                          remat_ratios=parallel_cfg.remat_ratios,
                          backward_ticks=parallel_cfg.backward_ticks,
                          fused_ticks=parallel_cfg.fused_ticks,
                          split_head=parallel_cfg.split_head)
 
 
+# The executor of each pipeline schedule's record (`oases_jax.pipeline.registry.EXECUTORS`).
+EXECUTORS = {"ticks": pipeline_grads, "spmd_gpipe": pipeline_spmd.spmd_pipeline_grads,
+             "spmd_1f1b": pipeline_spmd.spmd_1f1b_grads}
+
+
 def build_pipeline_step_fns(cfg: ModelConfig, tx: optax.GradientTransformation,
                             parallel: Parallel, pipe: PipelineSpec):
     """`training.state.build_step_fns` for a pipelined model: the same StepFns (train step,
     evaluation, optimizer init, shardings), over parameters in the stage layout."""
-    from training.state import (
+    from oases_jax.training.state import (
         _eval_loss,
         accumulation_groups,
         assemble_step_fns,
@@ -342,9 +339,7 @@ def build_pipeline_step_fns(cfg: ModelConfig, tx: optax.GradientTransformation,
     groups = accumulation_groups(rules, mesh)
     batch_sh = NamedSharding(mesh, P(None, "data") if groups > 1 else P())
 
-    grads_fn = {pipeline_spmd.NAME: pipeline_spmd.spmd_pipeline_grads,
-                pipeline_spmd.NAME_1F1B: pipeline_spmd.spmd_1f1b_grads}.get(pipe.schedule,
-                                                                           pipeline_grads)
+    grads_fn = EXECUTORS[pipelines.get(pipe.schedule).executor]
 
     def train_step(state, batch_MBL):
         loss, grads = grads_fn(cfg, pipe, parallel, state["params"], batch_MBL, groups)

@@ -18,23 +18,24 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models.config import ModelConfig
-from models.layers import Block, block_fns, compute_weights
-from models.sharding import param_shardings
-from models.transformer import FAMILY_NORM
 from oases_jax import registry
 from oases_jax.errors import UserError
 from oases_jax.layer_plan import LayerSpec
+from oases_jax.models.config import ModelConfig
+from oases_jax.models.layers import Block, block_fns, compute_weights
+from oases_jax.models.sharding import param_shardings
+from oases_jax.models.transformer import FAMILY_NORM
 from oases_jax.moe import schedules as moe_schedules
 from oases_jax.moe.stack import scan_schedules
-from oases_jax.pipeline import SPMD_PIPELINES, pools
+from oases_jax.pipeline import pools
+from oases_jax.pipeline import registry as pipelines
 from oases_jax.rules import constrain, get_rules
 from oases_jax.stacks import Parallel, run_layer, use_parallel
-from training import pipeline_step
-from training.checks import check_shapes
-from training.config import OptimConfig, ParallelConfig
-from training.optim import make_optimizer
-from training.state import StepFns, build_step_fns
+from oases_jax.training import pipeline_step
+from oases_jax.training.checks import check_shapes
+from oases_jax.training.config import OptimConfig, ParallelConfig
+from oases_jax.training.optim import make_optimizer
+from oases_jax.training.state import StepFns, build_step_fns
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,7 +83,7 @@ def compiler_options(parallel: ParallelConfig, mesh: Mesh) -> dict:
     MoE schedule's too: those of parm_s2 wherever `auto` may choose it; a pipeline run by the
     tick executor, `pools.compiler_options`)."""
     out = registry.compiler_options(parallel.schedules, platform_of(mesh))
-    if parallel.pipeline and parallel.pipeline not in SPMD_PIPELINES:  # the tick executor's
+    if parallel.pipeline and pipelines.get(parallel.pipeline).executor == "ticks":
         out = registry.merge_options(out, pools.compiler_options(platform_of(mesh)))
     if platform_of(mesh) in ("gpu", "cuda", "rocm"):
         name = parallel.moe_schedule
@@ -154,7 +155,8 @@ def lower(spec: CompileSpec, mesh: Mesh, tx: optax.GradientTransformation | None
     tx = tx or make_optimizer(OptimConfig(), total_steps=1000)
     check_moe(spec.model, par, mesh)
     parallel = Parallel(mesh, rules, par.default_layer, par.layers, moe=par.moe_setup)
-    if (par.pipeline == "gpipe_spmd" and "primepar" in par.schedules
+    if (par.pipeline and pipelines.get(par.pipeline).executor == "spmd_gpipe"
+            and "primepar" in par.schedules
             and platform_of(mesh) == "cpu"):
         # XLA:CPU starts some of this program's independent collectives in a different order
         # on different devices (seen: an all-reduce over tp_col on some, a collective-permute

@@ -12,11 +12,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jax.sharding import PartitionSpec as P
 
-from models.config import ModelConfig
-from models.layers import compute_weights
-from models.moe import LOSSES as MOE_LOSSES
-from models.sharding import abstract_model, param_shardings
-from models.transformer import objective
+from oases_jax.models.config import ModelConfig
+from oases_jax.models.layers import compute_weights
+from oases_jax.models.moe import LOSSES as MOE_LOSSES
+from oases_jax.models.sharding import abstract_model, param_shardings
+from oases_jax.models.transformer import objective
 from oases_jax.rules import ShardingRules, entry_axes, outer_axes
 from oases_jax.stacks import Parallel, use_parallel
 

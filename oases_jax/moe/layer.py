@@ -34,7 +34,7 @@ class MoESetup:
     """How a run's MoE layers execute: the schedule (`auto` or a `MOE_SCHEDULES` name),
     parm_s2's forward and backward chunk counts (0: the cost model's choice under `auto`, 2
     under parm_s2; `backward_chunks` 0: `chunks`'s), and the cost model `auto` asks
-    (`oases_jax.analysis.moe_cost.choose_for_mesh`, passed in by the training layer: the
+    (`oases_jax.moe.cost.choose_for_mesh`, passed in by the training layer: the
     runtime does not import the analysis tools); without one `auto` runs parm_s1."""
 
     schedule: str = "auto"

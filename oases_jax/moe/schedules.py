@@ -58,7 +58,7 @@ MOE_SCHEDULES: Mapping[str, MoEScheduleSpec] = MappingProxyType({s.name: s for s
 )})
 
 # `auto` picks parm_s1 or parm_s2 (and S2's chunk count) by the alpha-beta model
-# (`oases_jax.analysis.moe_cost`), or `local` on a mesh without an expert axis.
+# (`oases_jax.moe.cost`), or `local` on a mesh without an expert axis.
 CHOICES = ("auto", *MOE_SCHEDULES)
 
 

@@ -10,6 +10,7 @@ import dataclasses
 import numpy as np
 
 from oases_jax.errors import UserError
+from oases_jax.pipeline import registry
 from oases_jax.pipeline.actions import vstage
 from oases_jax.pipeline.table import Schedule, TickTable
 
@@ -115,7 +116,8 @@ def plan(schedule: Schedule, backward_ticks: int | tuple[int, ...] = 1,
     is stored like a received gradient, which that stage's backward reads in a later tick."""
     if schedule.split_backward:
         raise UserError(f"the {schedule.name} schedule splits the backward into B and W, which "
-                        f"the executor does not run yet: use 1f1b, gpipe, interleaved or merak")
+                        f"the executor does not run yet: use "
+                        f"{', '.join(registry.names(executor='ticks'))}")
     table = schedule.ticks(backward_ticks, fuse, head)
     L = table.lanes
     S, V = schedule.stages, schedule.virtual

@@ -1,14 +1,16 @@
-"""Pipeline schedules as pure functions of (S stages, M micro-batches, options) -> `Schedule`.
+"""Pipeline schedules as pure functions of (S stages, M micro-batches, options) -> `Schedule`,
+all with one signature: `build(stages, microbatches, *, chunks=1, recompute=...)`.
 
 GPipe, 1F1B, Megatron's interleaved 1F1B, Merak's shifted critical path and ZB-H1. Each builds
 the per-stage order of forwards and backwards first, then says which micro-batches recompute and
-where. docs/parallelism.md ("Pipeline schedules") has each one's table and formulas.
+where. Their records (executor, capabilities) are in `oases_jax.pipeline.registry`;
+docs/parallelism.md ("Pipeline schedules") has each one's table and formulas.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from oases_jax.errors import UserError
 from oases_jax.pipeline.actions import Action, wire
@@ -26,6 +28,12 @@ def _check(name: str, stages: int, microbatches: int, needs_m_ge_s: bool) -> Non
         raise UserError(f"the {name} schedule needs at least as many micro-batches as stages, "
                         f"got M={microbatches} for S={stages}: use M >= {stages} micro-batches "
                         f"(or 1f1b / gpipe, which run any M)")
+
+
+def _one_chunk(name: str, chunks: int) -> None:
+    if chunks != 1:
+        raise UserError(f"the {name} schedule holds one model chunk per stage, got chunks="
+                        f"{chunks!r}: use chunks=1 (or the interleaved schedule)")
 
 
 def _flags(recompute: bool | Sequence[bool], stages: int) -> tuple[bool, ...]:
@@ -71,10 +79,11 @@ def _order_1f1b(stages: int, microbatches: int, s: int) -> Order:
     return order + [("B", m, 0) for m in range(microbatches - warm, microbatches)]
 
 
-def gpipe(stages: int, microbatches: int, *, recompute: bool | Sequence[bool] = False
-          ) -> Schedule:
+def gpipe(stages: int, microbatches: int, *, chunks: int = 1,
+          recompute: bool | Sequence[bool] = False) -> Schedule:
     """GPipe: every forward, then every backward in reverse micro-batch order (the order
     autodiff of a forward loop gives). Bubble (S-1)/(M+S-1); holds all M micro-batches."""
+    _one_chunk("gpipe", chunks)
     _check("gpipe", stages, microbatches, False)
     flags = _flags(recompute, stages)
     fwd = [("F", m, 0) for m in range(microbatches)]
@@ -83,17 +92,17 @@ def gpipe(stages: int, microbatches: int, *, recompute: bool | Sequence[bool] = 
                      [_expand(fwd + bwd, flags[s]) for s in range(stages)])
 
 
-def gpipe_spmd(stages: int, microbatches: int, *, recompute: bool | Sequence[bool] = False
-               ) -> Schedule:
+def gpipe_spmd(stages: int, microbatches: int, *, chunks: int = 1,
+               recompute: bool | Sequence[bool] = False) -> Schedule:
     """GPipe's table, run by `training.pipeline_spmd` rather than the tick executor: every
     device runs the same program every tick (no switch), so a stage may hold collectives over
     its tensor group of any kind (ring permutes included); bubble ticks compute on values
     nobody reads. Same bubble and memory as GPipe."""
-    table = gpipe(stages, microbatches, recompute=recompute)
+    table = gpipe(stages, microbatches, chunks=chunks, recompute=recompute)
     return dataclasses.replace(table, name="gpipe_spmd")
 
 
-def one_f_one_b_spmd(stages: int, microbatches: int, *,
+def one_f_one_b_spmd(stages: int, microbatches: int, *, chunks: int = 1,
                      recompute: bool | Sequence[bool] = True) -> Schedule:
     """1F1B run by `training.pipeline_spmd.spmd_1f1b_grads` with no per-stage control flow: in
     lockstep tick t stage s runs F of micro-batch t-s, then B of micro-batch t-(2S-2-s), so
@@ -102,6 +111,7 @@ def one_f_one_b_spmd(stages: int, microbatches: int, *,
     gradient's walk back down), at most 2(S-1-s)+1 micro-batches in flight. Every B
     recomputes its stage's forward first (R): the executor keeps only the stage's inputs.
     Any M >= 1."""
+    _one_chunk("1f1b_spmd", chunks)
     _check("1f1b_spmd", stages, microbatches, False)
     flags = _flags(recompute, stages)
     orders = []
@@ -116,10 +126,11 @@ def one_f_one_b_spmd(stages: int, microbatches: int, *,
     return _schedule("1f1b_spmd", stages, microbatches, 1, orders)
 
 
-def one_f_one_b(stages: int, microbatches: int, *, recompute: bool | Sequence[bool] = False
-                ) -> Schedule:
+def one_f_one_b(stages: int, microbatches: int, *, chunks: int = 1,
+                recompute: bool | Sequence[bool] = False) -> Schedule:
     """1F1B (PipeDream-flush, Megatron's default): GPipe's bubble (S-1)/(M+S-1) with at most
     S-s micro-batches in flight on stage s. Any M >= 1 runs (M < S is all warm-up)."""
+    _one_chunk("1f1b", chunks)
     _check("1f1b", stages, microbatches, False)
     flags = _flags(recompute, stages)
     return _schedule("1f1b", stages, microbatches, 1,
@@ -144,12 +155,13 @@ def _order_interleaved(stages: int, microbatches: int, chunks: int, s: int) -> O
     return order + bwd[total - warm:]
 
 
-def interleaved(stages: int, microbatches: int, v: int = 2, *,
+def interleaved(stages: int, microbatches: int, *, chunks: int = 2,
                 recompute: bool | Sequence[bool] = False) -> Schedule:
     """Megatron's interleaved 1F1B: device s holds v chunks, virtual stages s, s+S, ...,
     s+(v-1)S. Bubble (S-1)/(v*M+S-1); needs M a multiple of S, S >= 2 and v >= 2 (and each
     stage's layers divisible by v: `remat.parse_stage_layers(..., chunks=v)`); v times the
     transfers of 1F1B, and a wrap-around edge (device S-1 -> 0) between chunks."""
+    v = chunks
     if not isinstance(v, int) or v < 2:
         raise UserError(f"interleaved needs v >= 2 chunks per stage, got v={v!r}: use v >= 2 "
                         f"(v=1 is the 1f1b schedule)")
@@ -184,13 +196,19 @@ def _merak_hoisted(stages: int, microbatches: int, s: int) -> frozenset[int]:
     return frozenset(m for m in hoisted if m < microbatches)
 
 
-def merak(stages: int, microbatches: int) -> Schedule:
+def merak(stages: int, microbatches: int, *, chunks: int = 1, recompute: bool = True
+          ) -> Schedule:
     """Merak's shifted critical path (`full_critical_path_1f1b`) on 1F1B with full recompute:
     the last stage never recomputes (its B follows its F); the recomputation of each non-last
     stage's final micro-batches is hoisted (PF, then RrG) into the cool-down bubble before their
     gradient arrives; stage S-2 runs its third forward in its first backward slot, hoisting the
     recompute of its first two micro-batches, and stage S-3 hoists its first. Needs M >= S
-    (Merak's generator also asserts M >= 4; this one validates for every M >= S, S=2 included)."""
+    (Merak's generator also asserts M >= 4; this one validates for every M >= S, S=2 included).
+    Its recompute is its own placement: `recompute` must stay True."""
+    _one_chunk("merak", chunks)
+    if recompute is not True:
+        raise UserError(f"the merak schedule places its own recompute (the shifted critical "
+                        f"path), got recompute={recompute!r}: use 1f1b for other recompute")
     _check("merak", stages, microbatches, True)
     actions = []
     for s in range(stages):
@@ -202,11 +220,16 @@ def merak(stages: int, microbatches: int) -> Schedule:
     return _schedule("merak", stages, microbatches, 1, actions)
 
 
-def zb_h1(stages: int, microbatches: int) -> Schedule:
+def zb_h1(stages: int, microbatches: int, *, chunks: int = 1, recompute: bool = False
+          ) -> Schedule:
     """ZB-H1 (Qi et al., ICLR'24): 1F1B with each backward split into B (input gradient, on the
     critical path) and W (weight gradient, deferred). Stage s runs the W of micro-batch i after
     the B of micro-batch i + S-1-s, filling the cool-down bubble with W; memory as 1F1B. Bubble
-    (S-1)(F+B-2W) per stage against 1F1B's (S-1)(F+B), B the whole backward. Needs M >= S."""
+    (S-1)(F+B-2W) per stage against 1F1B's (S-1)(F+B), B the whole backward. Needs M >= S; no
+    recompute."""
+    _one_chunk("zb_h1", chunks)
+    if recompute:
+        raise UserError("the zb_h1 schedule does not recompute: use recompute=False")
     _check("zb_h1", stages, microbatches, True)
     actions = []
     for s in range(stages):
@@ -220,22 +243,3 @@ def zb_h1(stages: int, microbatches: int) -> Schedule:
         acts += [Action("W", m) for m in range(ws, microbatches)]
         actions.append(acts)
     return _schedule("zb_h1", stages, microbatches, 1, actions)
-
-
-SCHEDULES: dict[str, Callable[..., Schedule]] = {
-    "gpipe": gpipe,
-    "gpipe_spmd": gpipe_spmd,
-    "1f1b": one_f_one_b,
-    "1f1b_spmd": one_f_one_b_spmd,
-    "interleaved": interleaved,
-    "merak": merak,
-    "zb_h1": zb_h1,
-}
-
-
-def get(name: str) -> Callable[..., Schedule]:
-    """The builder of a schedule by name."""
-    if name not in SCHEDULES:
-        raise UserError(f"unknown pipeline schedule {name!r}: choose one of "
-                        f"{', '.join(SCHEDULES)}")
-    return SCHEDULES[name]

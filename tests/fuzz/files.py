@@ -20,7 +20,7 @@ PLAN = ("--model", "tiny", "--global-batch", "8", "--seq-len", "32")
 def base_clusters() -> dict[str, dict]:
     """A built-in two-level cluster, one of a device the project does not know (with its
     datasheet), and a CPU cluster without `device_spec`."""
-    from oases_jax.analysis.hardware import get_cluster
+    from oases_jax.hardware import get_cluster
 
     h100 = json.loads(json.dumps(get_cluster("h100-32").to_json()))
     custom = json.loads(json.dumps(get_cluster("cpu-8").to_json()))
@@ -32,14 +32,14 @@ def base_clusters() -> dict[str, dict]:
 
 def base_profiles() -> dict[str, dict]:
     """The repository's measured CPU profile, and a small one without memory fit or samples."""
-    full = json.loads((ROOT / "profiles" / "cpu-8.json").read_text())
+    full = json.loads((ROOT / "planner" / "profiles" / "cpu-8.json").read_text())
     small = {k: v for k, v in full.items() if k not in ("samples", "memory")}
     small["comm"] = full["comm"][:6]
     return {"measured": full, "small": small}
 
 
 def _cluster_case(path: str):
-    from oases_jax.analysis import hardware
+    from oases_jax import hardware
 
     def run():
         devices = dict(hardware.DEVICES)  # a file may register its device: forget it after

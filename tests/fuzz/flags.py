@@ -126,7 +126,7 @@ def flag_cases(tmp: pathlib.Path) -> list[Case]:
 
 def data_cases(tmp: pathlib.Path) -> list[Case]:
     """Paths given to `--data`, loaded as training loads them (corpus, then its batches)."""
-    from training.data import BatchSampler, load_corpus
+    from oases_jax.training.data import BatchSampler, load_corpus
 
     def load(spec: str):
         def run():

@@ -28,8 +28,8 @@ def base_plans() -> dict[str, dict]:
     """Four valid plans of `tiny` on 8 devices: the planner's own (fsdp on data=8) with a
     model_config, a hand-made oases/megatron mix on data=2,tensor=4, the planner's primepar
     plan, and an old-style plan without format, version or model_config."""
-    from models.presets import get_preset
-    from planner import get_cluster, make_plan
+    from oases_jax.models.presets import get_preset
+    from oases_jax.planner import get_cluster, make_plan
 
     cfg, cluster = get_preset("tiny"), get_cluster("cpu-8")
     fsdp, _ = make_plan(cfg, model="tiny", cluster=cluster, global_batch=8, seq_len=32)

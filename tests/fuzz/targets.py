@@ -28,13 +28,14 @@ def _stubs(module, *targets: str):
 
 def train(*args: str) -> None:
     module = _script("train")
-    with _stubs(module, "training.train"), argv("train.py", "--no-progress", *args):
+    with _stubs(module, "oases_jax.training.train"), argv("train.py", "--no-progress", *args):
         module.main()
 
 
 def inspect_hlo(*args: str) -> None:
     module = _script("inspect_hlo")
-    with _stubs(module, "tools.inspection.inspect_program", "tools.inspection.inspect_isolated"), \
+    with _stubs(module, "oases_jax.tools.inspection.inspect_program",
+                "oases_jax.tools.inspection.inspect_isolated"), \
             argv("inspect_hlo.py", *args):
         module.main()
 
@@ -42,20 +43,20 @@ def inspect_hlo(*args: str) -> None:
 def plan(*args: str, search: bool = True) -> None:
     """plan.py; with `search`, the search runs (it takes milliseconds on `tiny`)."""
     module = _script("plan")
-    targets = () if search else ("planner.make_plan",)
+    targets = () if search else ("oases_jax.planner.make_plan",)
     with _stubs(module, *targets), argv("plan.py", *args):
         module.main()
 
 
 def bench(*args: str) -> None:
     module = _script("bench")
-    with _stubs(module, "tools.bench.run_bench"), argv("bench.py", *args):
+    with _stubs(module, "oases_jax.tools.bench.run_bench"), argv("bench.py", *args):
         module.main()
 
 
 def calibrate(*args: str) -> None:
     module = _script("calibrate")
-    with _stubs(module, "planner.calibrate.calibrate"), argv("calibrate.py", *args):
+    with _stubs(module, "oases_jax.planner.calibrate.calibrate"), argv("calibrate.py", *args):
         module.main()
 
 

@@ -10,13 +10,13 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file
 
-import models.hf
-import models.hf_tensors
-from models import hf_config
-from models.hf import config_from_hf, config_to_hf, export_hf, load_hf
-from models.layers import rope_frequencies
-from models.sharding import abstract_model, param_shardings
+import oases_jax.models.hf
+import oases_jax.models.hf_tensors
 from oases_jax.errors import UserError
+from oases_jax.models import hf_config
+from oases_jax.models.hf import config_from_hf, config_to_hf, export_hf, load_hf
+from oases_jax.models.layers import rope_frequencies
+from oases_jax.models.sharding import abstract_model, param_shardings
 from oases_jax.rules import get_rules
 from tests.models.hf_reference import (
     GPT2,
@@ -137,7 +137,7 @@ def test_export_failure_leaves_nothing(tmp_path, monkeypatch):
         open(file, "wb").write(b"partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(models.hf, "save_file", fail)
+    monkeypatch.setattr(oases_jax.models.hf, "save_file", fail)
     with pytest.raises(OSError, match="disk full"):
         export_hf(model, tmp_path / "out")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
@@ -427,7 +427,7 @@ def test_headers_are_checked_before_any_weight_is_read(tmp_path, monkeypatch):
     def no_reading(self, name):
         raise AssertionError(f"read {name} before checking every header")
 
-    monkeypatch.setattr(models.hf_tensors.Checkpoint, "read_raw", no_reading)
+    monkeypatch.setattr(oases_jax.models.hf_tensors.Checkpoint, "read_raw", no_reading)
     with pytest.raises(UserError, match=r"down_proj\.weight' in .* is stored as I32"):
         load_hf(tmp_path, rules="dp", mesh=mesh_of("data=1"))
 

@@ -51,8 +51,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save
 
-from models.hf import load_hf
 from oases_jax.errors import UserError
+from oases_jax.models.hf import load_hf
 from oases_jax.rules import get_rules
 from tests.models.hf_reference import (
     GPT2,

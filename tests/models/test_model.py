@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import PRESETS, Transformer, cross_entropy, get_preset
-from models.presets import CPU_PRESETS
-from models.sharding import abstract_model
+from oases_jax.models import PRESETS, Transformer, cross_entropy, get_preset
+from oases_jax.models.presets import CPU_PRESETS
+from oases_jax.models.sharding import abstract_model
 
 FAMILIES = ("tiny", "tiny-llama")
 
@@ -161,7 +161,7 @@ def test_loss_gradient_matches_autodiff(dtype):
 def test_attention_matches_jax_reference(name):
     """The materialised-score attention (`attention=xla`, what CPUs and deviceless GPU targets
     run) equals JAX's own dot_product_attention, grouped KV heads included."""
-    from models.layers import _xla_attention
+    from oases_jax.models.layers import _xla_attention
 
     cfg = get_preset(name)
     h, g, k = cfg.n_heads, cfg.kv_heads, cfg.k_dim
@@ -172,8 +172,8 @@ def test_attention_matches_jax_reference(name):
 
 
 def test_attention_choice():
-    from models.layers import attention_impl
     from oases_jax.errors import UserError
+    from oases_jax.models.layers import attention_impl
 
     assert attention_impl(get_preset("tiny")) == "xla"  # auto, on CPU
     with pytest.raises(UserError, match="attention=cudnn needs a GPU backend"):
@@ -195,8 +195,8 @@ def test_loss_picks_the_target_by_gather_unless_the_vocabulary_is_split(rules, m
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 
-    from models import loss
     from oases_jax.mesh import make_mesh
+    from oases_jax.models import loss
     from oases_jax.rules import get_rules, use_rules
 
     m = make_mesh(mesh, jax.devices())

@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import get_preset
-from models.presets import PRESETS
-from models.sharding import abstract_model, init_sharded
-from models.transformer import Transformer, objective
-from oases_jax.analysis.moe_cost import choose_for_mesh
 from oases_jax.errors import UserError
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.mesh import make_mesh
+from oases_jax.models import get_preset
+from oases_jax.models.presets import PRESETS
+from oases_jax.models.sharding import abstract_model, init_sharded
+from oases_jax.models.transformer import Transformer, objective
 from oases_jax.moe import MoESetup
+from oases_jax.moe.cost import choose_for_mesh
 from oases_jax.rules import get_rules
 from oases_jax.stacks import Parallel, use_parallel
 from tests.scriptrun import run_script

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import get_preset
-from models.layers import Block, LayerNorm, RMSNorm, gelu, layer_norm, rms_norm, swiglu
+from oases_jax.models import get_preset
+from oases_jax.models.layers import Block, LayerNorm, RMSNorm, gelu, layer_norm, rms_norm, swiglu
 from oases_jax.projections import bias_add
 
 EPS = 1e-5
@@ -117,9 +117,9 @@ def test_weights_cast_once_give_the_same_step(preset, monkeypatch):
     """Casting the stacked weight matrices to bf16 once per step (`compute_weights`) computes
     what a cast at each use did: the same loss and the same float32 gradients (up to XLA's
     fusion choices, far inside bf16's precision), and float32 models are untouched."""
-    import models.transformer as transformer
-    from models.layers import compute_weights
-    from models.transformer import Transformer, objective
+    import oases_jax.models.transformer as transformer
+    from oases_jax.models.layers import compute_weights
+    from oases_jax.models.transformer import Transformer, objective
 
     cfg = get_preset(preset).replace(dtype="bfloat16", attention="xla")
     model = Transformer(cfg, rngs=nnx.Rngs(0))

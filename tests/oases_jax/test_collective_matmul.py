@@ -8,8 +8,6 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from oases_jax.analysis.program import analyze
-from oases_jax.analysis.targets import get_target, has_gpu_aot
 from oases_jax.collective_matmul import (
     all_gather_matmul,
     all_gather_matmul_reference,
@@ -17,6 +15,8 @@ from oases_jax.collective_matmul import (
     matmul_reduce_scatter_reference,
 )
 from oases_jax.mesh import make_mesh
+from oases_jax.targets import get_target, has_gpu_aot
+from oases_jax.tools.analysis.program import analyze
 
 MESHES = ["data=1,tensor=8", "data=2,tensor=4", "data=4,tensor=2"]
 B, L, D, F = 4, 32, 16, 24

@@ -9,13 +9,12 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from oases_jax.analysis import moe_cost as cost
-from oases_jax.analysis.hardware import DEVICES, LinkSpec
-from oases_jax.analysis.program import analyze
-from oases_jax.analysis.simulate import collective_time
+from oases_jax.hardware import DEVICES, LinkSpec, collective_time
 from oases_jax.mesh import make_mesh
 from oases_jax.moe import MoEArgs, MoESetup, moe_layer, use_moe
+from oases_jax.moe import cost as cost
 from oases_jax.rules import get_rules
+from oases_jax.tools.analysis.program import analyze
 
 NAMES = {"w_in": ("expert", "embed", "mlp"), "w_out": ("expert", "mlp", "embed")}
 

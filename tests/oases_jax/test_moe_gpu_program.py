@@ -8,14 +8,14 @@ import re
 
 import pytest
 
-from models import get_preset
-from oases_jax.analysis import moe_cost as cost
-from oases_jax.analysis import moe_program as mp
-from oases_jax.analysis.program import analyze
-from oases_jax.analysis.targets import has_gpu_aot
 from oases_jax.mesh import make_mesh
-from training.config import ParallelConfig
-from training.program import CompileSpec, lower
+from oases_jax.models import get_preset
+from oases_jax.moe import cost as cost
+from oases_jax.targets import has_gpu_aot
+from oases_jax.tools.analysis import moe_program as mp
+from oases_jax.tools.analysis.program import analyze
+from oases_jax.training.config import ParallelConfig
+from oases_jax.training.program import CompileSpec, lower
 
 pytestmark = [pytest.mark.gpu_aot, pytest.mark.slow,
               pytest.mark.skipif(not has_gpu_aot(), reason="needs the gpu-aot extra")]
@@ -31,7 +31,7 @@ COMBINE = {"xla_gpu_all_gather_combine_threshold_bytes": 1 << 30,
 @functools.cache
 def _compiled(target_name: str, schedule: str, chunks: int = 0, combine: bool = False):
     """(analysis, program, options) of the train step, compiled once per module."""
-    from oases_jax.analysis.targets import get_target
+    from oases_jax.targets import get_target
 
     mesh_text = TARGETS[target_name]
     mesh = make_mesh(mesh_text, get_target(target_name).devices)
@@ -157,7 +157,7 @@ def test_s2_needs_its_combiner_options_on_h100():
 
 def test_inspection_report_names_the_moe_collectives_and_the_chunk_overlap():
     """What inspect_hlo.py prints for S2 on h100:8: per-layer bytes and the chunk pairs."""
-    from tools.report import moe_lines
+    from oases_jax.tools.report import moe_lines
 
     _, program, _ = _compiled("h100:8", "parm_s2", 2)
     moe = mp.report(program, MODEL.n_moe_layers)

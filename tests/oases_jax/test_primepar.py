@@ -15,10 +15,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from oases_jax import primepar
-from oases_jax.analysis.program import analyze
-from oases_jax.analysis.targets import get_target, has_gpu_aot
 from oases_jax.errors import UserError
 from oases_jax.mesh import make_mesh
+from oases_jax.targets import get_target, has_gpu_aot
+from oases_jax.tools.analysis.program import analyze
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # 8 devices: the 2x2 square beside data=2, with the data axis outside, inside and between.

@@ -10,8 +10,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from models.sharding import param_shardings
 from oases_jax.mesh import make_mesh
+from oases_jax.models.sharding import param_shardings
 from oases_jax.rules import RULE_SETS, constrain, get_rules, use_rules
 
 D, F, B = 16, 64, 8

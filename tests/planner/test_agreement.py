@@ -4,13 +4,13 @@
 
 import pytest
 
-from models.presets import get_preset
-from oases_jax.analysis.hardware import get_cluster
-from oases_jax.analysis.targets import has_gpu_aot
+from oases_jax.hardware import get_cluster
 from oases_jax.layer_plan import LayerSpec
-from planner.layout import Layout
-from planner.prices import Hardware
-from planner.step_cost import step_cost
+from oases_jax.models.presets import get_preset
+from oases_jax.planner.layout import Layout
+from oases_jax.planner.prices import Hardware
+from oases_jax.planner.step_cost import step_cost
+from oases_jax.targets import has_gpu_aot
 
 pytestmark = [pytest.mark.slow, pytest.mark.gpu_aot,
               pytest.mark.skipif(not has_gpu_aot(), reason="needs the gpu-aot extra")]
@@ -35,10 +35,10 @@ PLANS = [
 
 
 def _simulated_step_s(strategies) -> float:
-    from oases_jax.analysis.targets import get_target
-    from tools.inspection import inspect_program
-    from training.config import ParallelConfig
-    from training.program import CompileSpec
+    from oases_jax.targets import get_target
+    from oases_jax.tools.inspection import inspect_program
+    from oases_jax.training.config import ParallelConfig
+    from oases_jax.training.program import CompileSpec
 
     layers = tuple(LayerSpec(schedule=s.schedule, sub_batches=s.sub_batches, remat=s.remat)
                    for s in strategies)
@@ -72,10 +72,10 @@ def test_fsdp_step_and_memory_match_the_compiled_program(mesh, layout):
     step within 15% of the simulator's, peak within 10% of the compiled program's (before:
     every gather fully exposed in fp32, the whole model's bf16 copy in memory: 1.9x the step
     and 1.5x the peak of the 32-layer program)."""
-    from oases_jax.analysis.targets import get_target
-    from tools.inspection import inspect_program
-    from training.config import ParallelConfig
-    from training.program import CompileSpec
+    from oases_jax.targets import get_target
+    from oases_jax.tools.inspection import inspect_program
+    from oases_jax.training.config import ParallelConfig
+    from oases_jax.training.program import CompileSpec
 
     model = step_cost(FSDP_CFG, layout, [MEGATRON] * FSDP_CFG.n_layers,
                       Hardware.of(get_cluster("h100-8")))
@@ -110,13 +110,13 @@ def test_fsdp_layer_iteration_matches_its_replay(preset, layout, mesh):
     `planner.fsdp_chain`): within 15% each way. The rule before (attention's gathers exposed
     forward, the MLP's backward, the rest hidden behind the loop's compute) priced GPT-2 1.5B's
     backward 0.592 ms against 0.714 replayed (-17%)."""
-    from oases_jax.analysis.simulate import Simulator
-    from oases_jax.analysis.targets import get_target
-    from planner.fsdp_chain import layer_exposed
-    from planner.layer_cost import LayerModel
-    from tools.inspection import inspect_program
-    from training.config import ParallelConfig
-    from training.program import CompileSpec
+    from oases_jax.planner.fsdp_chain import layer_exposed
+    from oases_jax.planner.layer_cost import LayerModel
+    from oases_jax.targets import get_target
+    from oases_jax.tools.analysis.simulate import Simulator
+    from oases_jax.tools.inspection import inspect_program
+    from oases_jax.training.config import ParallelConfig
+    from oases_jax.training.program import CompileSpec
 
     overrides = ["dtype=bfloat16", "n_layers=4"]
     if preset == "gpt2-1.5b":
@@ -145,11 +145,11 @@ def test_replica_reduction_sits_in_the_backward_loop_in_the_compute_dtype():
     the backward loop all-reduces each layer's weight-matrix gradients over `data`, in bf16,
     one collective a layer of e x the layer's matrices / tensor bytes (GPT-2 1.5B's shape,
     data=2,tensor=4, h100:8); the rest of the reduction sits outside the loops."""
-    from oases_jax.analysis.targets import get_target
-    from planner.layer_work import layer_matrices
-    from tools.inspection import inspect_program
-    from training.config import ParallelConfig
-    from training.program import CompileSpec
+    from oases_jax.planner.layer_work import layer_matrices
+    from oases_jax.targets import get_target
+    from oases_jax.tools.inspection import inspect_program
+    from oases_jax.training.config import ParallelConfig
+    from oases_jax.training.program import CompileSpec
 
     cfg = get_preset("gpt2-1.5b").with_overrides(
         ["dtype=bfloat16", "n_layers=4", "n_heads=20", "head_dim=80"])
@@ -172,11 +172,11 @@ def test_primepar_peak_counts_the_score_stacks_xla_relays_out():
     import math
     import re
 
-    from planner.layer_cost import LayerModel
-    from planner.plan import candidate_plan, from_json
-    from planner.search import Candidate
-    from planner.verify import target_for
-    from tools.inspection import inspect_program
+    from oases_jax.planner.layer_cost import LayerModel
+    from oases_jax.planner.plan import candidate_plan, from_json
+    from oases_jax.planner.search import Candidate
+    from oases_jax.planner.verify import target_for
+    from oases_jax.tools.inspection import inspect_program
 
     cfg = get_preset("oases-h2048-l24")
     layout = Layout(data=8, tensor=4, primepar=True, global_batch=32, seq_len=1024)

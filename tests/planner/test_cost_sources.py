@@ -7,25 +7,25 @@ import re
 
 import pytest
 
-from models.presets import get_preset
-from oases_jax.analysis.hardware import get_cluster
 from oases_jax.errors import UserError
+from oases_jax.hardware import get_cluster
 from oases_jax.layer_plan import LayerSpec
-from planner import default_xla_profile, load_profile
-from planner.layer_cost import LayerModel
-from planner.layout import Layout
-from planner.prices import Hardware
-from planner.profile import ROOT
+from oases_jax.models.presets import get_preset
+from oases_jax.planner import default_xla_profile, load_profile
+from oases_jax.planner.layer_cost import LayerModel
+from oases_jax.planner.layout import Layout
+from oases_jax.planner.prices import Hardware
+from oases_jax.planner.profile import ROOT
 from tests.scriptrun import run_script
 
-XLA_H100_8 = ROOT / "profiles" / "xla-h100-8.json"
+XLA_H100_8 = ROOT / "planner" / "profiles" / "xla-h100-8.json"
 MIB = 2**20
 ROW = re.compile(r"(?P<model>\S+) +(?P<source>\S+) +(?P<plan>\S.*?) +(?P<ms>[\d.]+) +"
                  r"(?P<exposed>[\d.]+) +(?P<mega>\S.*?) +(?P<mega_ms>[\d.]+) +(?P<speedup>[\d.]+)")
 
 
 def fit(kind: str, n: int) -> dict:
-    """The (kind, n) collective fit as written in profiles/xla-h100-8.json."""
+    """The (kind, n) collective fit as written in planner/profiles/xla-h100-8.json."""
     comm = json.loads(XLA_H100_8.read_text())["comm"]
     return next(c for c in comm if c["kind"] == kind and c["n"] == n)
 
@@ -74,8 +74,10 @@ def test_xla_source_prices_ring_schedules_dearer():
 
 
 @pytest.mark.parametrize("cluster,message", [
-    ("h100-32", "python scripts/xla_sweep.py --target h100:32 --out profiles/xla-h100-32.json"),
-    ("h200-8", "python scripts/xla_sweep.py --target h200:8 --out profiles/xla-h200-8.json"),
+    ("h100-32",
+     "python scripts/xla_sweep.py --target h100:32 --out planner/profiles/xla-h100-32.json"),
+    ("h200-8",
+     "python scripts/xla_sweep.py --target h200:8 --out planner/profiles/xla-h200-8.json"),
     ("cpu-8", "use --cost-source datasheet or profile"),
 ])
 def test_missing_xla_profile_names_the_sweep(cluster, message):
@@ -86,7 +88,8 @@ def test_missing_xla_profile_names_the_sweep(cluster, message):
 
 def test_profile_of_the_wrong_source_is_refused():
     with pytest.raises(UserError, match="holds 'profile' costs, not 'xla'"):
-        load_profile("xla", get_cluster("h100-8"), str(ROOT / "profiles" / "cpu-8.json"))
+        load_profile("xla", get_cluster("h100-8"),
+                     str(ROOT / "planner" / "profiles" / "cpu-8.json"))
 
 
 def test_compare_sources_prints_a_row_per_model_and_source():
@@ -108,7 +111,7 @@ def test_compare_sources_prints_a_row_per_model_and_source():
 @pytest.mark.parametrize("args,message", [
     (["--compare-sources", "datasheet,magic"], "unknown cost source 'magic' in --compare-sources"),
     (["--cluster", "h100-32", "--compare-sources", "datasheet,xla"],
-     "xla_sweep.py --target h100:32 --out profiles/xla-h100-32.json"),
+     "xla_sweep.py --target h100:32 --out planner/profiles/xla-h100-32.json"),
 ])
 def test_compare_sources_errors(args, message):
     r = run_script("plan.py", *args, timeout=120)

@@ -8,12 +8,10 @@ import re
 
 import pytest
 
-from oases_jax.analysis import moe_cost as cost
-from oases_jax.analysis.hardware import get_cluster
-from oases_jax.analysis.program import analyze_text
-from oases_jax.analysis.simulate import simulate
 from oases_jax.errors import UserError
-from planner.moe_compiled import (
+from oases_jax.hardware import get_cluster
+from oases_jax.moe import cost as cost
+from oases_jax.planner.moe_compiled import (
     Config,
     compile_layer,
     markdown,
@@ -22,6 +20,8 @@ from planner.moe_compiled import (
     summary,
     validate,
 )
+from oases_jax.tools.analysis.program import analyze_text
+from oases_jax.tools.analysis.simulate import simulate
 
 # 64 tokens per (data, expert) shard. First layer: T/mp = 16 gated per device, 3 slots per
 # expert (so S2 runs 2 chunks); second: 32 per device, 2 slots.

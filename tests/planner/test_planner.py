@@ -7,18 +7,17 @@ import json
 import numpy as np
 import pytest
 
-from models.presets import get_preset
-from oases_jax.analysis.hardware import get_cluster
-from oases_jax.analysis.simulate import collective_time
 from oases_jax.errors import UserError
+from oases_jax.hardware import collective_time, get_cluster
 from oases_jax.layer_plan import LayerSpec
-from planner import plan as plans
-from planner.layer_cost import LayerModel
-from planner.layout import Layout
-from planner.prices import Hardware
-from planner.replay import replay
-from planner.search import MEMORY_BUCKETS, chain_dp, layouts, search
-from planner.step_cost import step_cost
+from oases_jax.models.presets import get_preset
+from oases_jax.planner import plan as plans
+from oases_jax.planner.layer_cost import LayerModel
+from oases_jax.planner.layout import Layout
+from oases_jax.planner.prices import Hardware
+from oases_jax.planner.replay import replay
+from oases_jax.planner.search import MEMORY_BUCKETS, chain_dp, layouts, search
+from oases_jax.planner.step_cost import step_cost
 from tests.scriptrun import run_script
 
 
@@ -49,7 +48,7 @@ def test_fsdp_chain_by_hand():
     Without the gathers and scatters the same compute takes 27 s."""
     from types import SimpleNamespace
 
-    from planner.fsdp_chain import layer_exposed
+    from oases_jax.planner.fsdp_chain import layer_exposed
 
     hw = SimpleNamespace(
         gemm_s=lambda flops, nbytes, dtype, chunks=1: 3.0, mem_s=lambda nbytes: 0.0,
@@ -72,8 +71,8 @@ def test_replica_reduce_by_hand():
     loop counts a tied table twice (GPT-2's: one all-reduce per use), an untied one once."""
     from types import SimpleNamespace
 
-    from planner.layer_cost import LayerCost
-    from planner.step_cost import replica_reduce_s
+    from oases_jax.planner.layer_cost import LayerCost
+    from oases_jax.planner.step_cost import replica_reduce_s
 
     hw = SimpleNamespace(comm_s=lambda kind, nbytes, group: 1.0, async_collectives=True)
     cfg = get_preset("gpt2-1.5b").with_overrides(["n_layers=4"])
@@ -106,7 +105,7 @@ def test_fsdp_embedding_and_clip_by_hand():
     fsdp group, all waited for. The clip: one 4-byte all-reduce per array with a D axis."""
     from types import SimpleNamespace
 
-    from planner.step_cost import clip_norm_s, embedding_fsdp_s
+    from oases_jax.planner.step_cost import clip_norm_s, embedding_fsdp_s
 
     hw = SimpleNamespace(comm_s=lambda kind, nbytes, group: nbytes, async_collectives=True)
     layout = Layout(fsdp=4, tensor=2, global_batch=8, seq_len=1024)  # 2 rows a replica
@@ -223,7 +222,7 @@ def test_flash_attention_is_the_causal_kernel_by_hand():
 
 def test_cluster_json_round_trip_and_own_device(tmp_path):
     """A saved cluster loads back equal; a file may describe a device that is not built in."""
-    from oases_jax.analysis.hardware import DEVICES, ClusterSpec
+    from oases_jax.hardware import DEVICES, ClusterSpec
 
     c = get_cluster("3090-nvlink-32")
     assert ClusterSpec.from_json(json.loads(json.dumps(c.to_json()))) == c
@@ -251,7 +250,7 @@ def test_update_passes_by_hand():
     """The once-per-step passes (`update_s`): AdamW's 28 B per parameter; in bf16 the weight
     matrices add their cast (4 + 2 B), read their gradient in 2 B instead of 4 and the clip
     reads it once more (2 B): 28 P + 6 P_mat."""
-    from planner.step_cost import matrix_share, update_s
+    from oases_jax.planner.step_cost import matrix_share, update_s
 
     hw = Hardware.of(get_cluster("h100:1"))
     bw = hw.cluster.device_spec.hbm_bytes_per_s
@@ -346,7 +345,7 @@ def test_plan_script_errors(args, message):
 @pytest.mark.slow
 def test_mixed_plan_trains_like_megatron():
     """A plan with a different strategy on each layer gives the losses of plain megatron."""
-    from training import ParallelConfig, TrainConfig, train
+    from oases_jax.training import ParallelConfig, TrainConfig, train
 
     def losses(parallel):
         cfg = TrainConfig(model=get_preset("tiny"), parallel=parallel, steps=6, batch_size=8,
@@ -404,7 +403,7 @@ def test_fsdp_overlapped_layers_keep_their_gathered_weights():
     per_layer = 12 * 4096**2 * 4 / 4
     oases = LayerSpec(schedule="oases", sub_batches=2)
     none, proj = oases, LayerSpec(schedule="oases", sub_batches=2, remat="save_proj")
-    from planner.step_cost import gathered_layer_bytes
+    from oases_jax.planner.step_cost import gathered_layer_bytes
     assert gathered_layer_bytes(cfg, fsdp, none) == per_layer
     assert gathered_layer_bytes(cfg, fsdp, proj) == 0
     assert gathered_layer_bytes(cfg, fsdp, LayerSpec(schedule="megatron")) == 0

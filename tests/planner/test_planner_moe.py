@@ -6,17 +6,16 @@ import math
 
 import pytest
 
-from models.presets import get_preset
-from oases_jax.analysis import moe_cost as cost
-from oases_jax.analysis.hardware import get_cluster
-from oases_jax.analysis.simulate import collective_time
 from oases_jax.errors import UserError
+from oases_jax.hardware import collective_time, get_cluster
 from oases_jax.layer_plan import LayerSpec
-from planner import make_plan
-from planner import plan as plans
-from planner.layout import Layout, data_group, expert_group, replica_group
-from planner.moe_search import moe_layouts, search_moe
-from planner.moe_step import (
+from oases_jax.models.presets import get_preset
+from oases_jax.moe import cost as cost
+from oases_jax.planner import make_plan
+from oases_jax.planner import plan as plans
+from oases_jax.planner.layout import Layout, data_group, expert_group, replica_group
+from oases_jax.planner.moe_search import moe_layouts, search_moe
+from oases_jax.planner.moe_step import (
     MoEChoice,
     grad_reduce_s,
     moe_choices,
@@ -24,8 +23,8 @@ from planner.moe_step import (
     moe_shape,
     moe_static_memory,
 )
-from planner.prices import Hardware
-from planner.search import SCHEDULES, search
+from oases_jax.planner.prices import Hardware
+from oases_jax.planner.search import SCHEDULES, search
 from tests.scriptrun import run_script
 
 BF16 = {"dtype": "bfloat16"}
@@ -244,7 +243,7 @@ def test_moe_flag_errors_are_one_line():
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert "expert degree 3 must divide the model's 8 experts and the 8 devices" in lines[0]
-    from scripts import plan as script
+    from oases_jax.scripts import plan as script
 
     for argv, message in ((["--model", "small", "--expert-degrees", "2"],
                            "--expert-degrees needs an MoE model"),

@@ -3,18 +3,18 @@ counts of docs/parallelism.md for q = 4, and what the search and plans do with i
 
 import pytest
 
-from models.config import ModelConfig
-from oases_jax.analysis.hardware import ClusterSpec, LinkSpec
 from oases_jax.errors import UserError
+from oases_jax.hardware import ClusterSpec, LinkSpec
 from oases_jax.layer_plan import LayerSpec
-from planner import plan as plans
-from planner.layer_cost import LayerModel
-from planner.layout import Layout
-from planner.prices import Hardware
-from planner.primepar_cost import Square
-from planner.replay import replay
-from planner.search import layouts, search, strategies
-from planner.step_cost import head_cost, head_tensor_comm_s, step_cost
+from oases_jax.models.config import ModelConfig
+from oases_jax.planner import plan as plans
+from oases_jax.planner.layer_cost import LayerModel
+from oases_jax.planner.layout import Layout
+from oases_jax.planner.prices import Hardware
+from oases_jax.planner.primepar_cost import Square
+from oases_jax.planner.replay import replay
+from oases_jax.planner.search import layouts, search, strategies
+from oases_jax.planner.step_cost import head_cost, head_tensor_comm_s, step_cost
 
 # D 64, 4 heads of 16, MLP 256, V 128, fp32 (e = 4); 8 rows x 16 tokens: T = 128, q = 2.
 CFG = ModelConfig(family="gpt2", d_model=64, n_layers=2, n_heads=4, d_ff=256, vocab_size=128,
@@ -140,8 +140,8 @@ def test_primepar_only_on_its_layouts():
 
 
 def test_search_offers_primepar_layouts_and_plans_round_trip():
-    from models.presets import get_preset
-    from oases_jax.analysis.hardware import get_cluster
+    from oases_jax.hardware import get_cluster
+    from oases_jax.models.presets import get_preset
 
     cfg = get_preset("small")
     found = layouts(cfg, 8, 16, 128)

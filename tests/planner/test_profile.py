@@ -9,8 +9,13 @@ import pytest
 
 from oases_jax.errors import UserError
 from oases_jax.mesh import make_mesh
-from planner.calibrate import _collective_chain, _gemm_chain, byte_sizes, projection_shapes
-from planner.profile import (
+from oases_jax.planner.calibrate import (
+    _collective_chain,
+    _gemm_chain,
+    byte_sizes,
+    projection_shapes,
+)
+from oases_jax.planner.profile import (
     COMM_KINDS,
     ROOT,
     CommFit,
@@ -164,10 +169,10 @@ def test_load_errors_are_one_line_with_the_fix(tmp_path):
 
 
 def test_default_path_and_measurement_sizes():
-    assert default_profile_path("cpu", 8) == ROOT / "profiles" / "cpu-8.json"
+    assert default_profile_path("cpu", 8) == ROOT / "planner" / "profiles" / "cpu-8.json"
     assert byte_sizes(16384, 65536) == (16384, 32768, 65536)
     assert byte_sizes(1000, 3000) == (1000, 2000, 3000)
-    from models.presets import get_preset
+    from oases_jax.models.presets import get_preset
 
     # small: Q/K/V and output 256x256, MLP 256x1024 and 1024x256.
     assert projection_shapes(get_preset("small"), 512) == [
@@ -239,8 +244,8 @@ def test_committed_cpu_profile_covers_every_kind():
 def test_memory_chain_is_one_kernel_per_pass_on_gpu():
     """XLA's GPU fusion runs a chain of row-wise norms as one kernel that reads x once (a
     calibration measured 16 TB/s on an H100); the chain must keep one fusion per pass."""
-    from oases_jax.analysis.targets import get_target, has_gpu_aot
-    from planner.calibrate import _norm_chain
+    from oases_jax.planner.calibrate import _norm_chain
+    from oases_jax.targets import get_target, has_gpu_aot
 
     if not has_gpu_aot():
         pytest.skip("needs the gpu-aot extra")
@@ -254,13 +259,14 @@ def test_memory_chain_is_one_kernel_per_pass_on_gpu():
 
 
 def test_calibrate_writes_into_a_checkout_never_an_installed_package(tmp_path, monkeypatch):
-    import planner.profile as profile_module
+    import oases_jax.planner.profile as profile_module
 
     checkout = tmp_path / "checkout"
-    (checkout / "profiles").mkdir(parents=True)
+    (checkout / "planner" / "profiles").mkdir(parents=True)
     (checkout / "pyproject.toml").write_text("")
     monkeypatch.setattr(profile_module, "ROOT", checkout)
-    assert profile_module.default_profile_out("cpu", 8) == checkout / "profiles" / "cpu-8.json"
+    want = checkout / "planner" / "profiles" / "cpu-8.json"
+    assert profile_module.default_profile_out("cpu", 8) == want
     installed = tmp_path / "lib" / "python3.12" / "site-packages"
     installed.mkdir(parents=True)
     (installed / "pyproject.toml").write_text("")  # even with one lying about

@@ -6,19 +6,19 @@ import json
 
 import pytest
 
-from models.presets import get_preset
 from oases_jax import registry
-from oases_jax.analysis.hardware import get_cluster
 from oases_jax.errors import UserError
+from oases_jax.hardware import get_cluster
 from oases_jax.layer_plan import LayerSpec
+from oases_jax.models.presets import get_preset
+from oases_jax.planner import make_plan, primepar_cost
+from oases_jax.planner import plan as plans
+from oases_jax.planner.layer_cost import LayerModel, comm_pattern
+from oases_jax.planner.layer_work import SCHEDULE_PASSES
+from oases_jax.planner.layout import Layout
+from oases_jax.planner.prices import Hardware
+from oases_jax.planner.search import REMATS, SCHEDULES
 from oases_jax.remat import POLICIES
-from planner import make_plan, primepar_cost
-from planner import plan as plans
-from planner.layer_cost import LayerModel, comm_pattern
-from planner.layer_work import SCHEDULE_PASSES
-from planner.layout import Layout
-from planner.prices import Hardware
-from planner.search import REMATS, SCHEDULES
 
 PLANNED = registry.names(planned=True)
 

@@ -9,13 +9,13 @@ device: the passes outside the GEMMs")."""
 
 import pytest
 
-from models.presets import get_preset
-from oases_jax.analysis.hardware import get_cluster
-from oases_jax.analysis.targets import has_gpu_aot
+from oases_jax.hardware import get_cluster
 from oases_jax.layer_plan import LayerSpec
-from planner.layout import Layout
-from planner.prices import Hardware
-from planner.step_cost import step_cost
+from oases_jax.models.presets import get_preset
+from oases_jax.planner.layout import Layout
+from oases_jax.planner.prices import Hardware
+from oases_jax.planner.step_cost import step_cost
+from oases_jax.targets import has_gpu_aot
 
 pytestmark = [pytest.mark.slow, pytest.mark.gpu_aot,
               pytest.mark.skipif(not has_gpu_aot(), reason="needs the gpu-aot extra")]
@@ -31,10 +31,10 @@ def _config(name: str, remat: str):
 
 
 def _compiled(cfg):
-    from oases_jax.analysis.targets import get_target
-    from tools.inspection import inspect_program
-    from training.config import ParallelConfig
-    from training.program import CompileSpec
+    from oases_jax.targets import get_target
+    from oases_jax.tools.inspection import inspect_program
+    from oases_jax.training.config import ParallelConfig
+    from oases_jax.training.program import CompileSpec
 
     spec = CompileSpec(model=cfg, batch_size=LAYOUT.global_batch, seq_len=LAYOUT.seq_len,
                        parallel=ParallelConfig(mesh="data=1", rules="tp"))

@@ -7,15 +7,15 @@ import types
 
 import pytest
 
-from models.presets import get_preset
-from oases_jax.analysis.hardware import ClusterSpec, get_cluster
-from oases_jax.analysis.targets import get_target, has_gpu_aot
 from oases_jax.errors import UserError
-from planner import verify as ver
-from planner.prices import Hardware
-from planner.search import search
-from training.config import ParallelConfig
-from training.program import CompileSpec
+from oases_jax.hardware import ClusterSpec, get_cluster
+from oases_jax.models.presets import get_preset
+from oases_jax.planner import verify as ver
+from oases_jax.planner.prices import Hardware
+from oases_jax.planner.search import search
+from oases_jax.targets import get_target, has_gpu_aot
+from oases_jax.training.config import ParallelConfig
+from oases_jax.training.program import CompileSpec
 
 
 def _own_device(base: str, name: str, memory_bytes: float, n: int) -> ClusterSpec:
@@ -49,7 +49,7 @@ def test_cluster_without_compile_target_is_one_line_naming_the_fix(cluster, fix)
 def _reference(c, cfg, target):
     """The candidate compiled directly: its CompileSpec built from the layout and strategies,
     not through the plan JSON `planner.verify` goes through."""
-    from tools.inspection import inspect_program
+    from oases_jax.tools.inspection import inspect_program
 
     par = ParallelConfig(mesh=",".join(f"{k}={v}" for k, v in c.layout.mesh().items()),
                          rules=c.layout.rules(), layers=tuple(c.strategies))
@@ -167,12 +167,12 @@ def test_h100_fit_check_marks_the_plan_whose_compiled_peak_exceeds_memory():
 
 
 def test_a_compile_that_fails_is_recorded_and_never_fits(monkeypatch):
-    import tools.inspection
+    import oases_jax.tools.inspection
 
     def fail(spec, target):
         raise ValueError("Size of label 'd' does not match\nmore detail")
 
-    monkeypatch.setattr(tools.inspection, "inspect_program", fail)
+    monkeypatch.setattr(oases_jax.tools.inspection, "inspect_program", fail)
     cfg, cluster, result = _tiny_cpu8()
     v = ver.verify_one(result.ranked[0], 1, cfg, ver.target_for(cluster))
     assert v.error == "compile failed: ValueError: Size of label 'd' does not match"

@@ -9,10 +9,9 @@ import jax
 import numpy as np
 import pytest
 
-from models import get_preset
 from oases_jax.errors import UserError
-from tests.scriptrun import run_script
-from tools.bench import (
+from oases_jax.models import get_preset
+from oases_jax.tools.bench import (
     BenchConfig,
     VariantSpec,
     format_table,
@@ -23,6 +22,7 @@ from tools.bench import (
     time_rounds,
     warm_up,
 )
+from tests.scriptrun import run_script
 
 WARMUP, ROUNDS, PER_ROUND = 1, 2, 2
 DATA = str(pathlib.Path(__file__))  # a small text corpus: loads in no time, unlike stdlib

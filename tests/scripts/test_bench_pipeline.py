@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from models import get_preset
 from oases_jax.errors import UserError
+from oases_jax.models import get_preset
+from oases_jax.tools.bench import BenchConfig, VariantSpec, format_table, resolve_variants
 from tests.scripts.test_bench import DATA, run_bench_cli
-from tools.bench import BenchConfig, VariantSpec, format_table, resolve_variants
 
 
 def piped(*schedules: str, mesh: str = "data=4,stage=2", **kw) -> BenchConfig:
@@ -45,7 +45,7 @@ def test_bad_pipeline_is_one_line_before_compiling(overrides, needles):
 def test_every_pipeline_with_every_schedule_named():
     """`--pipeline A,B --schedules X,Y`: one variant per pair (the rings run under
     gpipe_spmd); a pair the pipeline cannot run exits 2 naming it, before any compile."""
-    from scripts.bench import build_config, parse_args
+    from oases_jax.scripts.bench import build_config, parse_args
 
     args = ["--model", "tiny", "--mesh", "stage=2,tensor=4", "--microbatches", "4",
             "--batch-size", "16", "--seq-len", "32", "--data", str(DATA)]
@@ -95,10 +95,10 @@ def test_cli_times_pipeline_schedules_side_by_side(tmp_path):
 
 def _plan_files(tmp_path, n=2):
     """The 3D search's best `n` plans of `tiny` for cpu-8 (batch 16 x 32), as plan files."""
-    from oases_jax.analysis.hardware import get_cluster
-    from planner import plan as plans
-    from planner.pipeline_search import search_3d
-    from planner.prices import Hardware
+    from oases_jax.hardware import get_cluster
+    from oases_jax.planner import plan as plans
+    from oases_jax.planner.pipeline_search import search_3d
+    from oases_jax.planner.prices import Hardware
 
     cfg = get_preset("tiny")
     cands = search_3d(cfg, Hardware.of(get_cluster("cpu-8")), global_batch=16, seq_len=32)
@@ -113,7 +113,7 @@ def _plan_files(tmp_path, n=2):
 def test_plan_variants_carry_their_own_pipeline_and_microbatches(tmp_path):
     """A plan's variant runs the plan's parallel config and micro-batch count, whatever the
     bench-wide --microbatches, and the pipeline checks use them before anything compiles."""
-    from planner import plan as plans
+    from oases_jax.planner import plan as plans
 
     cands, paths = _plan_files(tmp_path)
     specs = []
@@ -159,7 +159,7 @@ def test_cli_measures_plans_beside_their_predictions(tmp_path):
 def test_fused_ticks_variants_side_by_side():
     """`--fused-ticks on,off`: every pipeline variant once per tick table, labelled by it; an
     unknown value exits 2 naming it."""
-    from scripts.bench import build_config, parse_args
+    from oases_jax.scripts.bench import build_config, parse_args
 
     args = ["--model", "tiny", "--mesh", "data=4,stage=2", "--microbatches", "4",
             "--batch-size", "16", "--seq-len", "32", "--data", str(DATA),

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from oases_jax.analysis.targets import has_gpu_aot
+from oases_jax.targets import has_gpu_aot
 from tests.scriptrun import run_script
 
 KEYS = {"target", "collectives", "overlap_share", "peak_memory_bytes", "flops",
@@ -31,7 +31,7 @@ def test_local_train_step_report(tmp_path):
     assert r["overlap_share"] == 0.0
     assert r["xla_estimate"] is None  # XLA's estimate comes from its GPU scheduler only
     # Hand count: 6 N per token (forward + backward matmuls) plus attention, per device.
-    from models import get_preset
+    from oases_jax.models import get_preset
 
     cfg = get_preset("tiny")
     expected = cfg.flops_per_token(32) * 8 * 32 / 8
@@ -141,7 +141,7 @@ def test_plan_without_model_flag_takes_the_plans_model(tmp_path):
     out = tmp_path / "r.json"
     proc = run("--plan", _write_plan(tmp_path / "plan.json", layers), "--json", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    from models import get_preset
+    from oases_jax.models import get_preset
 
     assert json.loads(out.read_text())["model"] == dataclasses.asdict(get_preset("tiny"))
     path = tmp_path / "anon.json"

@@ -47,7 +47,7 @@ def test_shares_of_the_step_by_hand():
     switch time 8, stage 0 busy 5 and stage 1 busy 3, so the stages wait 3 and 5 (mean 4) of a
     step of 8 + 2 outside = 10. Stage 0's backward recomputes 6 of its 30 FLOPs, so its
     recompute is R's 1 + 3 x 0.2 = 1.6, stage 1's 0: mean 0.8 of 10."""
-    from tools.pipeline_report import schedules_table, shares
+    from oases_jax.tools.pipeline_report import schedules_table, shares
 
     def branch(kind, j, cost):
         return {"kind": kind, "virtual_stage": j, "step_s": cost}

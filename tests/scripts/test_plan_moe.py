@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from oases_jax.analysis.targets import has_gpu_aot
+from oases_jax.targets import has_gpu_aot
 from tests.scriptrun import run_script
 
 

@@ -8,18 +8,18 @@ import jax
 import numpy as np
 import pytest
 
-from models.config import ModelConfig
-from models.layers import attention_impl
-from models.presets import get_preset
-from oases_jax.analysis.attention import fused_attention_flops, is_backward
-from oases_jax.analysis.simulate import roofline_time
-from oases_jax.analysis.targets import cudnn_missing, get_target, has_gpu_aot
 from oases_jax.errors import UserError
+from oases_jax.models.config import ModelConfig
+from oases_jax.models.layers import attention_impl
+from oases_jax.models.presets import get_preset
 from oases_jax.rules import get_rules, use_rules
-from tools.inspection import inspect_program
-from tools.report import summary
-from training.config import ParallelConfig
-from training.program import CompileSpec
+from oases_jax.targets import cudnn_missing, get_target, has_gpu_aot
+from oases_jax.tools.analysis.attention import fused_attention_flops, is_backward
+from oases_jax.tools.analysis.simulate import roofline_time
+from oases_jax.tools.inspection import inspect_program
+from oases_jax.tools.report import summary
+from oases_jax.training.config import ParallelConfig
+from oases_jax.training.program import CompileSpec
 
 
 def gpu_aot(test):
@@ -62,7 +62,7 @@ def test_auto_on_a_deviceless_gpu_mesh_is_cudnn(monkeypatch):
         assert attention_impl(cfg.replace(dtype="float32")) == "xla"  # cuDNN's kernel is bf16
         assert attention_impl(cfg.replace(attention="xla")) == "xla"
     # Outside the rules (a shard_map region suspends them) jax's abstract mesh tells the same.
-    monkeypatch.setattr("models.layers.cudnn_missing", lambda: None)
+    monkeypatch.setattr("oases_jax.models.layers.cudnn_missing", lambda: None)
     seen = []
     with jax.set_mesh(mesh):
         jax.jit(lambda: seen.append(attention_impl(cfg))).trace()
@@ -71,7 +71,7 @@ def test_auto_on_a_deviceless_gpu_mesh_is_cudnn(monkeypatch):
 
 @gpu_aot
 def test_without_the_cudnn_wheel_auto_falls_back_with_a_warning(monkeypatch):
-    monkeypatch.setattr("models.layers.cudnn_missing", lambda: "cuDNN not found.")
+    monkeypatch.setattr("oases_jax.models.layers.cudnn_missing", lambda: "cuDNN not found.")
     cfg = _bf16("tiny-llama")
     with use_rules(get_rules("tp"), _mesh(get_target("h100:8").devices)):
         with pytest.warns(UserWarning, match="uses xla.*cuDNN not found"):

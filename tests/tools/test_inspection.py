@@ -1,9 +1,9 @@
 """Inspection without compiling: compile specs through JSON, the per-kind report line."""
 
-from models.presets import get_preset
 from oases_jax.layer_plan import LayerSpec
-from training.config import ParallelConfig
-from training.program import CompileSpec
+from oases_jax.models.presets import get_preset
+from oases_jax.training.config import ParallelConfig
+from oases_jax.training.program import CompileSpec
 
 
 def test_a_plan_spec_survives_json():
@@ -19,8 +19,8 @@ def test_a_plan_spec_survives_json():
 def test_report_gives_each_kinds_gemm_share():
     """Each kind's bytes-weighted GEMM-in-window share, by hand: of 5 MiB of permutes (1 MiB
     twice and 2 MiB once with a GEMM, 1 MiB once without) 4 are hidden; no all-reduce is."""
-    from oases_jax.analysis.program import Analysis, Collective
-    from tools.report import by_kind_line
+    from oases_jax.tools.analysis.program import Analysis, Collective
+    from oases_jax.tools.report import by_kind_line
 
     mib = 2**20
     rows = [("collective-permute", mib, 2, 1), ("collective-permute", 2 * mib, 1, 1),

@@ -7,11 +7,11 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from oases_jax.analysis import fusions
-from oases_jax.analysis.hardware import get_cluster
-from oases_jax.analysis.program import Program
+from oases_jax.hardware import get_cluster
+from oases_jax.tools.analysis import fusions
+from oases_jax.tools.analysis.program import Program
+from oases_jax.tools.op_times import compare, kernel_category, op_seconds
 from tests.scriptrun import run_script
-from tools.op_times import compare, kernel_category, op_seconds
 
 DEVICE = get_cluster("h100:1").device_spec
 

@@ -25,9 +25,9 @@ def jax_cache(tmp_path_factory):
 def model():
     """The pipeline tests' model (test_pipeline.py, test_pipeline_spmd.py): `tiny` with
     PIPELINE_LAYERS layers, initialised on one device: (config, graphdef, parameters)."""
-    from models import get_preset
-    from models.sharding import init_sharded
     from oases_jax.mesh import make_mesh
+    from oases_jax.models import get_preset
+    from oases_jax.models.sharding import init_sharded
     from oases_jax.rules import get_rules
 
     cfg = get_preset("tiny").replace(n_layers=PIPELINE_LAYERS)

@@ -7,11 +7,11 @@ import jax
 import numpy as np
 import pytest
 
-from models import get_preset
-from oases_jax.analysis import hlo
 from oases_jax.mesh import make_mesh
-from training import ParallelConfig, TrainConfig, train
-from training.program import CompileSpec, lower
+from oases_jax.models import get_preset
+from oases_jax.tools.analysis import hlo
+from oases_jax.training import ParallelConfig, TrainConfig, train
+from oases_jax.training.program import CompileSpec, lower
 
 STEPS = 8
 CASES = {  # name: (mesh, rules, schedule, micro-batches, data groups reduced once)
@@ -94,7 +94,7 @@ def test_data_reduction_once_per_step(case):
 
 def test_groups_follow_the_rules():
     from oases_jax.rules import get_rules
-    from training.state import accumulation_groups
+    from oases_jax.training.state import accumulation_groups
 
     mesh = make_mesh("data=2,tensor=4", jax.devices())
     assert accumulation_groups(get_rules("tp"), mesh) == 2
@@ -109,7 +109,7 @@ def bf16_model():
     import jax.numpy as jnp  # noqa: F401
     from flax import nnx
 
-    from models.sharding import init_sharded
+    from oases_jax.models.sharding import init_sharded
     from oases_jax.rules import get_rules
 
     cfg = get_preset("tiny").replace(dtype="bfloat16", n_layers=3)
@@ -125,7 +125,7 @@ def test_weights_cast_once_give_the_per_micro_batch_gradients(bf16_model):
     (the model casting at each use, as before), float32 gradients included."""
     import jax.numpy as jnp
 
-    from training.state import accumulate, loss_fn
+    from oases_jax.training.state import accumulate, loss_fn
 
     cfg, graphdef, params, tokens = bf16_model
 
@@ -160,7 +160,7 @@ def test_no_weight_cast_inside_the_micro_batch_loop(target):
     cast out of the loop itself; for a GPU it did not (4 casts a step on h100:1 before)."""
     import re
 
-    from oases_jax.analysis.targets import get_target, has_gpu_aot
+    from oases_jax.targets import get_target, has_gpu_aot
 
     if target != "cpu" and not has_gpu_aot():
         pytest.skip("needs the gpu-aot extra")
@@ -202,7 +202,7 @@ def test_fused_attention_inside_data_groups_runs_in_its_own_shard_map(one_batch,
     over the remaining axes (`models.layers._cudnn_attention`). cuDNN needs a GPU, so here the
     kernel's place is taken by jax's XLA implementation of the same call, through the same
     shard_map: the losses equal one batch on one device."""
-    import models.layers as layers
+    import oases_jax.models.layers as layers
 
     real = jax.nn.dot_product_attention
     calls = []

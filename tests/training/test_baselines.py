@@ -2,11 +2,11 @@
 
 import pytest
 
-from models import get_preset
-from oases_jax.analysis.program import analyze
 from oases_jax.mesh import make_mesh
-from training.config import ParallelConfig
-from training.program import CompileSpec, lower
+from oases_jax.models import get_preset
+from oases_jax.tools.analysis.program import analyze
+from oases_jax.training.config import ParallelConfig
+from oases_jax.training.program import CompileSpec, lower
 
 B, L, T = 8, 1024, 8  # batch, sequence, tensor-parallel size
 CFG = get_preset("gpt2-1.5b").replace(n_heads=32, head_dim=50)  # d_model 1600, fp32
@@ -14,7 +14,7 @@ CFG = get_preset("gpt2-1.5b").replace(n_heads=32, head_dim=50)  # d_model 1600, 
 
 @pytest.fixture(scope="module")
 def h100():
-    from oases_jax.analysis.targets import get_target, has_gpu_aot
+    from oases_jax.targets import get_target, has_gpu_aot
 
     if not has_gpu_aot():
         pytest.skip("needs the gpu-aot extra")
@@ -58,7 +58,7 @@ def test_xla_auto_compiles_xlas_windowed_einsum_on_gpt2_layer(h100):
     """XLA's own collective matmul on the GPT-2 1.5B layer: the compile (in a child process,
     where an XLA abort becomes an error) succeeds, and the tensor-parallel traffic is permutes
     of XLA's windowed loops: no all-gather, reduce-scatter or all-to-all of the residual."""
-    from tools.inspection import inspect_isolated
+    from oases_jax.tools.inspection import inspect_isolated
 
     spec = CompileSpec(model=CFG, batch_size=B, seq_len=L, layer=True,
                        parallel=ParallelConfig(mesh=f"tensor={T}", schedule="xla_auto"))

@@ -7,7 +7,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from oases_jax.errors import UserError
 from oases_jax.mesh import make_mesh
-from training.data import BatchSampler, load_corpus, stdlib_files
+from oases_jax.training.data import BatchSampler, load_corpus, stdlib_files
 
 
 def test_stdlib_corpus_is_real_python_and_split_by_file():

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from models import get_preset
-from training import CheckpointConfig, ParallelConfig, TrainConfig, train
+from oases_jax.models import get_preset
+from oases_jax.training import CheckpointConfig, ParallelConfig, TrainConfig, train
 
 pytestmark = pytest.mark.slow  # CI runs it (`make test MARK=...`)
 

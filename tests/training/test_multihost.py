@@ -13,9 +13,9 @@ import time
 import numpy as np
 import pytest
 
-from models import get_preset
-from training import TrainConfig, train
-from training.checkpoint import Checkpointer
+from oases_jax.models import get_preset
+from oases_jax.training import TrainConfig, train
+from oases_jax.training.checkpoint import Checkpointer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # Set by the test process or a cluster; a training subprocess must not inherit them.

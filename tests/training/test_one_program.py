@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from models import get_preset
-from oases_jax.analysis.program import analyze
 from oases_jax.mesh import make_mesh
+from oases_jax.models import get_preset
+from oases_jax.tools.analysis.program import analyze
+from oases_jax.training import ParallelConfig, TrainConfig
+from oases_jax.training.loop import step_program
 from tests.scriptrun import run_script
-from training import ParallelConfig, TrainConfig
-from training.loop import step_program
 
 # GPT-2 1.5B's layer shape (32 heads of 50), 4 layers, batch 8 x 1024 on tensor=8.
 SHAPE = {"n_heads": 32, "head_dim": 50, "n_layers": 4}
@@ -38,7 +38,7 @@ def _inspect_hlo(schedule: str, tmp_path) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["oases", "collective_matmul"])
 def test_trained_step_is_the_inspected_step_on_h100(schedule, tmp_path):
-    from oases_jax.analysis.targets import get_target, has_gpu_aot
+    from oases_jax.targets import get_target, has_gpu_aot
 
     if not has_gpu_aot():
         pytest.skip("needs the gpu-aot extra")

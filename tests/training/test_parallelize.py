@@ -21,7 +21,7 @@ from flax import nnx
 
 from oases_jax.errors import UserError
 from oases_jax.mesh import make_mesh
-from training.parallelize import Plan, parallelize
+from oases_jax.training.parallelize import Plan, parallelize
 
 V, D, HEADS, F = 32, 16, 4, 48
 

@@ -15,8 +15,8 @@ from oases_jax.layer_plan import LayerSpec
 from oases_jax.mesh import make_mesh
 from oases_jax.rules import get_rules
 from oases_jax.stacks import Parallel, use_parallel
-from training import pipeline_step as ps
-from training.state import accumulation_groups, loss_fn
+from oases_jax.training import pipeline_step as ps
+from oases_jax.training.state import accumulation_groups, loss_fn
 
 ROWS, SEQ = 4, 16  # rows per micro-batch, sequence length
 

@@ -10,16 +10,16 @@ import jax
 import numpy as np
 import pytest
 
-from models import get_preset
-from oases_jax.analysis import pipeline_plot, pipeline_stages
-from oases_jax.analysis.hardware import get_cluster
-from oases_jax.analysis.pipeline_time import pipeline_time
-from oases_jax.analysis.program import analyze
+from oases_jax.hardware import get_cluster
 from oases_jax.mesh import make_mesh
+from oases_jax.models import get_preset
 from oases_jax.pipeline.remat import parse_ratios
-from tools.pipeline_report import stage_account, stage_layouts, step_plan
-from training import ParallelConfig
-from training.program import CompileSpec, lower
+from oases_jax.tools.analysis import pipeline_plot, pipeline_stages
+from oases_jax.tools.analysis.pipeline_time import pipeline_time
+from oases_jax.tools.analysis.program import analyze
+from oases_jax.tools.pipeline_report import stage_account, stage_layouts, step_plan
+from oases_jax.training import ParallelConfig
+from oases_jax.training.program import CompileSpec, lower
 
 MESH, LAYERS, SEQ = "data=2,stage=4", "5,10,5,1", 16
 # n_i x r_i is a whole number of layers on every stage: Merak's rule from r0 = 0.8 gives

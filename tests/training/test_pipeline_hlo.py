@@ -8,11 +8,11 @@ from __future__ import annotations
 import jax
 import pytest
 
-from models import get_preset
-from oases_jax.analysis import hlo
 from oases_jax.mesh import make_mesh
-from training import ParallelConfig
-from training.program import CompileSpec, lower
+from oases_jax.models import get_preset
+from oases_jax.tools.analysis import hlo
+from oases_jax.training import ParallelConfig
+from oases_jax.training.program import CompileSpec, lower
 
 MESH = "data=2,stage=4"  # device d: data d // 4, stage d % 4
 CFG = get_preset("tiny").replace(n_layers=4, d_model=128, d_ff=512)
@@ -178,7 +178,7 @@ def test_weights_cast_before_the_tick_loop(target):
     every tick (before the head table moved out: two converts of f32[V, D] in the branches)."""
     import re
 
-    from oases_jax.analysis.targets import get_target, has_gpu_aot
+    from oases_jax.targets import get_target, has_gpu_aot
 
     if target != "cpu" and not has_gpu_aot():
         pytest.skip("needs the gpu-aot extra")
@@ -222,7 +222,7 @@ def test_primepar_square_inside_stages_compiles_for_gpus(pipeline):
     refused only on CPU devices, whose collectives deadlock on it): no tick switch, the
     square's rotations asynchronous, each stage transfer one stage in one direction, and the
     CPU refusal does not fire."""
-    from oases_jax.analysis.targets import get_target, has_gpu_aot
+    from oases_jax.targets import get_target, has_gpu_aot
 
     if not has_gpu_aot():
         pytest.skip("needs the gpu-aot extra")
@@ -294,7 +294,7 @@ def test_gpu_tick_body_transposes_and_copies_no_pool(pipeline):
     so neither the body nor an idle branch writes a large buffer. Its three lanes' idle
     branches still copy the one-row attention-mask pool (10 MiB) and the two sends (3 MiB
     each): 6.9% of the carry, held under 10%."""
-    from oases_jax.analysis.targets import get_target, has_gpu_aot
+    from oases_jax.targets import get_target, has_gpu_aot
 
     if not has_gpu_aot():
         pytest.skip("needs the gpu-aot extra")

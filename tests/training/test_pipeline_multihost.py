@@ -9,9 +9,9 @@ import sys
 import numpy as np
 import pytest
 
-from models import get_preset
+from oases_jax.models import get_preset
+from oases_jax.training import ParallelConfig, TrainConfig, train
 from tests.training.test_multihost import ROOT, cli_env, free_port, run_processes
-from training import ParallelConfig, TrainConfig, train
 
 MESH, STEPS = "stage=2,data=2,tensor=2", 3
 # Each child joins the cluster, checks that the stage axis crosses the processes, trains, and
@@ -24,7 +24,7 @@ jax.config.update("jax_num_cpu_devices", 4)
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
 from tests.training.test_pipeline_multihost import config
 from oases_jax.mesh import make_mesh
-from training import train
+from oases_jax.training import train
 cfg = config()
 mesh = make_mesh(cfg.parallel.mesh)
 owners = [sorted({d.process_index for d in mesh.devices[s].flat}) for s in range(2)]

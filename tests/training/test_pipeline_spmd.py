@@ -10,16 +10,16 @@ from __future__ import annotations
 import jax
 import pytest
 
-from models.layout import layout_fns
-from models.sharding import param_shardings
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.mesh import make_mesh
+from oases_jax.models.layout import layout_fns
+from oases_jax.models.sharding import param_shardings
 from oases_jax.rules import get_rules
 from oases_jax.stacks import Parallel, use_parallel
+from oases_jax.training import pipeline_spmd
+from oases_jax.training import pipeline_step as ps
+from oases_jax.training.state import accumulation_groups
 from tests.training.test_pipeline import _assert_equal, _reference, _tokens
-from training import pipeline_spmd
-from training import pipeline_step as ps
-from training.state import accumulation_groups
 
 
 def _spmd(cfg, params, tokens, mesh_text, *, tp="megatron", rules="tp", poison=False,
@@ -108,7 +108,7 @@ def _variant(cfg, **changes):
     """`cfg` changed, initialised on one device: (config, graphdef, parameters)."""
     from flax import nnx
 
-    from models.sharding import init_sharded
+    from oases_jax.models.sharding import init_sharded
 
     cfg = cfg.replace(**changes)
     one = make_mesh("data=1", jax.devices()[:1])
@@ -125,7 +125,7 @@ def _variant(cfg, **changes):
 def test_head_vocabulary_over_stages(model, changes, mesh, split):
     """The head and loss split over `stage` by vocabulary (or, where the padded vocabulary does
     not divide, run whole on every stage) equal one device, tied and untied."""
-    from training.pipeline_spmd import vocab_shards
+    from oases_jax.training.pipeline_spmd import vocab_shards
 
     cfg, graphdef, params = _variant(model[0], **changes)
     m = make_mesh(mesh, jax.devices())
@@ -143,8 +143,8 @@ def test_vocab_part_and_split_loss_by_hand():
     import jax.numpy as jnp
     import numpy as np
 
-    from models.loss import cross_entropy, split_cross_entropy
-    from training.pipeline_spmd import vocab_part
+    from oases_jax.models.loss import cross_entropy, split_cross_entropy
+    from oases_jax.training.pipeline_spmd import vocab_part
 
     V, D, S, shards = 16, 3, 2, 2  # blocks of 8 rows, pieces of 4
     table = jnp.arange(V * D, dtype=jnp.float32).reshape(V, D)
@@ -181,11 +181,11 @@ def test_compiled_ring_permutes_and_no_switch():
     collective-permutes over `tensor` inside the stages, and stage-to-stage transfers between
     neighbours only: forward s -> s+1, their autodiff transposes s+1 -> s, never the
     wrap-around edge between the first and the last stage."""
-    from models import get_preset
-    from oases_jax.analysis import hlo
+    from oases_jax.models import get_preset
+    from oases_jax.tools.analysis import hlo
+    from oases_jax.training import ParallelConfig
+    from oases_jax.training.program import CompileSpec, lower
     from tests.training.test_pipeline_hlo import _walk
-    from training import ParallelConfig
-    from training.program import CompileSpec, lower
 
     cfg = get_preset("tiny").replace(n_layers=4, d_model=128, d_ff=512)
     mesh_text = "stage=4,tensor=2"  # device d: stage d // 2, tensor d % 2

@@ -8,10 +8,10 @@ import jax
 import numpy as np
 import pytest
 
-from models import get_preset
 from oases_jax.errors import UserError
 from oases_jax.layer_plan import LayerSpec
-from training import CheckpointConfig, ParallelConfig, TrainConfig, train
+from oases_jax.models import get_preset
+from oases_jax.training import CheckpointConfig, ParallelConfig, TrainConfig, train
 
 STEPS = 20
 
@@ -113,7 +113,8 @@ def test_spmd_checkpoint_resumes_under_the_tick_executor(reference, tmp_path):
     (dict(mesh="data=2,stage=4", pipeline="1f1b", stage_layers="1,1,1,2"), "sum to 5"),
     (dict(mesh="data=2,stage=4"), "no --pipeline"),
     (dict(mesh="data=2,tensor=4", pipeline="1f1b"), "needs a stage axis"),
-    (dict(mesh="data=2,stage=4", pipeline="zb_h1"), "unknown --pipeline"),
+    (dict(mesh="data=2,stage=4", pipeline="zb_h1"), "zb_h1 splits each backward.*no executor"),
+    (dict(mesh="data=2,stage=4", pipeline="zb_h2"), "unknown --pipeline"),
     (dict(mesh="stage=2,tp_row=2,tp_col=2", pipeline="1f1b", schedule="primepar",
           rules="primepar"),
      "1f1b cannot run --schedule primepar inside its stages.*gpipe_spmd or 1f1b_spmd"),
@@ -169,6 +170,6 @@ def test_bad_input_is_one_line(overrides, words):
                           parallel=ParallelConfig(schedule=schedule, **par), steps=2,
                           batch_size=16, seq_len=seq_len, microbatches=m, progress=False)
         from oases_jax.mesh import make_mesh
-        from training.loop import step_program
+        from oases_jax.training.loop import step_program
         step_program(cfg, make_mesh(cfg.parallel.mesh, jax.devices()))
     assert "\n" not in str(err.value)

@@ -10,19 +10,19 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import get_preset
-from models.hf import export_hf, load_hf
-from models.layers import Block, block_fns
-from models.layout import layout_fns, standard_model
-from models.sharding import init_sharded, param_shardings
-from models.transformer import FAMILY_NORM
 from oases_jax.errors import UserError
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.mesh import make_mesh
+from oases_jax.models import get_preset
+from oases_jax.models.hf import export_hf, load_hf
+from oases_jax.models.layers import Block, block_fns
+from oases_jax.models.layout import layout_fns, standard_model
+from oases_jax.models.sharding import init_sharded, param_shardings
+from oases_jax.models.transformer import FAMILY_NORM
 from oases_jax.rules import constrain, get_rules
 from oases_jax.stacks import Parallel, run_layer, use_parallel
+from oases_jax.training import CheckpointConfig, ParallelConfig, TrainConfig, train
 from tests.scriptrun import run_script
-from training import CheckpointConfig, ParallelConfig, TrainConfig, train
 
 MESH = "data=2,tp_row=2,tp_col=2"
 STEPS = 30
@@ -144,8 +144,8 @@ def test_train_script(tmp_path):
 
 
 def _layer(target_devices, mesh_spec, schedule="primepar", **overrides):
-    from oases_jax.analysis.program import analyze
-    from training.program import CompileSpec, lower
+    from oases_jax.tools.analysis.program import analyze
+    from oases_jax.training.program import CompileSpec, lower
 
     cfg = get_preset("tiny").replace(**overrides)
     spec = CompileSpec(model=cfg, parallel=ParallelConfig(mesh=mesh_spec, schedule=schedule),
@@ -174,9 +174,9 @@ def test_layer_projections_use_permutes_only():
 def test_layer_permutes_overlap_gemms_on_h100(n, mesh):
     """One GPT-2 1.5B-shaped layer (32 heads of 50), forward and backward, for H100s: the
     projections' permutes are asynchronous with a GEMM in their window."""
-    from oases_jax.analysis.targets import get_target, has_gpu_aot
-    from tools.inspection import inspect_program
-    from training.program import CompileSpec
+    from oases_jax.targets import get_target, has_gpu_aot
+    from oases_jax.tools.inspection import inspect_program
+    from oases_jax.training.program import CompileSpec
 
     if not has_gpu_aot():
         pytest.skip("needs the gpu-aot extra")
@@ -196,9 +196,9 @@ def test_train_step_permutes_overlap_gemms_on_h100(n, mesh):
     lacks: scan residual saves (asynchronous copies XLA starts early) and layers queueing their
     weight-gradient transfers at the end of the backward (measured 0.77 / 0.78 for q = 2 / 4
     before the fences of `oases_jax.primepar`, 0.98 / 0.98 with them)."""
-    from oases_jax.analysis.targets import get_target, has_gpu_aot
-    from tools.inspection import inspect_program
-    from training.program import CompileSpec
+    from oases_jax.targets import get_target, has_gpu_aot
+    from oases_jax.tools.inspection import inspect_program
+    from oases_jax.training.program import CompileSpec
 
     if not has_gpu_aot():
         pytest.skip("needs the gpu-aot extra")

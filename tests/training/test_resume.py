@@ -21,9 +21,9 @@ import jax
 import numpy as np
 import pytest
 
-from models import get_preset
-from training import CheckpointConfig, TrainConfig, train
-from training.checkpoint import Checkpointer
+from oases_jax.models import get_preset
+from oases_jax.training import CheckpointConfig, TrainConfig, train
+from oases_jax.training.checkpoint import Checkpointer
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 # Set by the test process or a cluster; a training subprocess must not inherit them.
@@ -73,7 +73,7 @@ FAULTS = textwrap.dedent(
 
     if "FAULT_TERM_AT" in os.environ:
         # A real SIGTERM, sent when the loop logs step S.
-        from training.metrics import MetricsWriter
+        from oases_jax.training.metrics import MetricsWriter
         log, at = MetricsWriter.write, int(os.environ["FAULT_TERM_AT"])
 
         def log_then_term(self, record):
@@ -86,7 +86,7 @@ FAULTS = textwrap.dedent(
     if "FAULT_NAN" in os.environ:
         # Resume with one parameter poisoned: the next loss is NaN; the compiled step is unchanged.
         import jax
-        from training.checkpoint import Checkpointer
+        from oases_jax.training.checkpoint import Checkpointer
         restore = Checkpointer.restore
 
         def restore_poisoned(self, step, abstract_state):

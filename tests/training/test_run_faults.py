@@ -15,11 +15,11 @@ import textwrap
 
 import pytest
 
-from models import get_preset
 from oases_jax.errors import UserError
-from training import CheckpointConfig, TrainConfig, train
-from training.checkpoint import TMP_SUFFIX, Checkpointer, CheckpointWriteError
-from training.runlock import RunLock, lock_path
+from oases_jax.models import get_preset
+from oases_jax.training import CheckpointConfig, TrainConfig, train
+from oases_jax.training.checkpoint import TMP_SUFFIX, Checkpointer, CheckpointWriteError
+from oases_jax.training.runlock import RunLock, lock_path
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TRAIN = ROOT / "scripts" / "train.py"
@@ -149,7 +149,7 @@ def test_orbax_tasks_never_retrieved_are_dropped_before_the_failure_is_caught():
     that failed elsewhere is kept."""
     import logging
 
-    from training import checkpoint
+    from oases_jax.training import checkpoint
 
     def record(filename: str) -> logging.LogRecord:
         try:

@@ -7,16 +7,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import get_preset
-from models.layers import Block, block_fns
-from models.sharding import param_shardings
-from models.transformer import FAMILY_NORM
 from oases_jax import registry
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.mesh import make_mesh
+from oases_jax.models import get_preset
+from oases_jax.models.layers import Block, block_fns
+from oases_jax.models.sharding import param_shardings
+from oases_jax.models.transformer import FAMILY_NORM
 from oases_jax.rules import constrain, get_rules
 from oases_jax.stacks import Parallel, run_layer, use_parallel
-from training import ParallelConfig, TrainConfig, train
+from oases_jax.training import ParallelConfig, TrainConfig, train
 
 MESHES = ("data=1,tensor=8", "data=2,tensor=4", "data=4,tensor=2")
 STEPS = 30
@@ -95,8 +95,8 @@ def test_training_matches_megatron(megatron_losses, schedule, mesh):
 
 
 def _layer_collectives(schedule, remat):
-    from oases_jax.analysis.program import analyze
-    from training.program import CompileSpec, lower
+    from oases_jax.tools.analysis.program import analyze
+    from oases_jax.training.program import CompileSpec, lower
 
     cfg = get_preset("tiny").replace(remat=remat)
     mesh = make_mesh("data=2,tensor=4")
@@ -126,9 +126,9 @@ _H100_SHAPES = {"small": ({}, 256), "gpt2-1.5b": ({"n_heads": 32, "head_dim": 50
 
 
 def _h100_layer(model, schedule):
-    from oases_jax.analysis.targets import get_target, has_gpu_aot
-    from tools.inspection import inspect_program
-    from training.program import CompileSpec
+    from oases_jax.targets import get_target, has_gpu_aot
+    from oases_jax.tools.inspection import inspect_program
+    from oases_jax.training.program import CompileSpec
 
     if not has_gpu_aot():
         pytest.skip("needs the gpu-aot extra")
@@ -164,7 +164,7 @@ def test_megatron_layer_overlaps_little_on_h100(model):
 
 
 def _stack_loss_and_grads(cfg, schedule, mesh, plan=None, rules="tp"):
-    from models.transformer import Transformer, cross_entropy
+    from oases_jax.models.transformer import Transformer, cross_entropy
 
     rules = get_rules(rules)
     graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
@@ -222,8 +222,8 @@ def test_overlapped_stack_recomputation_is_communication_free():
     """The whole train step of a overlapped `oases` stack: `save_proj` remat issues exactly the
     collectives of no remat (the pending all-reduce's result is saved in the next layer), full
     remat issues more."""
-    from oases_jax.analysis.program import analyze
-    from training.program import CompileSpec, lower
+    from oases_jax.tools.analysis.program import analyze
+    from oases_jax.training.program import CompileSpec, lower
 
     mesh = make_mesh("data=2,tensor=4")
 
@@ -245,9 +245,9 @@ def test_oases_train_step_overlaps_across_layers_on_h100():
     GEMM left to hide behind (share 0.611); the overlapped stack issues it beside the next
     layer's attn(0) (0.702; the rest is the embedding's and the head's all-reduces, the one
     completed after the stack, and attn(k-1)'s, which XLA closes before mlp(0)'s GEMMs)."""
-    from oases_jax.analysis.targets import get_target, has_gpu_aot
-    from tools.inspection import inspect_program
-    from training.program import CompileSpec
+    from oases_jax.targets import get_target, has_gpu_aot
+    from oases_jax.tools.inspection import inspect_program
+    from oases_jax.training.program import CompileSpec
 
     if not has_gpu_aot():
         pytest.skip("needs the gpu-aot extra")

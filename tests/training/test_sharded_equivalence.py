@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from models import get_preset
-from training import ParallelConfig, TrainConfig, train
+from oases_jax.models import get_preset
+from oases_jax.training import ParallelConfig, TrainConfig, train
 
 STEPS = 20
 MESHES = ("data=8,tensor=1", "data=2,tensor=4", "data=1,tensor=8")

@@ -27,14 +27,14 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from oases_jax.errors import UserError
+from oases_jax.pipeline import registry as pipelines
 from oases_jax.pipeline import remat as pipe_remat
-from oases_jax.pipeline import schedules
 from oases_jax.rules import get_rules
 from oases_jax.stacks import Parallel, use_parallel
-from training.parallelize import block, graph, step
-from training.parallelize.tensor import logical_spec, map_block, names_of
-from training.pipeline_layout import STAGE, PipelineSpec
-from training.state import StepFns, assemble_step_fns, new_state, optimizer_update
+from oases_jax.training.parallelize import block, graph, step
+from oases_jax.training.parallelize.tensor import logical_spec, map_block, names_of
+from oases_jax.training.pipeline_layout import STAGE, PipelineSpec
+from oases_jax.training.state import StepFns, assemble_step_fns, new_state, optimizer_update
 
 __all__ = ["Plan", "Parallelized", "parallelize"]
 AXES = ("data", "stage", "tensor")
@@ -183,15 +183,16 @@ def _microbatches(plan, rows: int, stages: int, groups: int) -> Plan:
 
 def _resolve(plan: Plan, stages: int, layers: int) -> tuple[Plan, PipelineSpec]:
     m = plan.microbatches
-    chunks = plan.virtual_stages if plan.schedule != "interleaved" else max(
-        plan.virtual_stages, 2)
-    if plan.schedule != "interleaved" and chunks != 1:
-        raise UserError(f"virtual_stages={chunks} needs schedule 'interleaved'")
-    build = schedules.get(plan.schedule)
-    build(stages, m, *((chunks,) if plan.schedule == "interleaved" else ()))
+    spec = pipelines.runnable(plan.schedule)
+    if spec.executor != "ticks":
+        raise UserError(f"parallelize() runs its stages with the tick executor: schedule "
+                        f"{plan.schedule!r} is not one of its "
+                        f"({', '.join(pipelines.names(executor='ticks'))})")
+    chunks = spec.chunks if spec.chunked and plan.virtual_stages < 2 else plan.virtual_stages
+    chunks = spec.table(stages, m, chunks=chunks).chunks  # its own M/S/v checks
     counts = pipe_remat.parse_stage_layers(plan.stage_layers, layers, stages, chunks)
     ratios = (pipe_remat.parse_ratios(plan.remat_ratios, stages,
-                                      shifted=plan.schedule == "merak")
+                                      shifted=spec.shifted_recompute)
               if plan.remat_ratios else None)
     plan = dataclasses.replace(plan, microbatches=m, virtual_stages=chunks)
     return plan, PipelineSpec(schedule=plan.schedule, stages=stages, microbatches=m,

@@ -19,8 +19,8 @@ from jax.sharding import PartitionSpec as P
 
 from oases_jax.pipeline import executor
 from oases_jax.rules import constrain, outer_axes
-from training.parallelize.graph import Cut, run
-from training.pipeline_layout import STAGE, PipelineSpec
+from oases_jax.training.parallelize.graph import Cut, run
+from oases_jax.training.pipeline_layout import STAGE, PipelineSpec
 
 
 class _Micro:

@@ -26,7 +26,7 @@ from flax import nnx
 
 from oases_jax.errors import UserError
 from oases_jax.rules import LOGICAL_AXES, megatron
-from training.parallelize.block import ENTER, Op, Trace
+from oases_jax.training.parallelize.block import ENTER, Op, Trace
 
 TENSOR = "tensor"
 # Equations that keep a parameter's dimensions (a transpose permutes them).

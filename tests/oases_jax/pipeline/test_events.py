@@ -6,8 +6,15 @@ from fractions import Fraction
 import pytest
 
 from oases_jax.errors import UserError
+from oases_jax.pipeline import registry as pipeline_registry
 from oases_jax.pipeline import schedules
 from oases_jax.pipeline.events import Costs, lockstep_makespan, simulate
+
+
+def _table(name, S, M, v):
+    """The schedule's table, with v chunks per stage where it holds chunks."""
+    spec = pipeline_registry.get(name)
+    return spec.build(S, M, chunks=v if spec.chunked else 1)
 
 COSTS = [(1, 1), (1, 2), (2, 3)]
 
@@ -30,7 +37,7 @@ def test_gpipe_and_1f1b_bubble_is_exact(S, extra, f, b):
 @pytest.mark.parametrize("f,b", COSTS)
 def test_interleaved_bubble_is_exact(S, groups, v, f, b):
     M = S * groups
-    t = simulate(schedules.interleaved(S, M, v), Costs(f=f, b=b))
+    t = simulate(schedules.interleaved(S, M, chunks=v), Costs(f=f, b=b))
     assert t.bubble == Fraction(S - 1, v * M + S - 1)
     assert t.makespan == Fraction((v * M + S - 1) * (f + b), v)
 
@@ -141,7 +148,7 @@ def test_split_backward_ticks_are_the_event_model(name, S, M, k):
     """A backward spread over k ticks (each one k-th of it) makes the lockstep tick table the
     event model's placement with B = k forwards: the same makespan, each stage busy and idle on
     the same ticks. With whole-backward ticks (k=1) the lockstep step is longer."""
-    sch = schedules.get(name)(S, M)
+    sch = pipeline_registry.get(name).build(S, M)
     costs = Costs(f=1, b=k)
     table = sch.ticks(k)
     timeline = simulate(sch, costs)
@@ -209,7 +216,7 @@ def test_fused_tables_are_valid(name, S, M, v):
     from oases_jax.pipeline import fuse
     from oases_jax.pipeline.validate import _timing
 
-    sch = schedules.interleaved(S, M, v) if name == "interleaved" else schedules.get(name)(S, M)
+    sch = _table(name, S, M, v)
     table = sch.ticks(fuse=True)
     assert _timing(table) == []
     assert table.lanes <= fuse.lanes(sch.actions)
@@ -235,7 +242,7 @@ def test_fused_tables_with_a_split_head(name, S, M, v):
     constraint."""
     from oases_jax.pipeline.validate import _timing
 
-    sch = schedules.interleaved(S, M, v) if name == "interleaved" else schedules.get(name)(S, M)
+    sch = _table(name, S, M, v)
     table = sch.ticks(fuse=True, head=True)
     assert _timing(table) == []
     last = sch.virtual - 1
@@ -253,7 +260,8 @@ def test_fused_placement_costs_are_the_unit_costs():
     from oases_jax.pipeline import fuse
     from oases_jax.pipeline.events import durations
 
-    for sch in (schedules.merak(2, 4), schedules.zb_h1(2, 4), schedules.interleaved(2, 4, 2)):
+    for sch in (schedules.merak(2, 4), schedules.zb_h1(2, 4),
+                schedules.interleaved(2, 4, chunks=2)):
         got = durations(sch, Costs())
         for acts in sch.actions:
             for a in acts:
@@ -304,7 +312,7 @@ def test_fused_placement_is_optimal(name, M):
     units in 10 ticks, two activations sent in one, where the unfused table takes 33 in 24."""
     from oases_jax.pipeline import fuse
 
-    sch = schedules.interleaved(2, M, 2) if name == "interleaved" else schedules.get(name)(2, M)
+    sch = _table(name, 2, M, 2)
     table = sch.ticks(fuse=True)
     per_tick = fuse.PER_TICK + fuse.PER_SEND * (table.sends - 1)
     got = lockstep_makespan(table) + per_tick * table.n_ticks
@@ -332,8 +340,8 @@ def test_fused_by_default_where_it_is_faster():
 
     assert fused_by_default(schedules.one_f_one_b(2, 8))
     assert fused_by_default(schedules.one_f_one_b(4, 8))  # 39 against 40 units
-    assert fused_by_default(schedules.interleaved(2, 8, 2))
-    assert fused_by_default(schedules.interleaved(4, 8, 2))
+    assert fused_by_default(schedules.interleaved(2, 8, chunks=2))
+    assert fused_by_default(schedules.interleaved(4, 8, chunks=2))
     assert fused_by_default(schedules.merak(2, 8))  # 32 against 33
     assert not fused_by_default(schedules.gpipe(2, 8))
     # From S=8 (`fuse.EXACT_STAGES`) the greedy placement is slower than one action a tick.

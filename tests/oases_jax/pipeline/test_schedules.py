@@ -5,6 +5,7 @@ line naming the value and the fix."""
 import pytest
 
 from oases_jax.errors import UserError
+from oases_jax.pipeline import registry as pipeline_registry
 from oases_jax.pipeline import schedules
 from oases_jax.pipeline.actions import CODES, Transfer
 from oases_jax.pipeline.validate import validate
@@ -19,15 +20,15 @@ def order(schedule, stage):
 @pytest.mark.parametrize("S,M", GRID)
 @pytest.mark.parametrize("name,options", [
     ("gpipe", {}), ("gpipe", {"recompute": True}), ("1f1b", {}), ("1f1b", {"recompute": True}),
-    ("merak", {}), ("zb_h1", {}), ("interleaved", {"v": 2}), ("1f1b_spmd", {}),
-    ("interleaved", {"v": 2, "recompute": True}),
+    ("merak", {}), ("zb_h1", {}), ("interleaved", {"chunks": 2}), ("1f1b_spmd", {}),
+    ("interleaved", {"chunks": 2, "recompute": True}),
 ])
 def test_every_schedule_validates_over_the_grid(name, options, S, M):
     if name == "interleaved" and (S == 1 or M % S):
         with pytest.raises(UserError):
-            schedules.get(name)(S, M, **options)
+            pipeline_registry.get(name).build(S, M, **options)
         return
-    sch = schedules.get(name)(S, M, **options)
+    sch = pipeline_registry.get(name).build(S, M, **options)
     report = validate(sch)
     forwards = sum(a.kind in ("F", "PF") for acts in sch.actions for a in acts)
     assert forwards == S * sch.chunks * M
@@ -37,7 +38,7 @@ def test_every_schedule_validates_over_the_grid(name, options, S, M):
 @pytest.mark.parametrize("S,M", [(2, 4), (4, 4), (4, 8), (3, 6)])
 @pytest.mark.parametrize("v", [2, 3])
 def test_interleaved_validates_for_multiples_of_s(S, M, v):
-    validate(schedules.interleaved(S, M, v))
+    validate(schedules.interleaved(S, M, chunks=v))
 
 
 def test_1f1b_table_reads_as_written():
@@ -67,7 +68,7 @@ def test_1f1b_spmd_table_and_in_flight():
 
 
 def test_interleaved_labels_carry_the_chunk():
-    text = schedules.interleaved(2, 2, 2).pretty()
+    text = schedules.interleaved(2, 2, chunks=2).pretty()
     assert text.splitlines()[0] == (
         "interleaved: S=2 stages, M=2 micro-batches, v=2 chunks per stage")
     assert text.splitlines()[2].split()[2:6] == ["F0.0", "F1.0", "F0.1", "F1.1"]
@@ -129,19 +130,19 @@ def test_in_flight_micro_batches(S, M):
 def test_interleaved_in_flight_is_megatrons_warm_up(S, M, v):
     """Device s holds its 2(S-1-s) + (v-1)S warm-up chunks plus one (at most all v*M)."""
     want = tuple(min(2 * (S - 1 - s) + (v - 1) * S + 1, v * M) for s in range(S))
-    assert validate(schedules.interleaved(S, M, v)).peak_inflight == want
+    assert validate(schedules.interleaved(S, M, chunks=v)).peak_inflight == want
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "merak", "zb_h1", "1f1b_spmd"])
 def test_non_circular_schedules_have_no_wrap_around_edge(name):
-    table = schedules.get(name)(4, 8).ticks()
+    table = pipeline_registry.get(name).build(4, 8).ticks()
     assert not table.wraps()
     assert table.pairs("act") == {(0, 1), (1, 2), (2, 3)}
     assert table.pairs("grad") == {(1, 0), (2, 1), (3, 2)}
 
 
 def test_interleaved_wraps_between_chunks():
-    table = schedules.interleaved(4, 8, 2).ticks()
+    table = schedules.interleaved(4, 8, chunks=2).ticks()
     assert table.wraps()
     assert table.pairs("act") == {(0, 1), (1, 2), (2, 3), (3, 0)}
     assert table.pairs("grad") == {(1, 0), (2, 1), (3, 2), (0, 3)}
@@ -181,16 +182,16 @@ def one_line_error(fn, *args, **kwargs):
 
 
 def test_bad_input_is_one_line_naming_value_and_fix():
-    assert "'pipedream'" in one_line_error(schedules.get, "pipedream")
+    assert "'pipedream'" in one_line_error(pipeline_registry.get, "pipedream")
     names = "gpipe, gpipe_spmd, 1f1b, 1f1b_spmd, interleaved, merak, zb_h1"
-    assert names in one_line_error(schedules.get, "x")
+    assert names in one_line_error(pipeline_registry.get, "x")
     for name in ("merak", "zb_h1", "interleaved"):
-        msg = one_line_error(schedules.get(name), 4, 3)
+        msg = one_line_error(pipeline_registry.get(name).build, 4, 3)
         assert "M=3" in msg and "S=4" in msg and "M >= 4" in msg
-    msg = one_line_error(schedules.interleaved, 4, 6, 2)
+    msg = one_line_error(schedules.interleaved, 4, 6, chunks=2)
     assert "M=6" in msg and "M = 4 or 8" in msg
-    assert "v=1" in one_line_error(schedules.interleaved, 4, 8, 1)
-    assert "S=1" in one_line_error(schedules.interleaved, 1, 4, 2)
+    assert "v=1" in one_line_error(schedules.interleaved, 4, 8, chunks=1)
+    assert "S=1" in one_line_error(schedules.interleaved, 1, 4, chunks=2)
     assert "M=0" in one_line_error(schedules.gpipe, 2, 0)
     assert "S=0" in one_line_error(schedules.one_f_one_b, 0, 2)
     assert "3 per-stage flags" in one_line_error(schedules.one_f_one_b, 4, 8,

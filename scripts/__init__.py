@@ -1,0 +1,1 @@
+"""The command-line programs, installed as `oases-*` entry points (pyproject.toml)."""
