@@ -1,5 +1,8 @@
-"""Hardware numbers in one place: per-device peaks and memory, shared by metrics, the HLO
-simulator and the planner."""
+"""Hardware facts in one table: per device its datasheet peaks, memory and bandwidth and, for
+the GPUs XLA compiles for without one present, the device facts its compiler reads
+(`oases_jax.targets` turns them into a `GpuTargetConfigProto`); the interconnects and clusters;
+the alpha-beta collective prices. Shared by metrics, the simulator, the MoE cost, the planner
+and the compile targets."""
 
 from __future__ import annotations
 
@@ -29,8 +32,8 @@ class DeviceSpec:
     name: str
     match: tuple[str, ...]  # substrings of `jax.Device.device_kind` that identify it
     peak_flops: dict[str, float]  # by compute dtype
-    hbm_bytes_per_s: float
-    memory_bytes: float
+    hbm_bytes_per_s: float  # as the device reports it (XLA's `memory_bandwidth`)
+    memory_bytes: float  # as the device reports it (XLA's `device_memory_size`)
     # cuDNN's fused (flash) attention runs here: NVIDIA compute capability 8.0 and newer.
     fused_attention: bool = False
 
@@ -43,31 +46,39 @@ class DeviceSpec:
 
 
 _T = 1e12
-_G = 1e9
+_COMMON = {
+    "threads_per_block_limit": 1024, "threads_per_warp": 32, "shared_memory_per_block": 49152,
+    "threads_per_core_limit": 2048, "block_dim_limit_x": 2147483647, "block_dim_limit_y": 65535,
+    "block_dim_limit_z": 65535, "registers_per_core_limit": 65536,
+    "registers_per_block_limit": 65536,
+}
+_HOPPER = {**_COMMON, "compute_capability": (9, 0), "shared_memory_per_core": 233472,
+           "shared_memory_per_block_optin": 232448, "core_count": 132, "fpus_per_core": 128,
+           "l2_cache_size": 52428800, "clock_rate_ghz": 1.98}
 DEVICES: dict[str, DeviceSpec] = {
     spec.name: spec
     for spec in (
         DeviceSpec(
             name="h100",
             match=("H100",),
-            hbm_bytes_per_s=3.35e12,
-            memory_bytes=80 * 2**30,
-            peak_flops={"bfloat16": 989 * _T, "float32": 494 * _T},
+            hbm_bytes_per_s=3352320000000,
+            memory_bytes=84942979072,
+            peak_flops={"bfloat16": 989 * _T, "float32": 494 * _T},  # fp32 via TF32
             fused_attention=True,
-        ),  # fp32 via TF32
+        ),
         DeviceSpec(
             name="h200",
             match=("H200",),
             hbm_bytes_per_s=4.8e12,
-            memory_bytes=141 * _G,
+            memory_bytes=150754820096,
             peak_flops={"bfloat16": 989 * _T, "float32": 494 * _T},
             fused_attention=True,
         ),
         DeviceSpec(
             name="a100",
             match=("A100",),
-            hbm_bytes_per_s=2.04e12,
-            memory_bytes=80 * 2**30,
+            hbm_bytes_per_s=2039000000000,
+            memory_bytes=85899345920,
             peak_flops={"bfloat16": 312 * _T, "float32": 156 * _T},
             fused_attention=True,
         ),
@@ -78,6 +89,7 @@ DEVICES: dict[str, DeviceSpec] = {
             memory_bytes=32 * 2**30,
             peak_flops={"bfloat16": 125 * _T, "float32": 15.7 * _T},
         ),  # bf16 row: fp16
+        # GA102: 936 GB/s GDDR6X, 24 GiB.
         DeviceSpec(
             name="3090",
             match=("3090",),
@@ -88,6 +100,30 @@ DEVICES: dict[str, DeviceSpec] = {
         ),
     )
 }
+
+
+# The rest of the facts XLA's GPU compiler reads for the GPUs programs compile for without one
+# present (`description`, `compute_capability` and stream_executor's GpuDeviceInfo fields);
+# their memory size and bandwidth are the `DEVICES` entry's (`oases_jax.targets`).
+COMPILE_FACTS: dict[str, dict] = {
+    "h100": {**_HOPPER, "description": "NVIDIA H100 80GB HBM3"},
+    "h200": {**_HOPPER, "description": "NVIDIA H200"},
+    "a100": {**_COMMON, "description": "NVIDIA A100-SXM4-80GB", "compute_capability": (8, 0),
+             "shared_memory_per_core": 167936, "shared_memory_per_block_optin": 166912,
+             "core_count": 108, "fpus_per_core": 64, "l2_cache_size": 41943040,
+             "clock_rate_ghz": 1.41},
+    # GA102 (NVIDIA's Ampere GA102 whitepaper): 82 SMs of 128 FP32 lanes, 100 KiB shared memory
+    # per SM (99 KiB per block), 1536 threads per SM, 6 MiB L2.
+    "3090": {**_COMMON, "description": "NVIDIA GeForce RTX 3090", "compute_capability": (8, 6),
+             "threads_per_core_limit": 1536, "shared_memory_per_core": 102400,
+             "shared_memory_per_block_optin": 101376, "core_count": 82, "fpus_per_core": 128,
+             "l2_cache_size": 6291456, "clock_rate_ghz": 1.695},
+}
+
+
+def compile_targets() -> tuple[str, ...]:
+    """The GPUs programs compile for without one present (those with `COMPILE_FACTS`)."""
+    return tuple(COMPILE_FACTS)
 
 
 def device_spec(name: str) -> DeviceSpec:

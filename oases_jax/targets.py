@@ -1,7 +1,8 @@
 """Compile targets: the local devices, or GPU clusters compiled without a GPU (`h100:8`, ...).
 
-The device facts XLA's GPU compiler needs are kept here as data, one entry per GPU model, and
-turned into a `GpuTargetConfigProto` text for `jax.experimental.topologies`.
+The device facts XLA's GPU compiler needs live in the hardware table (`oases_jax.hardware`,
+`COMPILE_FACTS` beside the devices' memory and bandwidth) and are turned here into a
+`GpuTargetConfigProto` text for `jax.experimental.topologies`.
 """
 
 from __future__ import annotations
@@ -13,49 +14,24 @@ import re
 import jax
 
 from oases_jax.errors import UserError
-from oases_jax.hardware import GPUS_PER_NODE, ClusterSpec, get_cluster
+from oases_jax.hardware import (
+    COMPILE_FACTS,
+    DEVICES,
+    GPUS_PER_NODE,
+    ClusterSpec,
+    compile_targets,
+    get_cluster,
+)
 
-_COMMON = {
-    "threads_per_block_limit": 1024, "threads_per_warp": 32, "shared_memory_per_block": 49152,
-    "threads_per_core_limit": 2048, "block_dim_limit_x": 2147483647, "block_dim_limit_y": 65535,
-    "block_dim_limit_z": 65535, "registers_per_core_limit": 65536,
-    "registers_per_block_limit": 65536,
-}
-GPU_FACTS: dict[str, dict] = {
-    "h100": {
-        **_COMMON, "description": "NVIDIA H100 80GB HBM3", "compute_capability": (9, 0),
-        "shared_memory_per_core": 233472, "shared_memory_per_block_optin": 232448,
-        "core_count": 132, "fpus_per_core": 128, "memory_bandwidth": 3352320000000,
-        "l2_cache_size": 52428800, "clock_rate_ghz": 1.98, "device_memory_size": 84942979072,
-    },
-    "h200": {
-        **_COMMON, "description": "NVIDIA H200", "compute_capability": (9, 0),
-        "shared_memory_per_core": 233472, "shared_memory_per_block_optin": 232448,
-        "core_count": 132, "fpus_per_core": 128, "memory_bandwidth": 4800000000000,
-        "l2_cache_size": 52428800, "clock_rate_ghz": 1.98, "device_memory_size": 150754820096,
-    },
-    "a100": {
-        **_COMMON, "description": "NVIDIA A100-SXM4-80GB", "compute_capability": (8, 0),
-        "shared_memory_per_core": 167936, "shared_memory_per_block_optin": 166912,
-        "core_count": 108, "fpus_per_core": 64, "memory_bandwidth": 2039000000000,
-        "l2_cache_size": 41943040, "clock_rate_ghz": 1.41, "device_memory_size": 85899345920,
-    },
-    # GA102 (NVIDIA's Ampere GA102 whitepaper): 82 SMs of 128 FP32 lanes, 100 KiB shared memory
-    # per SM (99 KiB per block), 1536 threads per SM, 6 MiB L2, 936 GB/s GDDR6X, 24 GiB.
-    "3090": {
-        **_COMMON, "description": "NVIDIA GeForce RTX 3090", "compute_capability": (8, 6),
-        "threads_per_core_limit": 1536, "shared_memory_per_core": 102400,
-        "shared_memory_per_block_optin": 101376, "core_count": 82, "fpus_per_core": 128,
-        "memory_bandwidth": 936000000000, "l2_cache_size": 6291456, "clock_rate_ghz": 1.695,
-        "device_memory_size": 25769803776,
-    },
-}
 _INSTALL_HINT = "install the gpu-aot extra: .venv/bin/pip install -e '.[gpu-aot]'"
 
 
 def target_config_text(gpu: str) -> str:
-    """The `stream_executor.GpuTargetConfigProto` text for one GPU model."""
-    facts = GPU_FACTS[gpu]
+    """The `stream_executor.GpuTargetConfigProto` text for one GPU model of the hardware
+    table: its compile facts, its memory size and its bandwidth."""
+    spec = DEVICES[gpu]
+    facts = {**COMPILE_FACTS[gpu], "memory_bandwidth": int(spec.hbm_bytes_per_s),
+             "device_memory_size": int(spec.memory_bytes)}
     skip = ("description", "compute_capability")
     fields = "\n".join(f"  {k}: {v}" for k, v in facts.items() if k not in skip)
     major, minor = facts["compute_capability"]
@@ -128,16 +104,16 @@ def get_target(name: str) -> Target:
     if name == "local":
         devices = tuple(jax.devices())
         kind = devices[0].device_kind
-        cluster_name = next((k for k in GPU_FACTS if k.upper() in kind.upper()), None)
+        cluster_name = next((k for k in compile_targets() if k.upper() in kind.upper()), None)
         n = len(devices)
         cluster = get_cluster(f"{cluster_name}:{n}") if cluster_name else get_cluster("cpu-8")
         if not cluster_name and n != 8:
             cluster = dataclasses.replace(cluster, n_devices=n, levels=((n, cluster.levels[0][1]),))
         return Target(name, devices, cluster, is_gpu_aot=False)
-    m = re.fullmatch(rf"({'|'.join(GPU_FACTS)}):(\d+)", name)
+    m = re.fullmatch(rf"({'|'.join(compile_targets())}):(\d+)", name)
     if not m:
         raise UserError(f"unknown target {name!r}; use local or GPU:N with GPU one of "
-                        f"{', '.join(GPU_FACTS)} (e.g. h100:8)")
+                        f"{', '.join(compile_targets())} (e.g. h100:8)")
     gpu, n = m.group(1), int(m.group(2))
     if n > GPUS_PER_NODE and n % GPUS_PER_NODE:
         raise UserError(f"target {name}: beyond 8 GPUs use whole nodes of 8, e.g. 16 or 24")

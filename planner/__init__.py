@@ -12,13 +12,12 @@ from __future__ import annotations
 import jax
 
 from oases_jax.errors import UserError
-from oases_jax.hardware import CLUSTERS, ClusterSpec, LinkSpec, detect, get_cluster
+from oases_jax.hardware import CLUSTERS, ClusterSpec, LinkSpec, compile_targets, detect, get_cluster
 from oases_jax.models.config import ModelConfig
 from oases_jax.planner.plan import plan_json
 from oases_jax.planner.prices import Hardware
 from oases_jax.planner.profile import ROOT, Profile, default_profile_path
 from oases_jax.planner.search import SCHEDULES, search
-from oases_jax.targets import GPU_FACTS
 
 COST_SOURCES = ("datasheet", "profile", "xla")
 
@@ -63,10 +62,11 @@ def default_xla_profile(cluster: ClusterSpec):
     """`planner/profiles/xla-DEVICE-N.json` of the cluster, or an error naming the sweep that
     writes it. XLA's estimator prices programs compiled for a GPU target (`oases_jax.targets`)."""
     n, dev = cluster.n_devices, cluster.device
-    if dev not in GPU_FACTS:
+    if dev not in compile_targets():
         raise UserError(f"--cost-source xla on cluster {cluster.name!r}: XLA's estimator prices "
-                        f"programs compiled for {', '.join(GPU_FACTS)} GPUs, not {dev!r}; use "
-                        "--cost-source datasheet or profile, or pass an xla --profile FILE")
+                        f"programs compiled for {', '.join(compile_targets())} GPUs, not "
+                        f"{dev!r}; use --cost-source datasheet or profile, or pass an xla "
+                        "--profile FILE")
     p = default_profile_path(f"xla-{dev}", n)
     if not p.is_file():
         raise UserError(f"--cost-source xla: no XLA profile for {cluster.name!r} ({n} x {dev}) "

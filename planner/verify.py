@@ -10,11 +10,11 @@ from collections.abc import Callable
 import jax
 
 from oases_jax.errors import UserError
-from oases_jax.hardware import ClusterSpec
+from oases_jax.hardware import COMPILE_FACTS, ClusterSpec, compile_targets
 from oases_jax.models.config import ModelConfig
 from oases_jax.planner import plan as plans
 from oases_jax.planner.search import Candidate, SearchResult
-from oases_jax.targets import GPU_FACTS, Target, get_target
+from oases_jax.targets import Target, get_target
 
 CHOSEN_BY = "simulated_step_s"  # the opinion that ranks the verified plans that fit
 
@@ -79,14 +79,14 @@ def compile_target(cluster: ClusterSpec) -> str:
     spec, n = cluster.device_spec, cluster.n_devices
     if spec.name == "cpu" or "cpu" in (m.lower() for m in spec.match):
         return "local"
-    gpu = next((g for g, facts in GPU_FACTS.items()
-                if any(m.lower() in facts["description"].lower() for m in spec.match)), None)
+    gpu = next((g for g in compile_targets() if any(
+        m.lower() in COMPILE_FACTS[g]["description"].lower() for m in spec.match)), None)
     if gpu is None:
         raise UserError(
             f"--verify: cluster {cluster.name!r} ({n} x {spec.name}) has no compile target: "
             f"programs compile for local CPU devices (cpu-N) or, without a GPU, for "
-            f"{', '.join(GPU_FACTS)} GPUs; verify on such a cluster (e.g. --cluster h100:{n}), "
-            f"or drop --verify")
+            f"{', '.join(compile_targets())} GPUs; verify on such a cluster (e.g. --cluster "
+            f"h100:{n}), or drop --verify")
     return f"{gpu}:{n}"
 
 

@@ -22,7 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from oases_jax.hardware import ClusterSpec, DeviceSpec, LinkSpec, collective_time, get_cluster
+from oases_jax.hardware import (
+    ClusterSpec,
+    DeviceSpec,
+    LinkSpec,
+    collective_time,
+    compile_targets,
+    get_cluster,
+)
 from oases_jax.moe.chunked import padded_slots
 from oases_jax.moe.routing import capacity
 from oases_jax.moe.schedules import get as schedule_spec
@@ -336,12 +343,10 @@ def links_of_mesh(mesh, ep_axis: str | None, mp_axis: str | None) -> MoEHardware
     CPUs as one host) and the device ids of the EP and MP groups through its first device."""
     import numpy as np
 
-    from oases_jax.targets import GPU_FACTS
-
     devices = np.asarray(mesh.devices)
     n = devices.size
     kind = devices.flat[0].device_kind
-    gpu = next((g for g in GPU_FACTS if g.upper() in kind.upper()), None)
+    gpu = next((g for g in compile_targets() if g.upper() in kind.upper()), None)
     if gpu is not None:
         cluster = get_cluster(f"{gpu}:{n}")
     else:
