@@ -18,7 +18,7 @@ from oases_jax.planner.layer_cost import LayerCost, LayerModel
 from oases_jax.planner.layer_work import SubLayerWork, elem_bytes, sequence_split
 from oases_jax.planner.layout import Layout, data_group, expert_group, replica_group, tensor_group
 from oases_jax.planner.prices import Hardware
-from oases_jax.planner.step_cost import StepCost, head_cost, update_s
+from oases_jax.planner.step_cost import StepCost, local_params, step_terms
 
 # What an expert axis may run: the Parm schedules; without one, `local` (S1 with N_EP = 1).
 EP_SCHEDULES = ("ds_moe", "parm_s1", "parm_s2")
@@ -189,13 +189,15 @@ def moe_static_memory(cfg: ModelConfig, layout: Layout) -> dict[str, float]:
 
 
 def _local_params(cfg: ModelConfig, layout: Layout) -> tuple[float, float]:
-    """(dense, expert) parameters on one device."""
-    d, f, n = cfg.d_model, cfg.expert_ff_dim, cfg.n_experts * cfg.n_moe_layers
+    """(dense, expert) parameters on one device: everything but the experts as a dense model
+    holds it (`step_cost.local_params`), the experts' matrices and input biases over expert x
+    tensor, their output biases over expert."""
+    d, f, n = cfg.d_model, cfg.expert_ff_dim, (cfg.n_experts or 0) * cfg.n_moe_layers
     mats = n * (d * f * (3 if cfg.gated_mlp else 2) + (f if cfg.use_bias else 0))
     b_out = n * d if cfg.use_bias else 0
-    dense = cfg.param_count() - mats - b_out
     t, ep = layout.tensor, layout.expert
-    return dense / t, mats / (ep * t) + b_out / ep
+    dense = local_params(cfg, layout) - (mats + b_out) / (t * layout.fsdp)
+    return dense, mats / (ep * t) + b_out / ep
 
 
 def grad_reduce_s(cfg: ModelConfig, layout: Layout, hw: Hardware) -> float:
@@ -225,32 +227,33 @@ def moe_step_cost(cfg: ModelConfig, layout: Layout, dense: LayerSpec, choice: Mo
                   hw: Hardware, costs: tuple[LayerCost | None, LayerCost] | None = None
                   ) -> MoEStep:
     """One step: microbatches x (head + (L - L_moe) dense layers + L_moe x (attention +
-    MoE feed-forward)), then the gradient reduction (`grad_reduce_s`; only the head's backward
-    hides it, as for dense models) and the AdamW update; memory as `moe_static_memory` plus
+    MoE feed-forward)), then the step-level terms every step model adds (`step_terms`: the
+    gradient reduction, `grad_reduce_s`, after the layer loop where nothing hides it; the
+    update; the accumulation passes); memory as `moe_static_memory` plus
     every layer's saved activations and the largest working set. `costs`: the dense layer's
     and the attention half's `LayerCost` under `dense` when already priced (`layer_costs`)."""
     m, n_moe = layout.microbatches, cfg.n_moe_layers
     n_dense = cfg.n_layers - n_moe
     lc, attn = costs or layer_costs(cfg, layout, dense, hw)
-    ffn = moe_ffn_cost(cfg, layout, hw, choice, dense)
-    head_s, head_temp = head_cost(cfg, layout, hw)
+    # A model without MoE layers prices as the dense step does (its step-level terms too).
+    ffn = moe_ffn_cost(cfg, layout, hw, choice, dense) if n_moe else MoEFFNCost(
+        fwd_s=0.0, bwd_s=0.0, compute_s=0.0, act_bytes=0.0, temp_bytes=0.0)
     layers = n_moe * (attn.step_s + ffn.step_s) + (n_dense * lc.step_s if lc else 0.0)
     compute = n_moe * (attn.compute_s + ffn.compute_s) + (n_dense * lc.compute_s if lc else 0.0)
     comm = n_moe * (attn.comm_s + ffn.comm_s) + (n_dense * lc.comm_s if lc else 0.0)
     static = moe_static_memory(cfg, layout)
     local = static["params"] / 4
-    reduce = grad_reduce_s(cfg, layout, hw)
-    hidden = min(reduce, 0.5 * head_s) if hw.async_collectives else 0.0
-    opt_s = update_s(cfg, local, hw)
-    accum_s = hw.mem_s(3 * 4 * local) * (m if m > 1 else 0)
-    step = m * (layers + head_s) + reduce - hidden + opt_s + accum_s
-    compute_all = m * (compute + head_s) + opt_s + accum_s
+    terms = step_terms(cfg, layout, hw, local=local, reduce_s=grad_reduce_s(cfg, layout, hw))
+    head_s, head_temp, reduce = terms.head_s, terms.head_temp_bytes, terms.reduce_s
+    step = m * (layers + head_s) + terms.after_loop_s
+    compute_all = m * (compute + head_s) + terms.update_s + terms.accumulate_s
     acts = n_moe * (attn.act_bytes + ffn.act_bytes) + (n_dense * lc.act_bytes if lc else 0.0)
-    temps = [attn.temp_bytes + ffn.temp_bytes, head_temp] + ([lc.temp_bytes] if lc else [])
+    temps = ([attn.temp_bytes + ffn.temp_bytes] if n_moe else []) + [head_temp] \
+        + ([lc.temp_bytes] if lc else [])
     memory = {**static, "activations": acts, "temporaries": max(temps)}
     sc = StepCost(step_s=step, compute_s=compute_all, comm_s=m * comm + reduce,
                   exposed_comm_s=max(step - compute_all, 0.0), dp_reduce_s=reduce,
-                  peak_memory_bytes=sum(memory.values()), memory=memory)
+                  peak_memory_bytes=sum(memory.values()), memory=memory, terms=terms)
     return MoEStep(cost=sc, moe_s=m * n_moe * ffn.step_s, moe_comm_s=m * n_moe * ffn.comm_s,
                    reduce_s=reduce)
 

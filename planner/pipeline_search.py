@@ -22,7 +22,7 @@ from oases_jax.planner.split_head import SPLIT_HEAD_MARGIN, split_head_inputs
 from oases_jax.planner.spmd_stages import spmd_head_s, spmd_weight_pass_s, uniform_stages
 from oases_jax.planner.stage_fsdp import FSDP_TP_STAGE_SCHEDULES, fsdp_layer_s
 from oases_jax.planner.stage_partition import StageInputs, StagePlan, fixed, partition
-from oases_jax.planner.step_cost import head_cost, update_s
+from oases_jax.planner.step_cost import StepTerms, head_cost, local_params, step_terms, update_s
 
 # The schedules the runtime runs; gpipe_spmd and 1f1b_spmd (no per-stage control flow) are
 # offered where they run a layer strategy the tick executor cannot (the rings), or everywhere
@@ -47,6 +47,7 @@ class PipelineCandidate:
     dp_reduce_s: float  # the longest stage's gradient reduction
     p2p_s: float
     peak_memory_bytes: float
+    terms: StepTerms | None = None  # the step-level terms (`step_cost.step_terms`)
 
     def mesh(self) -> dict[str, int]:
         """stage, then the layout's own axes (data, tensor or primepar's tp_row x tp_col)."""
@@ -159,34 +160,24 @@ def price(cfg: ModelConfig, hw: Hardware, stages: int, layout: Layout, strategy:
           sp: StagePlan, x: StageInputs, p2p: float) -> PipelineCandidate:
     """The step: each stage's gradient all-reduce over its data group starts when the stage
     finishes its last backward (the simulator's per-stage finish), plus the embedding/head
-    gradients summed over `stage`, then AdamW and the accumulation passes:
-        step = max_s (finish_s + reduce_s) + stage_sum + optimizer + M x accumulate
+    gradients summed over `stage`, then the step-level terms every step model adds
+    (`step_cost.step_terms`: FSDP's clip, AdamW, the accumulation passes; the head is in the
+    last stage's, or every stage's, ticks):
+        step = max_s (finish_s + reduce_s) + stage_sum + clip + update + M x accumulate
     (`update_s` counts the blocks' once-per-step cast to the compute dtype, which
     `StageProgram.prepare` does before the tick loop)."""
-    lmax = max(sp.layers)
-    local = local_params(cfg, layout, lmax)
+    local = local_params(cfg, layout, max(sp.layers))
     # Under FSDP (data = 1) the group is one device: the gradients were reduced inside the
     # branches (`fsdp_layer_s`).
     group = [i * layout.tensor for i in range(layout.data)]
-    reduce = hw.comm_s("all-reduce", 4 * local, group)
+    terms = step_terms(cfg, layout, hw, local=local,
+                       reduce_s=hw.comm_s("all-reduce", 4 * local, group))
     shared_params = local_params(cfg, layout, 0)
     stage_sum = hw.comm_s("all-reduce", 4 * shared_params, layout.stage_group(stages))
-    opt = update_s(cfg, local, hw)
-    accum = hw.mem_s(3 * 4 * local) * layout.microbatches if layout.microbatches > 1 else 0.0
-    end = max(fin + reduce for fin in sp.finish)
-    step = end + stage_sum + opt + accum
-    return PipelineCandidate(stages, layout, strategy, sp, step, sp.makespan, reduce, p2p,
-                             max(sp.memory))
-
-
-def local_params(cfg: ModelConfig, layout: Layout, layers: int) -> float:
-    """Parameters one device of a stage holds: its `layers` blocks and the embedding/head,
-    over tensor and fsdp (what its gradient reduction, AdamW and accumulator passes move; the
-    stage's memory, `StageInputs.block_bytes`, also counts the blocks' compute-dtype copy and,
-    under FSDP, the gathered weights, which these passes do not touch)."""
-    blocks = cfg.param_count(embeddings=False) / cfg.n_layers
-    shared = cfg.param_count() - cfg.param_count(embeddings=False)
-    return (layers * blocks + shared) / (layout.tensor * layout.fsdp)
+    end = max(fin + terms.exposed_reduce_s for fin in sp.finish)
+    step = end + stage_sum + terms.clip_s + terms.update_s + terms.accumulate_s
+    return PipelineCandidate(stages, layout, strategy, sp, step, sp.makespan, terms.reduce_s,
+                             p2p, max(sp.memory), terms)
 
 
 def _screen(cfg, hw, stages, layout, strategy, x, p2p, schedule) -> float:

@@ -1,6 +1,11 @@
 """One optimizer step: every layer's cost (`planner.layer_cost`), the resharding between
 differing neighbours, the embedding, head and loss, the data-parallel gradient reduction, FSDP's
-gathers and the AdamW update, in seconds and bytes per device."""
+gathers and the AdamW update, in seconds and bytes per device.
+
+The step-level terms (the gradients' reduction and what hides it, FSDP's clip, the update, the
+accumulation passes, one micro-batch's head) are composed once, by `step_terms`, for every step
+model: the dense one here, the 3D one (`planner.pipeline_search.price`) and the MoE one
+(`planner.moe_step`)."""
 
 from __future__ import annotations
 
@@ -27,14 +32,69 @@ OPTIMIZER_PASSES = 7  # AdamW reads p, g, m, v and writes p, m, v (fp32 each)
 
 
 @dataclasses.dataclass(frozen=True)
+class StepTerms:
+    """What a step adds once around its micro-batch loop, whatever runs the layers (seconds per
+    device). `exposed_reduce_s` is the part of the gradients' reduction nothing hides: all of
+    it after the layer loop (nothing runs beside it there), less only where a layer's own
+    backward hides its in-loop reduction (`replica_reduce_s`)."""
+
+    reduce_s: float
+    exposed_reduce_s: float
+    clip_s: float  # FSDP's global-norm all-reduces, waited for after the backward
+    update_s: float  # AdamW and the cast to the compute dtype (`update_s`)
+    accumulate_s: float  # the fp32 gradient accumulator's passes, one per micro-batch
+    head_s: float  # one micro-batch's embedding, logits and loss, forward and backward
+    head_temp_bytes: float
+
+    @property
+    def after_loop_s(self) -> float:
+        """What follows the micro-batch loop: the reduction nothing hid, clip, update and
+        the accumulation passes."""
+        return self.exposed_reduce_s + self.clip_s + self.update_s + self.accumulate_s
+
+
+def local_params(cfg: ModelConfig, layout: Layout, layers: int | None = None) -> float:
+    """Parameters one device holds (what its gradient reduction, AdamW and accumulator passes
+    move): `layers` blocks (default all; a pipeline stage's own) and the embedding/head, over
+    tensor and fsdp. An MoE model's experts split further (`planner.moe_step`).
+
+      local = (layers P_block + P_emb) / (t f)"""
+    blocks = cfg.param_count(embeddings=False) / cfg.n_layers
+    shared = cfg.param_count() - cfg.param_count(embeddings=False)
+    n = cfg.n_layers if layers is None else layers
+    return (n * blocks + shared) / (layout.tensor * layout.fsdp)
+
+
+def step_terms(cfg: ModelConfig, layout: Layout, hw: Hardware, *, local: float,
+               reduce_s: float, exposed_reduce_s: float | None = None) -> StepTerms:
+    """The step-level terms of a step whose devices hold `local` parameters and whose
+    gradients' reduction takes `reduce_s` (`exposed_reduce_s` of it waited for; default all):
+
+        clip       = clip_norm_s under fsdp, else 0
+        update     = update_s(local)
+        accumulate = M x 12 local B at HBM bandwidth (M > 1; read sum and gradient, write sum)
+        head       = head_cost (one micro-batch)"""
+    m = layout.microbatches
+    head_s, head_temp = head_cost(cfg, layout, hw)
+    return StepTerms(
+        reduce_s=reduce_s,
+        exposed_reduce_s=reduce_s if exposed_reduce_s is None else exposed_reduce_s,
+        clip_s=clip_norm_s(cfg, layout, hw) if layout.fsdp > 1 else 0.0,
+        update_s=update_s(cfg, local, hw),
+        accumulate_s=hw.mem_s(3 * 4 * local) * m if m > 1 else 0.0,
+        head_s=head_s, head_temp_bytes=head_temp)
+
+
+@dataclasses.dataclass(frozen=True)
 class StepCost:
     step_s: float
     compute_s: float
     comm_s: float
     exposed_comm_s: float
-    dp_reduce_s: float
+    dp_reduce_s: float  # the gradients' reduction, with FSDP's clip
     peak_memory_bytes: float
     memory: dict[str, float]
+    terms: StepTerms | None = None
 
 
 def resharding_s(a: LayerSpec, b: LayerSpec, cfg: ModelConfig, layout: Layout,
@@ -64,8 +124,7 @@ def static_memory(cfg: ModelConfig, layout: Layout) -> dict[str, float]:
       params_local = (L * P_block + V D) / (t * f)   (norms and biases counted as sharded)
     """
     blocks = cfg.param_count(embeddings=False)
-    emb = cfg.param_count() - blocks
-    local = (blocks + emb) / (layout.tensor * layout.fsdp)
+    local = local_params(cfg, layout)
     mem = {"params": 4 * local, "grads": 4 * local, "optimizer": 8 * local}
     e = elem_bytes(cfg)
     if e < 4:
@@ -318,31 +377,28 @@ def step_cost(cfg: ModelConfig, layout: Layout, strategies: Sequence[LayerSpec],
     layers = sum(layer_costs[s].step_s for s in strategies)
     pairs = zip(strategies, strategies[1:], strict=False)
     reshard = sum(resharding_s(a, b, cfg, layout, hw) for a, b in pairs)
-    head_s, head_temp = head_cost(cfg, layout, hw)
     static = static_memory(cfg, layout)
-    local_params = static["params"] / 4
-    grad_bytes = 4 * local_params
+    local = static["params"] / 4
     if layout.fsdp > 1:
         # Each layer's weights gathered for its forward and again for its backward, its
         # gradients reduce-scattered, inside the layer loop beside the layers' compute
         # (`fsdp_comm_s`); then an all-reduce over the data axis of the sharded gradients.
         exposed_micro, fsdp_comm = fsdp_comm_s(cfg, layout, hw, strategies)
         dgroup = [i * layout.tensor * layout.fsdp for i in range(layout.data)]
-        reduce = hw.comm_s("all-reduce", grad_bytes, dgroup)
+        terms = step_terms(cfg, layout, hw, local=local,
+                           reduce_s=hw.comm_s("all-reduce", 4 * local, dgroup))
         fsdp_s = m * exposed_micro
-        clip = clip_norm_s(cfg, layout, hw)  # waited for after the backward, like `reduce`
-        reduce += clip
-        exposed_reduce = reduce
     else:
-        exposed_reduce, reduce = replica_reduce_s(cfg, layout, hw, strategies, layer_costs,
-                                                  local_params)
-        fsdp_s = 0.0
-    opt_s = update_s(cfg, local_params, hw)
-    accum_s = hw.mem_s(3 * 4 * local_params) * (m if m > 1 else 0)
-    step = m * (layers + reshard + head_s) + fsdp_s + exposed_reduce + opt_s + accum_s
-    compute = m * (sum(layer_costs[s].compute_s for s in strategies) + head_s) + opt_s + accum_s
-    comm = m * (sum(layer_costs[s].comm_s for s in strategies) + reshard) + reduce \
-        + (m * fsdp_comm if layout.fsdp > 1 else 0.0)
+        exposed, reduce = replica_reduce_s(cfg, layout, hw, strategies, layer_costs, local)
+        terms = step_terms(cfg, layout, hw, local=local, reduce_s=reduce,
+                           exposed_reduce_s=exposed)
+        fsdp_s = fsdp_comm = 0.0
+    head_s, head_temp = terms.head_s, terms.head_temp_bytes
+    after = terms.update_s + terms.accumulate_s
+    step = m * (layers + reshard + head_s) + fsdp_s + terms.after_loop_s
+    compute = m * (sum(layer_costs[s].compute_s for s in strategies) + head_s) + after
+    reduce = terms.reduce_s + terms.clip_s
+    comm = m * (sum(layer_costs[s].comm_s for s in strategies) + reshard + fsdp_comm) + reduce
     acts = sum(layer_costs[s].act_bytes for s in strategies)
     temp = max(max(layer_costs[s].temp_bytes for s in strategies), head_temp,
                score_relayout_bytes(strategies, layer_costs))
@@ -352,4 +408,4 @@ def step_cost(cfg: ModelConfig, layout: Layout, strategies: Sequence[LayerSpec],
         memory["gathered_weights"] = kept
     return StepCost(step_s=step, compute_s=compute, comm_s=comm,
                     exposed_comm_s=max(step - compute, 0.0), dp_reduce_s=reduce,
-                    peak_memory_bytes=sum(memory.values()), memory=memory)
+                    peak_memory_bytes=sum(memory.values()), memory=memory, terms=terms)
