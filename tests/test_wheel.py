@@ -4,6 +4,7 @@ a directory of its own, imported and run from a folder that holds a user's own `
 
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -43,13 +44,27 @@ def _modules(wheel: pathlib.Path) -> list[str]:
     return sorted(out)
 
 
+def _source_tree(dest: pathlib.Path) -> pathlib.Path:
+    """The checkout's files as a clean clone has them (tracked, or new and not ignored), so no
+    build directory left from an earlier build (with modules since deleted) reaches the wheel."""
+    names = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others",
+                            "--exclude-standard"], capture_output=True, check=True).stdout
+    for name in filter(None, names.decode().split("\0")):
+        src = ROOT / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / name)
+    return dest
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     """(install directory, the wheel's module names, a user's working directory)."""
     tmp = tmp_path_factory.mktemp("wheel")
     dist, site, user = tmp / "dist", tmp / "site", tmp / "user"
+    tree = _source_tree(tmp / "src")
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist),
-                    str(ROOT)], check=True, capture_output=True, timeout=600)
+                    str(tree)], check=True, capture_output=True, timeout=600)
     (wheel,) = dist.glob("oases_jax-*.whl")
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target",
                     str(site), str(wheel)], check=True, capture_output=True, timeout=300)
