@@ -18,7 +18,6 @@ from oases_jax.planner.layout import Layout
 from oases_jax.planner.prices import Hardware
 from oases_jax.planner.primepar_cost import square_layouts
 from oases_jax.planner.search import divisors, strategies
-from oases_jax.planner.split_head import SPLIT_HEAD_MARGIN, split_head_inputs
 from oases_jax.planner.spmd_stages import spmd_head_s, spmd_weight_pass_s, uniform_stages
 from oases_jax.planner.stage_fsdp import FSDP_TP_STAGE_SCHEDULES, fsdp_layer_s
 from oases_jax.planner.stage_partition import StageInputs, StagePlan, fixed, partition
@@ -91,6 +90,35 @@ RESIDUAL_PASSES_BY_TENSOR = {1: (RESIDUAL_STORE_PASSES, RESIDUAL_LOAD_PASSES), 2
 def residual_passes(tensor: int) -> tuple[float, float]:
     """(store, load) passes per kept byte at this tensor degree inside the stages."""
     return RESIDUAL_PASSES_BY_TENSOR[max(t for t in RESIDUAL_PASSES_BY_TENSOR if t <= tensor)]
+
+
+# The head split over the stages by positions (`--split-head on`, `training.pipeline_head`), as
+# the search prices it: a phase every stage runs once a micro-batch in place of the last stage's
+# head (docs/parallelism.md, "Split head").
+#
+# The screen's error between the two heads (its bubble estimate knows no fused ticks: fused 1F1B
+# and interleaved ran 3.0-3.9% faster compiled, docs/parallelism.md "Fused ticks"); beyond it the
+# slower-screened head is not partitioned.
+SPLIT_HEAD_MARGIN = 0.05
+
+
+def split_head_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware, strategy: LayerSpec,
+                      x: StageInputs, stages: int) -> StageInputs | None:
+    """`x` with the head split over the stages by positions (`--split-head on`,
+    `training.pipeline_head`): no head on the last stage; every device runs, once a
+    micro-batch, the head and loss of 1/S of its positions (`head_cost` / S) after a
+    reduce-scatter over `stage` of the last stage's output and before the all-gather of its
+    gradient, and keeps 1/S of the logits. None where the runtime cannot split it (the
+    sequence not into S equal slices)."""
+    if stages < 2 or layout.seq_len % stages:
+        return None
+    head_s, head_temp = head_cost(cfg, layout, hw)
+    nbytes = stream_bytes(cfg, layout, strategy.schedule)
+    group = layout.stage_group(stages)
+    phase = head_s / stages + hw.comm_s("reduce-scatter", nbytes, group) \
+        + hw.comm_s("all-gather", nbytes, group)
+    return dataclasses.replace(x, last_f=0.0, last_b=0.0, last_temp=head_temp / stages,
+                               head_phase=phase)
 
 
 def stage_inputs(cfg: ModelConfig, layout: Layout, hw: Hardware,
