@@ -56,6 +56,7 @@ def summary(r: dict) -> str:
         f"simulated on {r['cluster']}: step {_fmt_s(r['simulated_step_s'])}, compute "
         f"{_fmt_s(r['compute_s'])}, comm {_fmt_s(r['comm_s'])}, exposed comm "
         f"{_fmt_s(r['exposed_comm_s'])}",
+        *hidden_lines(r),
         *pipeline_lines(r),
         *planner_lines(r),
         *xla_lines(r),
@@ -172,6 +173,18 @@ def layers_label(layers: list[dict]) -> str:
         else:
             runs.append([1, label])
     return ", ".join(f"{n} x {label}" for n, label in runs)
+
+
+def hidden_lines(r: dict) -> list[str]:
+    """How much of the collectives' simulated time compute covers, by kind, and the step's
+    exposed share (reports written before the metric existed have none)."""
+    h = r.get("hidden")
+    if not h or not r.get("comm_s"):
+        return []
+    kinds = ", ".join(f"{k} {v['share']:.0%} of {v['comm_s'] * 1e3:.3f} ms"
+                      for k, v in h["covered_by_kind"].items())
+    return [f"covered by compute: {h['hidden_share']:.1%} of the collectives' time ({kinds}); "
+            f"exposed: {h['exposed_share']:.1%} of the step"]
 
 
 def planner_lines(r: dict) -> list[str]:

@@ -50,14 +50,37 @@ class Event:
 
 @dataclasses.dataclass
 class SimResult:
+    """`covered`: per collective kind, (its simulated seconds, the seconds of them compute on
+    the other stream covers). A collective with a GEMM beside it is not hidden: only the time
+    compute runs inside its window is (synchronous collectives: none)."""
+
     step_s: float
     compute_s: float
     comm_s: float
     exposed_comm_s: float
     events: list[Event]
+    covered: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def covered_comm_s(self) -> float:
+        return sum(c for _, c in self.covered.values())
+
+    @property
+    def hidden_share(self) -> float:
+        """The share of the collectives' simulated time compute covers."""
+        return self.covered_comm_s / self.comm_s if self.comm_s else 1.0
+
+    @property
+    def exposed_share(self) -> float:
+        """The share of the step that is communication nothing covers."""
+        return self.exposed_comm_s / self.step_s if self.step_s else 0.0
 
     def to_json(self) -> dict:
-        return {k: getattr(self, k) for k in ("step_s", "compute_s", "comm_s", "exposed_comm_s")}
+        out = {k: getattr(self, k) for k in ("step_s", "compute_s", "comm_s", "exposed_comm_s",
+                                             "covered_comm_s", "hidden_share", "exposed_share")}
+        out["covered_by_kind"] = {k: {"comm_s": s, "covered_s": c, "share": c / s if s else 1.0}
+                                  for k, (s, c) in sorted(self.covered.items())}
+        return out
 
 
 class Simulator:
@@ -95,11 +118,31 @@ class Simulator:
         self.tc = self.tm = 0.0
         self.compute_s = self.comm_s = 0.0
         self.pending: dict[str, float] = {}
+        # In-flight async collectives: name -> [window start, end, kind, covered seconds].
+        self.windows: dict[str, list] = {}
+        self.covered: dict[str, list[float]] = {}
         self.events: list[Event] = []
         self._replay(comp_name)
+        for name in list(self.windows):
+            self._close(name)
         step = max(self.tc, self.tm)
         return SimResult(step_s=step, compute_s=self.compute_s, comm_s=self.comm_s,
-                         exposed_comm_s=max(step - self.compute_s, 0.0), events=self.events)
+                         exposed_comm_s=max(step - self.compute_s, 0.0), events=self.events,
+                         covered={k: (s, c) for k, (s, c) in self.covered.items()})
+
+    def _count(self, kind: str, seconds: float, covered: float) -> None:
+        tally = self.covered.setdefault(kind, [0.0, 0.0])
+        tally[0] += seconds
+        tally[1] += covered
+
+    def _close(self, name: str) -> None:
+        start, end, kind, covered = self.windows.pop(name)
+        self._count(kind, end - start, covered)
+
+    def _compute(self, start: float, end: float) -> None:
+        """Compute on [start, end]: it covers the part of each in-flight window it overlaps."""
+        for w in self.windows.values():
+            w[3] += max(0.0, min(end, w[1]) - max(start, w[0]))
 
     def _event(self, stream, name, kind, start, end):
         if len(self.events) < self.max_events and end > start:
@@ -123,18 +166,26 @@ class Simulator:
                 self.tm = begin + cost
                 self.comm_s += cost
                 self.pending[instr.name] = self.tm
+                if instr.name in self.windows:  # a loop's next iteration reissues it
+                    self._close(instr.name)
+                self.windows[instr.name] = [begin, self.tm, kind, 0.0]
                 self._event("comm", instr.name, kind, begin, self.tm)
             elif instr.opcode.endswith("-done") and instr.operands:
                 self.tc = max(self.tc, self.pending.pop(instr.operands[0], self.tc))
+                if instr.operands[0] in self.windows:
+                    self._close(instr.operands[0])
             elif kind:  # synchronous collective
                 cost = self._comm_cost(comp, idx, instr, kind)
                 begin = max(self.tc, self.tm)
                 self.tc = self.tm = begin + cost
                 self.comm_s += cost
+                self._count(kind, cost, 0.0)
                 self._event("comm", instr.name, kind, begin, self.tc)
             else:
                 cost = self._compute_cost(comp, instr)
                 self._event("compute", instr.name, instr.opcode, self.tc, self.tc + cost)
+                if self.windows and cost:
+                    self._compute(self.tc, self.tc + cost)
                 self.tc += cost
                 self.compute_s += cost
 

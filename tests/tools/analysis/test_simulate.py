@@ -123,3 +123,24 @@ def test_roofline_compute_cost():
     t = sim.compute_time(comp, comp.by_name["d"])
     flops, nbytes = 2 * 1024**3, 3 * 1024 * 1024 * 2
     assert t == pytest.approx(max(flops / 989e12, nbytes / 3.35e12))
+
+
+def test_covered_time_is_the_compute_inside_each_window():
+    """A 5 s all-reduce beside 3 s of compute: 3 s covered, 2 exposed (hidden share 0.6); the
+    synchronous one is covered by nothing; a collective with compute after its done is not
+    covered by it."""
+    r = _sim(ASYNC, {"work": 3.0}, 5.0)
+    assert r.covered == {"all-reduce": (5.0, 3.0)}
+    assert r.hidden_share == pytest.approx(0.6) and r.exposed_share == pytest.approx(2.0 / 5.0)
+    r = _sim(ASYNC, {"work": 3.0}, 2.0)
+    assert r.covered == {"all-reduce": (2.0, 2.0)} and r.hidden_share == 1.0
+    r = _sim(SYNC, {"work": 3.0}, 2.0)
+    assert r.covered == {"all-reduce": (2.0, 0.0)} and r.hidden_share == 0.0
+    late = ASYNC.replace("  %work = f32[4]{0} multiply(%p0, %p0)\n  %ar-done = f32[4]{0} "
+                         "all-reduce-done(%ar-start)\n",
+                         "  %ar-done = f32[4]{0} all-reduce-done(%ar-start)\n"
+                         "  %work = f32[4]{0} multiply(%p0, %p0)\n")
+    r = _sim(late, {"work": 3.0}, 2.0)
+    assert r.covered == {"all-reduce": (2.0, 0.0)} and r.step_s == 5.0
+    assert r.to_json()["covered_by_kind"]["all-reduce"] == {"comm_s": 2.0, "covered_s": 0.0,
+                                                            "share": 0.0}
