@@ -62,8 +62,9 @@ def record(argv: Sequence[str] | None = None) -> dict:
 
 
 def header(argv: Sequence[str] | None = None) -> str:
-    """The same as one line, for the top of a text result."""
+    """The same for the top of a text result: the command on its first line, then
+    `# commit ..., jax ..., DATE`."""
     r = record(argv)
     at = r["commit"][:12] if r["commit"] else "unknown (an installed copy)"
     at += " (with local changes)" if r["dirty"] else ""
-    return f"# {r['command']}  |  commit {at}, jax {r['jax']}, {r['date']}"
+    return f"{r['command']}\n# commit {at}, jax {r['jax']}, {r['date']}"
