@@ -81,8 +81,8 @@ class Inspection:
             # How much of each collective's simulated time compute on the other stream covers
             # (a GEMM beside a collective is not the same as hidden), and the step's exposed
             # share (`SimResult.covered`).
-            "hidden": {k: sim.to_json()[k] for k in ("covered_comm_s", "hidden_share",
-                                                     "exposed_share", "covered_by_kind")},
+            "hidden": {k: v for k, v in sim.to_json().items() if k in (
+                "covered_comm_s", "hidden_share", "exposed_share", "covered_by_kind")},
             "compile_s": self.compile_s,
             "compiler_options": self.options,
             "xla_estimate": self.xla.to_json() if self.xla else None,

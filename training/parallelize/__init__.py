@@ -188,8 +188,9 @@ def _resolve(plan: Plan, stages: int, layers: int) -> tuple[Plan, PipelineSpec]:
         raise UserError(f"parallelize() runs its stages with the tick executor: schedule "
                         f"{plan.schedule!r} is not one of its "
                         f"({', '.join(pipelines.names(executor='ticks'))})")
-    chunks = spec.chunks if spec.chunked and plan.virtual_stages < 2 else plan.virtual_stages
-    chunks = spec.table(stages, m, chunks=chunks).chunks  # its own M/S/v checks
+    # 0 or 1 asks for the schedule's own chunk count; its own M/S/v checks.
+    asked = plan.virtual_stages if plan.virtual_stages > 1 else 0
+    chunks = spec.table(stages, m, chunks=asked).chunks
     counts = pipe_remat.parse_stage_layers(plan.stage_layers, layers, stages, chunks)
     ratios = (pipe_remat.parse_ratios(plan.remat_ratios, stages,
                                       shifted=spec.shifted_recompute)
