@@ -331,6 +331,33 @@ def get_cluster(name: str) -> ClusterSpec:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class Prices:
+    """The datasheet price of one op on `device`: a GEMM or memory pass at its roofline, a
+    collective by the alpha-beta model (`collective_time`) on the link it crosses.
+    `async_collectives`: collectives run beside compute (False on CPUs, whose collectives are
+    synchronous). `oases_jax.planner.prices.Hardware` puts a calibration profile's fits in front
+    of these prices; the MoE cost model (`oases_jax.moe.cost`) prices with either."""
+
+    device: DeviceSpec
+    async_collectives: bool = True
+
+    @classmethod
+    def of(cls, cluster: ClusterSpec) -> Prices:
+        return cls(cluster.device_spec, async_collectives=cluster.device != "cpu")
+
+    def gemm_s(self, flops: float, nbytes: float, dtype: str, chunks: int = 1) -> float:
+        """max(FLOPs / peak, HBM bytes / bandwidth); `chunks` (calls) adds nothing here."""
+        return max(flops / self.device.peak(dtype), nbytes / self.device.hbm_bytes_per_s)
+
+    def mem_s(self, nbytes: float) -> float:
+        """A memory-bound pass: bytes / HBM bandwidth."""
+        return nbytes / self.device.hbm_bytes_per_s
+
+    def collective_s(self, kind: str, nbytes: float, n: int, link: LinkSpec) -> float:
+        return collective_time(kind, nbytes, n, link)
+
+
 def collective_time(kind: str, nbytes: float, n: int, link: LinkSpec) -> float:
     """Alpha-beta cost of one collective over `n` devices (ring algorithms).
 

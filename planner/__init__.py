@@ -1,5 +1,5 @@
 """The planner: an overlap-aware cost model (layouts `planner.layout`, single-op prices
-`planner.prices`, the two-stream `planner.replay`, one layer `planner.layer_work`,
+`planner.prices`, replayed by the two-stream `oases_jax.streams`, one layer `planner.layer_work`,
 `planner.layer_cost` and `planner.primepar_cost`, the whole step `planner.step_cost`, an MoE
 model's step `planner.moe_step`), calibration profiles (`planner.profile`, measured by
 `planner.calibrate`), an exact per-layer search (`planner.search`; MoE models:

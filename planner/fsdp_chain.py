@@ -1,5 +1,5 @@
 """FSDP's weight gathers and gradient reduce-scatters inside one layer's loop iteration, as XLA's
-GPU scheduler orders them, priced by the two-stream replay (`planner.replay`).
+GPU scheduler orders them, priced by the two-stream replay (`oases_jax.streams`).
 
 Read off the compiled layer loops (`benchmarks/fsdp_layer_replay.py`: GPT-2 1.5B and Llama-2 7B,
 `data=8` and `data=4,tensor=2` under fsdp on `h100:8`, one iteration of each loop replayed alone):
@@ -33,7 +33,7 @@ from oases_jax.planner.layer_cost import LayerModel, comm_pattern
 from oases_jax.planner.layer_work import elem_bytes, weight_matrices
 from oases_jax.planner.layout import Layout
 from oases_jax.planner.prices import Hardware
-from oases_jax.planner.replay import Op, replay
+from oases_jax.streams import Op, replay
 
 # The tensor collectives a sub-layer's compute waits for at once (`layer_cost.comm_pattern`).
 BLOCKING = ("all_reduce", "gather_scatter")

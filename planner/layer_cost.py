@@ -1,6 +1,6 @@
 """One layer's cost under one layout and strategy: the Megatron family's forward, backward and
 recomputation as op lists (`LayerModel.layer_ops`), in the order our implementation issues them,
-priced by the two-stream replay (`planner.replay`), and the activations it keeps. Primepar's
+priced by the two-stream replay (`oases_jax.streams`), and the activations it keeps. Primepar's
 layers are handed to `planner.primepar_cost.Square`.
 
 Compute ops cost the roofline max(FLOPs / peak, bytes / HBM bandwidth) (or a calibration
@@ -26,7 +26,7 @@ from oases_jax.planner.layer_work import (
 from oases_jax.planner.layout import Layout
 from oases_jax.planner.prices import Hardware
 from oases_jax.planner.primepar_cost import Square
-from oases_jax.planner.replay import Op, replay
+from oases_jax.streams import Op, replay
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,15 +1,14 @@
 """One optimizer step of an MoE model on a data x expert x tensor layout: the dense layers and
 the MoE layers' attention priced as the dense planner prices them (`planner.layer_cost`), each
-MoE feed-forward by the alpha-beta MoE model (`oases_jax.moe.cost`, the planner's
-hardware model: the links its expert and tensor groups cross), the experts' parameters and
+MoE feed-forward by the MoE cost model (`oases_jax.moe.cost`) priced by the planner's one
+`Hardware` (datasheet, calibration profile or XLA's fits) on the links its expert and tensor
+groups cross, the experts' parameters and
 optimizer state split over expert x tensor, and the dispatch buffers in memory."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
-from oases_jax.hardware import LinkSpec, collective_time
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.models.config import ModelConfig
 from oases_jax.moe import cost as cost
@@ -23,7 +22,6 @@ from oases_jax.planner.step_cost import StepCost, local_params, step_terms
 # What an expert axis may run: the Parm schedules; without one, `local` (S1 with N_EP = 1).
 EP_SCHEDULES = ("ds_moe", "parm_s1", "parm_s2")
 LOCAL = "local"
-_FREE = LinkSpec(name="free", bytes_per_s=math.inf, latency_s=0.0)  # prices compute alone
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -49,9 +47,10 @@ def moe_shape(cfg: ModelConfig, layout: Layout) -> cost.LayerShape:
 
 
 def moe_hardware(layout: Layout, hw: Hardware) -> cost.MoEHardware:
-    """The MoE model's hardware: the cluster's device and the links of one expert group and
-    one tensor group of this layout (expert inside or across nodes, as the layout orders it)."""
-    return cost.MoEHardware.of(hw.cluster, expert_group(layout), tensor_group(layout))
+    """The MoE model's hardware: the planner's prices (`hw`, its profile included) and the links
+    of one expert group and one tensor group of this layout (expert inside or across nodes, as
+    the layout orders it)."""
+    return cost.MoEHardware.of(hw.cluster, expert_group(layout), tensor_group(layout), prices=hw)
 
 
 def moe_choices(cfg: ModelConfig, layout: Layout, schedules=EP_SCHEDULES) -> list[MoEChoice]:
@@ -100,14 +99,13 @@ def moe_ffn_cost(cfg: ModelConfig, layout: Layout, hw: Hardware, choice: MoEChoi
         over tensor, so no restore: - 2 r
       ds_moe under a sequence-parallel schedule: its input is gathered first: + 2 r
     Remat (save_proj or full: nothing in the MoE feed-forward is saved by name) recomputes the
-    forward before the backward. Compute alone: the same estimate on links of no cost."""
+    forward before the backward. Compute alone: the same estimate with collectives of no cost."""
     shape, mhw = moe_shape(cfg, layout), moe_hardware(layout, hw)
     name = "parm_s1" if choice.schedule == LOCAL else choice.schedule
     est = cost.estimate(shape, mhw, name, choice.chunks)
-    free = cost.estimate(shape, dataclasses.replace(mhw, ep_link=_FREE, mp_link=_FREE), name,
-                         choice.chunks)
-    restore = collective_time("all-gather", shape.tokens * shape.d_model * shape.dtype_bytes,
-                              layout.tensor, mhw.mp_link)
+    free = cost.estimate(shape, dataclasses.replace(mhw, comm=False), name, choice.chunks)
+    restore = hw.comm_s("all-gather", shape.tokens * shape.d_model * shape.dtype_bytes,
+                        tensor_group(layout))
     seq = sequence_split(dense.schedule, layout.tensor) > 1
     adjust = 0.0 if not seq else -restore if moe_schedules.get(name).dedup else restore
     fwd = est.forward_s + adjust

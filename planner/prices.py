@@ -1,13 +1,15 @@
 """Prices of single operations on one cluster: a GEMM, a memory-bound pass, a collective over a
-group of devices; datasheet numbers, overridden by a calibration profile where it has them."""
+group of devices; the datasheet's (`oases_jax.hardware.Prices`), overridden by a calibration
+profile where it has them."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Sequence
 
-from oases_jax.hardware import ClusterSpec, collective_time
+from oases_jax.hardware import ClusterSpec, LinkSpec, Prices
 from oases_jax.planner.profile import Profile
 
 # XLA's GPU compiler schedules a program against (0.8 M - io) x 0.95 of a device's memory M,
@@ -82,15 +84,18 @@ class Hardware:
         """Bytes per device a plan may use (`memory_fraction`)."""
         return self.memory_fraction(fraction) * self.cluster.device_spec.memory_bytes
 
+    @functools.cached_property
+    def datasheet(self) -> Prices:
+        return Prices(self.cluster.device_spec, async_collectives=self.async_collectives)
+
     def gemm_s(self, flops: float, nbytes: float, dtype: str, chunks: int = 1) -> float:
         """One GEMM split into `chunks` calls: the profile's fit if it has this dtype, else
-        max(flops / peak, bytes / HBM)."""
+        the datasheet's max(flops / peak, bytes / HBM)."""
         if self.profile is not None:
             t = self.profile.gemm_time(flops, dtype, chunks)
             if t is not None:
                 return t
-        dev = self.cluster.device_spec
-        return max(flops / dev.peak(dtype), nbytes / dev.hbm_bytes_per_s)
+        return self.datasheet.gemm_s(flops, nbytes, dtype)
 
     def mem_s(self, nbytes: float) -> float:
         """A memory-bound (elementwise, reduction) op: bytes / the profile's measured
@@ -99,16 +104,22 @@ class Hardware:
             t = self.profile.mem_time(nbytes)
             if t is not None:
                 return t
-        return nbytes / self.cluster.device_spec.hbm_bytes_per_s
+        return self.datasheet.mem_s(nbytes)
 
-    def comm_s(self, kind: str, nbytes: float, group: Sequence[int]) -> float:
-        """One collective over the device ids `group`: the profile's fit for (kind, size) if
-        present, else alpha-beta on the slowest link the group spans."""
-        n = len(group)
+    def collective_s(self, kind: str, nbytes: float, n: int, link: LinkSpec) -> float:
+        """One collective over `n` devices crossing `link`: the profile's fit for (kind, size)
+        if present, else alpha-beta on the link."""
         if n <= 1 or nbytes <= 0:
             return 0.0
         if self.profile is not None:
             t = self.profile.comm_time(kind, nbytes, n)
             if t is not None:
                 return t
-        return collective_time(kind, nbytes, n, self.cluster.link_for(group))
+        return self.datasheet.collective_s(kind, nbytes, n, link)
+
+    def comm_s(self, kind: str, nbytes: float, group: Sequence[int]) -> float:
+        """One collective over the device ids `group`, on the slowest link the group spans
+        (`collective_s`)."""
+        if len(group) <= 1 or nbytes <= 0:
+            return 0.0
+        return self.collective_s(kind, nbytes, len(group), self.cluster.link_for(group))

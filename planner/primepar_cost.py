@@ -23,7 +23,7 @@ from oases_jax.planner.layer_work import (
 )
 from oases_jax.planner.layout import Layout, col_group, row_group
 from oases_jax.planner.prices import Hardware
-from oases_jax.planner.replay import Op
+from oases_jax.streams import Op
 
 SCHEDULE = "primepar"
 SIDES = (2, 4)  # square sides the search proposes

@@ -306,7 +306,7 @@ TIMELINE_SOURCES = ("sim", "xla")
 
 def xla_events(r: dict) -> list:
     """XLA's timeline from a report's `xla_estimate.per_op`, as drawable events."""
-    from oases_jax.tools.analysis.simulate import Event
+    from oases_jax.streams import Event
 
     x = _xla(r)
     if x is None:

@@ -1,38 +1,34 @@
 """The alpha-beta cost model of one MoE layer under each MoE schedule, and `auto`'s choice.
 
-Each collective costs `oases_jax.hardware.collective_time` on the link its group crosses
-(the planner's hardware model), each GEMM or memory pass its roofline time. A
-layer's forward and backward are each a list of tasks in the compiled program's order (`_Tasks`)
-on a compute stream and one collective stream (XLA's GPU runtime issues every asynchronous
-collective on one stream; two, one per link level, under `MoEHardware.concurrent_links`,
-Parm's premise; one for everything where collectives are synchronous, as on CPU): the
-weights' cast, gate and dispatch, per capacity chunk the dispatch all-to-all, ESP all-gather,
-expert FFN, ESP reduce-scatter and all-to-all back, the combine and the restore of the MP
-ranks' tokens; the backward mirrors them (all-to-all <-> all-to-all, all-gather <->
-reduce-scatter) over its own chunk count, with the FFN's input gradients per forward chunk, its
-weight gradients beside the backward's last collectives, and the router's all-reduces. With one
-chunk this is S1; with r, chunk i's collectives run while chunk i-1's GEMMs do (S2), each chunk
-paying its own latency terms. Where the model disagreed with the compiled programs, and why it
-was changed: docs/parallelism.md, "Mixture of experts". It lives with the analysis tools (it
-prices with their hardware model); the runtime gets `choose_for_mesh` as `MoESetup.choose`
-from the training layer.
+Each op is priced by one hardware object (`MoEHardware.prices`): the datasheet's
+(`oases_jax.hardware.Prices`: roofline GEMMs and memory passes, alpha-beta collectives on the
+link a group crosses) where the runtime's `auto` asks, the planner's `Hardware` (a calibration
+profile's or XLA's fits in front of the datasheet) where the planner does. A layer's forward and
+backward are each a list of tasks in the compiled program's order on the project's two-stream
+engine (`oases_jax.streams.Streams`): a compute stream and one collective stream (XLA's GPU
+runtime issues every asynchronous collective on one stream; two, one per link level, under
+`MoEHardware.concurrent_links`, Parm's premise; one for everything where collectives are
+synchronous, as on CPU): the weights' cast, gate and dispatch, per capacity chunk the dispatch
+all-to-all, ESP all-gather, expert FFN, ESP reduce-scatter and all-to-all back, the combine and
+the restore of the MP ranks' tokens; the backward mirrors them (all-to-all <-> all-to-all, all-
+gather <-> reduce-scatter) over its own chunk count, with the FFN's input gradients per forward
+chunk, its weight gradients beside the backward's last collectives, and the router's all-
+reduces. With one chunk this is S1; with r, chunk i's collectives run while chunk i-1's GEMMs do
+(S2), each chunk paying its own latency terms. Where the model disagreed with the compiled
+programs, and why it was changed: docs/parallelism.md, "Mixture of experts". It lives beside the
+MoE runtime: the runtime gets `choose_for_mesh` as `MoESetup.choose` from the training layer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Protocol
 
-from oases_jax.hardware import (
-    ClusterSpec,
-    DeviceSpec,
-    LinkSpec,
-    collective_time,
-    compile_targets,
-    get_cluster,
-)
+from oases_jax.hardware import ClusterSpec, LinkSpec, Prices, compile_targets, get_cluster
 from oases_jax.moe.chunked import padded_slots
 from oases_jax.moe.routing import capacity
 from oases_jax.moe.schedules import get as schedule_spec
+from oases_jax.streams import COMPUTE, Streams
 
 CHUNKS = (1, 2, 4, 8)  # parm_s2's chunk counts `auto` tries (1 is parm_s1)
 
@@ -57,27 +53,57 @@ class LayerShape:
     bias: bool = False
 
 
+class OpPrices(Protocol):
+    """What prices one op: `oases_jax.hardware.Prices` or the planner's `Hardware`."""
+
+    async_collectives: bool
+
+    def gemm_s(self, flops: float, nbytes: float, dtype: str, chunks: int = 1) -> float: ...
+
+    def mem_s(self, nbytes: float) -> float: ...
+
+    def collective_s(self, kind: str, nbytes: float, n: int, link: LinkSpec) -> float: ...
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MoEHardware:
-    """What the model prices with: the device, the links the EP and MP groups cross, whether
-    they are one link level, whether collectives run asynchronously beside other work, and
-    whether collectives on two link levels run at the same time (`concurrent_links`: Parm's
-    premise; XLA's GPU runtime as this project compiles for it issues every asynchronous
-    collective on one collective stream, so they run one after another, as the simulator
-    replays them: docs/parallelism.md, "What the compiled programs say")."""
+    """What the model prices with: the op prices, the links the EP and MP groups cross,
+    whether they are one link level, and whether collectives on two link levels run at the same
+    time (`concurrent_links`: Parm's premise; XLA's GPU runtime as this project compiles for it
+    issues every asynchronous collective on one collective stream, so they run one after
+    another, as the simulator replays them: docs/parallelism.md, "What the compiled programs
+    say"). Collectives run beside compute where the prices say they are asynchronous;
+    `comm=False` prices the layer's compute alone (its collectives cost nothing)."""
 
-    device: DeviceSpec
+    prices: OpPrices
     ep_link: LinkSpec
     mp_link: LinkSpec
     same_level: bool
-    overlap: bool = True
     concurrent_links: bool = False
+    comm: bool = True
 
     @classmethod
-    def of(cls, cluster: ClusterSpec, ep_group, mp_group) -> MoEHardware:
+    def of(cls, cluster: ClusterSpec, ep_group, mp_group, prices: OpPrices | None = None
+           ) -> MoEHardware:
+        """The links of the EP and MP groups (device ids) on `cluster`, priced by `prices`
+        (default: the cluster's datasheet)."""
         ep_link, mp_link = cluster.link_for(ep_group), cluster.link_for(mp_group)
-        return cls(device=cluster.device_spec, ep_link=ep_link, mp_link=mp_link,
-                   same_level=ep_link == mp_link, overlap=cluster.device != "cpu")
+        return cls(prices=prices or Prices.of(cluster), ep_link=ep_link, mp_link=mp_link,
+                   same_level=ep_link == mp_link)
+
+    @property
+    def overlap(self) -> bool:
+        return self.prices.async_collectives
+
+    def collective_s(self, kind: str, nbytes: float, n: int, link: LinkSpec) -> float:
+        return self.prices.collective_s(kind, nbytes, n, link) if self.comm else 0.0
+
+    def gemm_s(self, flops: float, nbytes: float, dtype_bytes: int) -> float:
+        """One GEMM (or any op) at the prices' rate for the compute dtype."""
+        return self.prices.gemm_s(flops, nbytes, "float32" if dtype_bytes >= 4 else "bfloat16")
+
+    def mem_s(self, nbytes: float) -> float:
+        return self.prices.mem_s(nbytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,12 +177,6 @@ def collectives(shape: LayerShape, schedule: str, chunks: int = 1, *, restore: b
     return tuple(out)
 
 
-def _gemm_s(hw: MoEHardware, flops: float, nbytes: float, dtype_bytes: int) -> float:
-    """One GEMM (or any op) at its roofline: max(FLOPs / peak, HBM bytes / bandwidth)."""
-    dtype = "float32" if dtype_bytes >= 4 else "bfloat16"
-    return max(flops / hw.device.peak(dtype), nbytes / hw.device.hbm_bytes_per_s)
-
-
 @dataclasses.dataclass(frozen=True)
 class _FFN:
     """Seconds of the local experts' FFN on one chunk's rows (all local experts together),
@@ -177,34 +197,14 @@ class _FFN:
         w = shape.experts // shape.ep * d * f * b  # one matrix of every local expert
         flops, io, act = 2.0 * rows * d * f, rows * (d + f) * b, rows * f * b
         mats = 3 if shape.gated else 2
-        hbm = hw.device.hbm_bytes_per_s
-        return cls(forward=mats * _gemm_s(hw, flops, w + io, b) + 3 * act / hbm,
-                   input_grad=mats * _gemm_s(hw, flops, w + io, b) + 4 * act / hbm,
-                   weight_grad=mats * _gemm_s(hw, flops, 2 * w + io, b))
+        return cls(forward=mats * hw.gemm_s(flops, w + io, b) + hw.mem_s(3 * act),
+                   input_grad=mats * hw.gemm_s(flops, w + io, b) + hw.mem_s(4 * act),
+                   weight_grad=mats * hw.gemm_s(flops, 2 * w + io, b))
 
 
-class _Tasks:
-    """A program-order list of tasks on resources ("compute", and one or two for the
-    collectives): a task starts when its resource has finished the tasks listed before it and
-    its dependencies have ended (XLA runs each stream's ops in schedule order)."""
-
-    def __init__(self):
-        self.ends: list[float] = []
-        self.free: dict[str, float] = {}
-
-    def add(self, resource: str, seconds: float, deps=()) -> int:
-        start = max([self.free.get(resource, 0.0)] + [self.ends[i] for i in deps])
-        self.ends.append(start + seconds)
-        self.free[resource] = self.ends[-1]
-        return len(self.ends) - 1
-
-    def chunks(self, resource: str, seconds: float, n: int, deps_of) -> list[int]:
-        """n chunk tasks; chunk i depends on `deps_of(i, n)`."""
-        return [self.add(resource, seconds, deps_of(i, n)) for i in range(n)]
-
-    @property
-    def makespan(self) -> float:
-        return max(self.ends, default=0.0)
+def _chunks(tasks: Streams, stream: str, seconds: float, n: int, deps_of) -> list[int]:
+    """n chunk tasks on `stream`; chunk i depends on `deps_of(i, n)`."""
+    return [tasks.add(stream, seconds, deps_of(i, n)) for i in range(n)]
 
 
 def _over(tasks: list[int]):
@@ -215,76 +215,75 @@ def _over(tasks: list[int]):
 
 def estimate(shape: LayerShape, hw: MoEHardware, schedule: str, chunks: int = 1,
              backward_chunks: int | None = None) -> Estimate:
-    """Forward and backward seconds of one MoE layer's routed part under `schedule`, parm_s2
-    with `chunks` forward and `backward_chunks` (default: the same) backward chunks, as a list
-    of tasks in the compiled program's order on a compute stream and the collective stream
-    (`_Tasks`). Forward: the weights' cast to the compute dtype; gate and dispatch; per chunk
-    all-to-all -> ESP all-gather -> FFN -> ESP reduce-scatter -> all-to-all back (with expert
-    biases every reduce-scatter waits for every chunk's FFN: XLA fuses the chunks' output-bias
-    additions into one fusion); combine; the restore of the MP ranks' tokens. Backward: the
-    combine's transpose; per backward chunk the mirrored all-to-all and all-gather; per forward
-    chunk the FFN's input gradient (autodiff transposes each forward chunk's FFN; where the
-    counts differ the buffers are re-cut between them, a read and a write of each, twice); per
-    backward chunk reduce-scatter and all-to-all back, while the weight gradients run; the
-    dispatch's and router's transposes; the all-reduces of the router's statistics and gradient
-    (`_router_all_reduces`) and the restore's mirror."""
+    """Forward and backward seconds of one MoE layer's routed part under `schedule`, parm_s2 with
+    `chunks` forward and `backward_chunks` (default: the same) backward chunks, as a list of
+    tasks in the compiled program's order on a compute stream and the collective stream
+    (`oases_jax.streams.Streams`). Forward: the weights' cast to the compute dtype; gate and
+    dispatch; per chunk all-to-all -> ESP all-gather -> FFN -> ESP reduce-scatter -> all-to-all
+    back (with expert biases every reduce-scatter waits for every chunk's FFN: XLA fuses the
+    chunks' output-bias additions into one fusion); combine; the restore of the MP ranks'
+    tokens. Backward: the combine's transpose; per backward chunk the mirrored all-to-all and
+    all-gather; per forward chunk the FFN's input gradient (autodiff transposes each forward
+    chunk's FFN; where the counts differ the buffers are re-cut between them, a read and a write
+    of each, twice); per backward chunk reduce-scatter and all-to-all back, while the weight
+    gradients run; the dispatch's and router's transposes; the all-reduces of the router's
+    statistics and gradient (`_router_all_reduces`) and the restore's mirror."""
     rf, rb = chunks, backward_chunks or chunks
     s = slots(shape, schedule, rf, rb)
     e, d, b, mp, ep = shape.experts, shape.d_model, shape.dtype_bytes, shape.mp, shape.ep
-    hbm = hw.device.hbm_bytes_per_s
     # Resources: collectives share one stream (two when they run at once on two link levels);
     # where collectives are synchronous (CPU) everything is serial.
     ep_res, mp_res = (("ep", "mp") if hw.concurrent_links and not hw.same_level
                       else ("comm", "comm"))
     if not hw.overlap:
-        ep_res = mp_res = "compute"
+        ep_res = mp_res = COMPUTE
 
     def comm(r):
         n = e * (s // r) * d * b  # one chunk's [E, S/r, D] buffer
-        return (collective_time("all-to-all", n, ep, hw.ep_link),
-                collective_time("all-gather", n * mp, mp, hw.mp_link),
-                collective_time("reduce-scatter", n * mp, mp, hw.mp_link))
+        return (hw.collective_s("all-to-all", n, ep, hw.ep_link),
+                hw.collective_s("all-gather", n * mp, mp, hw.mp_link),
+                hw.collective_s("reduce-scatter", n * mp, mp, hw.mp_link))
 
     ffn = _FFN.of(shape, hw, e * mp * s // rf)  # E/ep local experts x mp*ep*S/rf rows
-    rechunk = 0.0 if rf == rb else 2 * 2 * e * mp * s * d * b / hbm / rf
+    rechunk = 0.0 if rf == rb else hw.mem_s(2 * 2 * e * mp * s * d * b) / rf
     dedup = schedule_spec(schedule).dedup
     tokens = shape.tokens // mp if dedup else shape.tokens
-    gate = _gemm_s(hw, 2.0 * tokens * d * e, tokens * d * b, b)
-    row = tokens * d * b / hbm  # one pass over the gated tokens
+    gate = hw.gemm_s(2.0 * tokens * d * e, tokens * d * b, b)
+    row = hw.mem_s(tokens * d * b)  # one pass over the gated tokens
     k = shape.top_k
-    restore = collective_time("all-gather" if dedup else "all-reduce",
+    restore = hw.collective_s("all-gather" if dedup else "all-reduce",
                               shape.tokens * d * b, mp, hw.mp_link)
     stats_ar, grad_ar = _router_all_reduces(shape, hw, schedule)
     mats = 3 if shape.gated else 2
-    cast = mats * 3 * e // ep * d * (shape.d_ff // mp) * b / hbm  # float32 read, bf16 write
+    cast = hw.mem_s(mats * 3 * e // ep * d * (shape.d_ff // mp) * b)  # float32 read, bf16 write
 
     a2a, ag, rs = comm(rf)
-    f = _Tasks()
-    f.add("compute", cast)
+    f = Streams()
+    f.add(COMPUTE, cast)
     # gate: the router reads each token; dispatch: a gather of its k copies
-    route = f.add("compute", gate + (k + 1) * row)
-    sent = f.chunks(ep_res, a2a, rf, lambda i, n: [route])
-    got = f.chunks(mp_res, ag, rf, _over(sent))
-    ran = f.chunks("compute", ffn.forward, rf, _over(got))
-    summed = f.chunks(mp_res, rs, rf, (lambda i, n: ran) if shape.bias else _over(ran))
-    back = f.chunks(ep_res, a2a, rf, _over(summed))
-    combined = f.add("compute", (k + 1) * row, back)  # reads k rows, writes one
+    route = f.add(COMPUTE, gate + (k + 1) * row)
+    sent = _chunks(f, ep_res, a2a, rf, lambda i, n: [route])
+    got = _chunks(f, mp_res, ag, rf, _over(sent))
+    ran = _chunks(f, COMPUTE, ffn.forward, rf, _over(got))
+    summed = _chunks(f, mp_res, rs, rf, (lambda i, n: ran) if shape.bias else _over(ran))
+    back = _chunks(f, ep_res, a2a, rf, _over(summed))
+    combined = f.add(COMPUTE, (k + 1) * row, back)  # reads k rows, writes one
     f.add(mp_res, restore, [combined])
 
     a2a, ag, rs = comm(rb)
-    g = _Tasks()
+    g = Streams()
     # the combine's transpose: reads the token gradient, writes k rows; the gates' gradient
     # reads the k expert rows
-    comb_t = g.add("compute", (2 * k + 1) * row)
-    sent = g.chunks(ep_res, a2a, rb, lambda i, n: [comb_t])
-    got = g.chunks(mp_res, ag, rb, _over(sent))
-    ran = g.chunks("compute", ffn.input_grad + rechunk, rf, _over(got))
+    comb_t = g.add(COMPUTE, (2 * k + 1) * row)
+    sent = _chunks(g, ep_res, a2a, rb, lambda i, n: [comb_t])
+    got = _chunks(g, mp_res, ag, rb, _over(sent))
+    ran = _chunks(g, COMPUTE, ffn.input_grad + rechunk, rf, _over(got))
     g.add(ep_res, stats_ar)
-    summed = g.chunks(mp_res, rs, rb, _over(ran))
-    back = g.chunks(ep_res, a2a, rb, _over(summed))
-    g.chunks("compute", ffn.weight_grad, rf, _over(got))
+    summed = _chunks(g, mp_res, rs, rb, _over(ran))
+    back = _chunks(g, ep_res, a2a, rb, _over(summed))
+    _chunks(g, COMPUTE, ffn.weight_grad, rf, _over(got))
     # the dispatch's transpose: reads k rows, scatter-adds into one; the router's input gradient
-    disp_t = g.add("compute", 2 * gate + (k + 2) * row, back)
+    disp_t = g.add(COMPUTE, 2 * gate + (k + 2) * row, back)
     g.add(ep_res, grad_ar, [disp_t])
     g.add(mp_res, restore, [disp_t])
     return Estimate(schedule, rf, f.makespan, g.makespan,
@@ -302,8 +301,8 @@ def _router_all_reduces(shape: LayerShape, hw: MoEHardware, schedule: str
     n = shape.dp * shape.ep * (shape.mp if dedup else 1)
     links = [hw.ep_link] + ([hw.mp_link] if dedup and shape.mp > 1 else [])
     link = min(links, key=lambda lk: lk.bytes_per_s)
-    return (collective_time("all-reduce", (2 * shape.experts + 3) * 4, n, link),
-            collective_time("all-reduce", shape.d_model * shape.experts * 4, n, link))
+    return (hw.collective_s("all-reduce", (2 * shape.experts + 3) * 4, n, link),
+            hw.collective_s("all-reduce", shape.d_model * shape.experts * 4, n, link))
 
 
 def chunk_pairs(shape: LayerShape, chunks=CHUNKS) -> tuple[tuple[int, int], ...]:

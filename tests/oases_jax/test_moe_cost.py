@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from oases_jax.hardware import DEVICES, LinkSpec, collective_time
+from oases_jax.hardware import DEVICES, LinkSpec, Prices, collective_time
 from oases_jax.mesh import make_mesh
 from oases_jax.moe import MoEArgs, MoESetup, moe_layer, use_moe
 from oases_jax.moe import cost as cost
@@ -48,8 +48,8 @@ def test_bytes_by_hand():
 
 def _hw(inter: LinkSpec, intra: LinkSpec, overlap=True, device=DEVICES["h100"],
         concurrent=False):
-    return cost.MoEHardware(device=device, ep_link=inter, mp_link=intra,
-                            same_level=inter == intra, overlap=overlap,
+    return cost.MoEHardware(prices=Prices(device, async_collectives=overlap), ep_link=inter,
+                            mp_link=intra, same_level=inter == intra,
                             concurrent_links=concurrent)
 
 

@@ -15,9 +15,9 @@ from oases_jax.planner import plan as plans
 from oases_jax.planner.layer_cost import LayerModel
 from oases_jax.planner.layout import Layout
 from oases_jax.planner.prices import Hardware
-from oases_jax.planner.replay import replay
 from oases_jax.planner.search import MEMORY_BUCKETS, chain_dp, layouts, search
 from oases_jax.planner.step_cost import step_cost
+from oases_jax.streams import replay
 from tests.scriptrun import run_script
 
 

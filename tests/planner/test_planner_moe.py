@@ -273,3 +273,37 @@ def test_the_printed_ranking_says_why_the_expert_degree():
     ms = [float(x) for x in with_ep.split("MoE comm ")[1].split(" ms")[0:1]]
     assert ms[0] > 0 and "gradient reduction" in with_ep and "faster" in with_ep
     assert math.isfinite(ms[0])
+
+
+def test_moe_feed_forward_prices_through_the_planners_hardware_and_its_profile():
+    """The MoE feed-forward is priced by the planner's one `Hardware`: with a calibration
+    profile its compute alone is every GEMM at the profile's rate and every memory pass at its
+    bandwidth, so doubling both halves it exactly (overheads 0), where the datasheet's roofline
+    would not move; and its collectives take the profile's fits."""
+    from oases_jax.planner.profile import CommFit, GemmFit, MemFit, Profile
+
+    cfg = get_preset("small-moe")
+    cluster = get_cluster("h100-8")
+    lay = Layout(data=2, expert=2, tensor=2, global_batch=16, seq_len=128)
+    mega = LayerSpec(schedule="megatron")
+
+    def hw_at(rate, comm_s_per_byte=None):
+        kinds = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce")
+        comm = {} if comm_s_per_byte is None else {
+            (k, n): CommFit(bytes_per_s=1 / comm_s_per_byte, latency_s=0.0)
+            for k in kinds for n in (2, 4, 8)}
+        prof = Profile(source="profile", device="h100", n_devices=8, samples={}, meta={},
+                       gemm={dt: GemmFit(flops_per_s=rate, overhead_s=0.0)
+                             for dt in ("float32", "bfloat16")},
+                       comm=comm, memory=MemFit(bytes_per_s=rate / 100, overhead_s=0.0))
+        return Hardware.of(cluster, prof)
+
+    slow = moe_ffn_cost(cfg, lay, hw_at(1e12), MoEChoice("parm_s1"), mega)
+    fast = moe_ffn_cost(cfg, lay, hw_at(2e12), MoEChoice("parm_s1"), mega)
+    assert fast.compute_s == pytest.approx(slow.compute_s / 2, rel=1e-9)
+    sheet = moe_ffn_cost(cfg, lay, Hardware.of(cluster), MoEChoice("parm_s1"), mega)
+    assert sheet.compute_s != pytest.approx(slow.compute_s, rel=1e-3)
+    # collectives at the profile's 1 ns a byte are far slower than NVLink's datasheet
+    costly = moe_ffn_cost(cfg, lay, hw_at(1e12, 1e-9), MoEChoice("parm_s1"), mega)
+    assert costly.compute_s == pytest.approx(slow.compute_s)
+    assert costly.step_s > slow.step_s + 1e-5

@@ -12,9 +12,9 @@ from oases_jax.planner.layer_cost import LayerModel
 from oases_jax.planner.layout import Layout
 from oases_jax.planner.prices import Hardware
 from oases_jax.planner.primepar_cost import Square
-from oases_jax.planner.replay import replay
 from oases_jax.planner.search import layouts, search, strategies
 from oases_jax.planner.step_cost import head_cost, head_tensor_comm_s, step_cost
+from oases_jax.streams import replay
 
 # D 64, 4 heads of 16, MLP 256, V 128, fp32 (e = 4); 8 rows x 16 tokens: T = 128, q = 2.
 CFG = ModelConfig(family="gpt2", d_model=64, n_layers=2, n_heads=4, d_ff=256, vocab_size=128,

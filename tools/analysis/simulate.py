@@ -1,5 +1,7 @@
 """Replay a compiled schedule on two streams (compute, collectives) with roofline and alpha-beta
-costs, to estimate step time and how much communication stays exposed.
+costs, to estimate step time and how much communication stays exposed, by the project's one
+two-stream engine (`oases_jax.streams`, which the planner's layer replay and the MoE cost model
+use too).
 
 Rules of the replay, in schedule order:
 - compute op: runs on the compute stream, cost max(FLOPs / peak, bytes / HBM bandwidth);
@@ -14,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from oases_jax.hardware import ClusterSpec, DeviceSpec, collective_time
+from oases_jax.streams import COMPUTE, Event, Streams
 from oases_jax.tools.analysis.hlo import Computation, Instr
 from oases_jax.tools.analysis.program import TRIVIAL, Program, collective_kind, is_async_start
 
@@ -37,15 +40,6 @@ def _low_precision(comp: Computation, instr: Instr) -> bool:
     operands = [comp.by_name.get(o) for o in instr.operands]
     dtypes = {a.dtype for o in operands if o for a in o.shapes} or {a.dtype for a in instr.shapes}
     return bool(dtypes & set(LOW_PRECISION))
-
-
-@dataclasses.dataclass
-class Event:
-    stream: str  # "compute" or "comm"
-    name: str
-    kind: str
-    start: float
-    end: float
 
 
 @dataclasses.dataclass
@@ -115,41 +109,18 @@ class Simulator:
     def replay(self, comp_name: str, skip: frozenset[str] = frozenset()) -> SimResult:
         """Replay computation `comp_name` alone, from idle streams."""
         self.skip = frozenset(skip)
-        self.tc = self.tm = 0.0
-        self.compute_s = self.comm_s = 0.0
-        self.pending: dict[str, float] = {}
-        # In-flight async collectives: name -> [window start, end, kind, covered seconds].
-        self.windows: dict[str, list] = {}
-        self.covered: dict[str, list[float]] = {}
-        self.events: list[Event] = []
+        self.streams = Streams(events=self.max_events)
+        self.pending: dict[str, int] = {}  # async collectives in flight: name -> task
         self._replay(comp_name)
-        for name in list(self.windows):
-            self._close(name)
-        step = max(self.tc, self.tm)
-        return SimResult(step_s=step, compute_s=self.compute_s, comm_s=self.comm_s,
-                         exposed_comm_s=max(step - self.compute_s, 0.0), events=self.events,
-                         covered={k: (s, c) for k, (s, c) in self.covered.items()})
-
-    def _count(self, kind: str, seconds: float, covered: float) -> None:
-        tally = self.covered.setdefault(kind, [0.0, 0.0])
-        tally[0] += seconds
-        tally[1] += covered
-
-    def _close(self, name: str) -> None:
-        start, end, kind, covered = self.windows.pop(name)
-        self._count(kind, end - start, covered)
-
-    def _compute(self, start: float, end: float) -> None:
-        """Compute on [start, end]: it covers the part of each in-flight window it overlaps."""
-        for w in self.windows.values():
-            w[3] += max(0.0, min(end, w[1]) - max(start, w[0]))
-
-    def _event(self, stream, name, kind, start, end):
-        if len(self.events) < self.max_events and end > start:
-            self.events.append(Event(stream, name, kind, start, end))
+        s = self.streams
+        step = s.makespan
+        return SimResult(step_s=step, compute_s=s.compute_s, comm_s=s.comm_s,
+                         exposed_comm_s=max(step - s.compute_s, 0.0), events=s.events,
+                         covered=s.covered())
 
     def _replay(self, comp_name: str) -> None:
         comp = self.p.comp(comp_name)
+        s = self.streams
         for idx, instr in enumerate(comp.instrs):
             kind = collective_kind(instr, self.p.module)
             if instr.name in self.skip:
@@ -162,32 +133,17 @@ class Simulator:
                 self._replay(instr.called[0])
             elif kind and is_async_start(instr):
                 cost = self._comm_cost(comp, idx, instr, kind)
-                begin = max(self.tc, self.tm)
-                self.tm = begin + cost
-                self.comm_s += cost
-                self.pending[instr.name] = self.tm
-                if instr.name in self.windows:  # a loop's next iteration reissues it
-                    self._close(instr.name)
-                self.windows[instr.name] = [begin, self.tm, kind, 0.0]
-                self._event("comm", instr.name, kind, begin, self.tm)
+                self.pending[instr.name] = s.issue(cost, kind=kind, name=instr.name)
             elif instr.opcode.endswith("-done") and instr.operands:
-                self.tc = max(self.tc, self.pending.pop(instr.operands[0], self.tc))
-                if instr.operands[0] in self.windows:
-                    self._close(instr.operands[0])
-            elif kind:  # synchronous collective
-                cost = self._comm_cost(comp, idx, instr, kind)
-                begin = max(self.tc, self.tm)
-                self.tc = self.tm = begin + cost
-                self.comm_s += cost
-                self._count(kind, cost, 0.0)
-                self._event("comm", instr.name, kind, begin, self.tc)
+                task = self.pending.pop(instr.operands[0], None)
+                if task is not None:
+                    s.wait(task)
+            elif kind:  # synchronous collective: both streams wait for each other
+                s.wait(s.issue(self._comm_cost(comp, idx, instr, kind), kind=kind,
+                               name=instr.name))
             else:
-                cost = self._compute_cost(comp, instr)
-                self._event("compute", instr.name, instr.opcode, self.tc, self.tc + cost)
-                if self.windows and cost:
-                    self._compute(self.tc, self.tc + cost)
-                self.tc += cost
-                self.compute_s += cost
+                s.add(COMPUTE, self._compute_cost(comp, instr), kind=instr.opcode,
+                      name=instr.name)
 
 
 def simulate(program: Program, cluster: ClusterSpec) -> SimResult:
