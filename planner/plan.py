@@ -32,8 +32,10 @@ from oases_jax.files import read_json
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.models.config import ModelConfig
 from oases_jax.pipeline import registry as pipelines
+from oases_jax.pipeline.config import PipelineConfig
+from oases_jax.pipeline.remat import resolve_stage_layers
 from oases_jax.planner.pipeline_search import PipelineCandidate
-from oases_jax.planner.plan_schema import FIX, FORMAT, VERSION, PlanFile, check
+from oases_jax.planner.plan_schema import FIX, FORMAT, VERSION, PipelineEntry, PlanFile, check
 from oases_jax.planner.search import Candidate, SearchResult
 from oases_jax.schema import validate
 
@@ -103,13 +105,13 @@ def pipeline_plan_json(c: PipelineCandidate, *, model: str, cfg: ModelConfig, cl
         "mesh": c.mesh(), "rules": c.rules(),
         "microbatches": c.layout.microbatches,
         "layers": [c.strategy.to_json()] * cfg.n_layers,
-        "pipeline": {"schedule": sp.schedule, "stages": sp.stages,
-                     "stage_layers": list(sp.layers),
-                     "remat_ratios": [str(r) for r in sp.ratios], "virtual_stages": sp.chunks,
-                     "backward_ticks": sp.backward_ticks, "fused_ticks": sp.fused_ticks,
-                     "split_head": sp.split_head,
-                     "predicted_pipeline_s": sp.makespan,
-                     "predicted_stage_memory_bytes": list(sp.memory), "exact": sp.exact},
+        "pipeline": pipeline_entry(
+            PipelineConfig(schedule=sp.schedule, stage_layers=sp.layers,
+                           virtual_stages=sp.chunks, remat_ratios=sp.ratios,
+                           backward_ticks=sp.backward_ticks, fused_ticks=sp.fused_ticks,
+                           split_head=sp.split_head),
+            stages=sp.stages, num_layers=cfg.n_layers, predicted_pipeline_s=sp.makespan,
+            predicted_stage_memory_bytes=list(sp.memory), exact=sp.exact),
         "predicted_step_s": c.step_s, "predicted_peak_memory_bytes": c.peak_memory_bytes,
         "search_s": search_s, "cost_source": cost_source,
         "alternatives": [{"summary": a.summary(), "mesh": a.mesh(),
@@ -117,6 +119,39 @@ def pipeline_plan_json(c: PipelineCandidate, *, model: str, cfg: ModelConfig, cl
                           "peak_memory_bytes": a.peak_memory_bytes, "exposed_comm_s": 0.0}
                          for a in alternatives],
     }
+
+
+def pipeline_entry(config: PipelineConfig, *, stages: int, num_layers: int,
+                   predicted_pipeline_s: float | None = None,
+                   predicted_stage_memory_bytes: Sequence[float] | None = None,
+                   exact: bool | None = None) -> dict:
+    """A pipeline config as a plan's stage section (`plan_schema.PipelineEntry`) on S stages of
+    a model of `num_layers` layers: every stage's layers and recompute ratio written out (the
+    uniform split, Merak's rule from r0, 0 without ratios), the chunks per stage, the tick table
+    (absent fields: the runtime's rule), and what the search predicted."""
+    chunks = pipelines.get(config.schedule).check_chunks(config.virtual_stages)
+    ratios = config.ratios_for(stages) or (Fraction(0),) * stages
+    entry = {"schedule": config.schedule, "stages": stages,
+             "stage_layers": list(resolve_stage_layers(config.stage_layers, num_layers, stages,
+                                                       chunks)),
+             "remat_ratios": [str(r) for r in ratios], "virtual_stages": chunks,
+             "backward_ticks": config.backward_ticks or None,
+             "fused_ticks": config.fused_ticks, "split_head": config.split_head,
+             "predicted_pipeline_s": predicted_pipeline_s,
+             "predicted_stage_memory_bytes": None if predicted_stage_memory_bytes is None
+             else list(predicted_stage_memory_bytes), "exact": exact}
+    return {k: v for k, v in entry.items() if v is not None}
+
+
+def pipeline_config(entry: PipelineEntry) -> PipelineConfig:
+    """A plan's stage section as the pipeline config it describes: the stages' layers and
+    ratios as recorded, the tick table it was priced on (absent: the runtime's rule); the
+    predictions stay in the plan."""
+    return PipelineConfig(schedule=entry.schedule, stage_layers=tuple(entry.stage_layers),
+                          virtual_stages=entry.virtual_stages,
+                          remat_ratios=tuple(entry.remat_ratios),
+                          backward_ticks=entry.backward_ticks or 0,
+                          fused_ticks=entry.fused_ticks, split_head=bool(entry.split_head))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +166,7 @@ class Plan:
     layers: tuple[LayerSpec, ...]
     raw: dict
     config: ModelConfig | None = None  # the model it names (model_config, else its preset)
+    pipeline: PipelineConfig | None = None  # its stage section (`pipeline_config`); None: none
 
     @property
     def schedule(self) -> str:
@@ -149,25 +185,18 @@ class Plan:
                 mesh=self.mesh, rules=self.rules, schedule=self.layers[0].schedule,
                 sub_batches=self.layers[0].sub_batches, moe_schedule=moe["schedule"],
                 moe_chunks=moe.get("chunks", 1) if moe["schedule"] == "parm_s2" else 0)
-        pipe = self.raw.get("pipeline")
-        if pipe and pipelines.get(pipe["schedule"]).equal_stages:  # the model's remat
+        pipe = self.pipeline
+        if pipe and pipelines.get(pipe.schedule).equal_stages:  # the model's remat
             return ParallelConfig(mesh=self.mesh, rules=self.rules,
                                   schedule=self.layers[0].schedule,
                                   sub_batches=self.layers[0].sub_batches,
-                                  pipeline=pipe["schedule"])
+                                  pipeline=PipelineConfig(schedule=pipe.schedule))
         if pipe:  # the stages carry the remat; per-layer strategies where the layers differ
             mixed = len(set(self.layers)) > 1
             return ParallelConfig(
                 mesh=self.mesh, rules=self.rules, schedule=self.layers[0].schedule,
-                sub_batches=self.layers[0].sub_batches, pipeline=pipe["schedule"],
-                layers=tuple(self.layers) if mixed else None,
-                stage_layers=",".join(map(str, pipe["stage_layers"])),
-                virtual_stages=pipe.get("virtual_stages", 1)
-                if pipelines.get(pipe["schedule"]).chunked else 0,
-                remat_ratios=",".join(pipe["remat_ratios"]),
-                backward_ticks=pipe.get("backward_ticks") or 0,
-                fused_ticks=_fused_flag(pipe.get("fused_ticks")),
-                split_head="on" if pipe.get("split_head") else "off")
+                sub_batches=self.layers[0].sub_batches, pipeline=pipe,
+                layers=tuple(self.layers) if mixed else None)
         return ParallelConfig(mesh=self.mesh, rules=self.rules, schedule=self.schedule,
                               layers=tuple(self.layers))
 
@@ -177,9 +206,9 @@ class Plan:
         `oases_jax.moe.stack.run_groups`, not a per-layer one)."""
         if self.raw.get("moe"):
             return model.replace(remat=self.layers[0].remat)
-        pipe = self.raw.get("pipeline")
-        if pipe and pipelines.get(pipe["schedule"]).equal_stages:  # every stage or none
-            full = any(Fraction(r) > 0 for r in pipe["remat_ratios"])
+        pipe = self.pipeline
+        if pipe and pipelines.get(pipe.schedule).equal_stages:  # every stage or none
+            full = any(r > 0 for r in pipe.remat_ratios or ())
             return model.replace(remat="full" if full else "none")
         return model
 
@@ -223,9 +252,13 @@ def from_json(d: object, where: str = "plan") -> Plan:
     config = check(p, where)
     layers = tuple(LayerSpec(schedule=s.schedule, sub_batches=s.sub_batches, remat=s.remat)
                    for s in p.layers)
+    try:
+        pipeline = None if p.pipeline is None else pipeline_config(p.pipeline)
+    except UserError as e:
+        raise UserError(f"{where}: pipeline: {e}; {FIX}") from None
     return Plan(mesh=",".join(f"{k}={v}" for k, v in p.mesh.items()), rules=p.rules,
                 microbatches=p.microbatches, global_batch=p.global_batch, seq_len=p.seq_len,
-                layers=layers, raw=d, config=config)
+                layers=layers, raw=d, config=config, pipeline=pipeline)
 
 
 def report_3d(cands: list[PipelineCandidate], megatron: list[PipelineCandidate],
@@ -248,9 +281,3 @@ def report_3d(cands: list[PipelineCandidate], megatron: list[PipelineCandidate],
     else:
         lines.append("no 3D plan fits")
     return "\n".join(lines)
-
-
-def _fused_flag(fused: bool | None) -> str:
-    """A plan's `fused_ticks` as `--fused-ticks` takes it (None: plans before it, the runtime's
-    rule)."""
-    return "auto" if fused is None else ("on" if fused else "off")

@@ -18,6 +18,7 @@ from oases_jax import registry
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.mesh import parse_mesh
 from oases_jax.models.config import ModelConfig
+from oases_jax.pipeline.config import PipelineConfig
 from oases_jax.planner.layout import Layout
 from oases_jax.planner.prices import Hardware
 from oases_jax.planner.search import SCHEDULES
@@ -56,19 +57,16 @@ def predict_step_s(cfg: ModelConfig, hw: Hardware, *, mesh: str, rules: str, sch
 
 
 def predict_pipeline_step_s(cfg: ModelConfig, hw: Hardware, *, mesh: str, rules: str,
-                            schedule: str, pipeline: str, microbatches: int, global_batch: int,
-                            seq_len: int, stage_layers: str | None = None,
-                            virtual_stages: int = 0, remat_ratios: str | None = None
-                            ) -> float | None:
+                            schedule: str, pipeline: PipelineConfig, microbatches: int,
+                            global_batch: int, seq_len: int) -> float | None:
     """Predicted seconds of one step of a pipelined variant, priced as the 3D search prices its
-    plans (`planner.pipeline_search`): its stages as given (uniform by default), every layer
-    recomputed under `remat=full`, under `none` the first floor(n_i r_i) layers of stage i by
-    the stage-aware `remat_ratios` (none without them); under Merak's schedule every stage but
-    the last is recomputed whole whatever is asked, as the program runs it. None if not modelled
-    (another remat policy, axes beyond stage x data x tensor, a schedule the stages do not
-    run)."""
+    plans (`planner.pipeline_search`): its stages as `pipeline` gives them (uniform by default),
+    every layer recomputed under `remat=full`, under `none` the first floor(n_i r_i) layers of
+    stage i by the stage-aware ratios (none without them); under Merak's schedule every stage
+    but the last is recomputed whole whatever is asked, as the program runs it. None if not
+    modelled (another remat policy, axes beyond stage x data x tensor, a schedule the stages do
+    not run)."""
     from oases_jax.pipeline import registry as pipelines
-    from oases_jax.pipeline.remat import parse_ratios, parse_stage_layers
     from oases_jax.planner.pipeline_search import price, stage_inputs, transfer_s
     from oases_jax.planner.spmd_stages import spmd_fixed, spmd_head_s, spmd_weight_pass_s
     from oases_jax.planner.stage_partition import fixed
@@ -81,29 +79,24 @@ def predict_pipeline_step_s(cfg: ModelConfig, hw: Hardware, *, mesh: str, rules:
         return None
     layout = dataclasses.replace(layout, microbatches=microbatches)
     stages, tensor = spec.size("stage"), layout.tensor
-    pipe_spec = pipelines.get(pipeline)
-    chunks = (virtual_stages or pipe_spec.chunks) if pipe_spec.chunked else 1
-    counts = parse_stage_layers(stage_layers, cfg.n_layers, stages, chunks)
+    pipe = PipelineSpec.of(pipeline, stages=stages, microbatches=microbatches,
+                           num_layers=cfg.n_layers)
+    pipe_spec = pipelines.get(pipeline.schedule)
+    counts, chunks = pipe.layers, pipe.chunks
     strategy = LayerSpec(schedule=schedule if tensor > 1 else "megatron")
     x = stage_inputs(cfg, layout, hw, strategy, pools=pipe_spec.recompute != "every")
     p2p = transfer_s(cfg, layout, hw, strategy, stages)
     if cfg.remat == "full":
         remat = list(counts)
-    elif remat_ratios:  # the layers the runtime recomputes, summed over a device's chunks
-        pipe = PipelineSpec(schedule=pipeline, stages=stages, microbatches=microbatches,
-                            layers=counts, chunks=chunks,
-                            ratios=parse_ratios(remat_ratios, stages,
-                                                shifted=pipe_spec.shifted_recompute))
+    else:  # the layers the runtime recomputes, summed over a device's chunks
         k = pipe.recomputed()
         remat = [sum(k[c * stages + s] for c in range(chunks)) for s in range(stages)]
-    else:
-        remat = [0] * stages
     if pipe_spec.equal_stages:
         sp = spmd_fixed(x, counts, remat, microbatches, p2p, float("inf"),
-                        spmd_head_s(cfg, layout, hw, strategy, stages, pipeline), pipeline,
-                        spmd_weight_pass_s(cfg, layout, hw, stages))
+                        spmd_head_s(cfg, layout, hw, strategy, stages, pipeline.schedule),
+                        pipeline.schedule, spmd_weight_pass_s(cfg, layout, hw, stages))
     else:
-        sp = fixed(x, schedule=pipeline, counts=counts, remat=remat,
+        sp = fixed(x, schedule=pipeline.schedule, counts=counts, remat=remat,
                    microbatches=microbatches, chunks=chunks, p2p=p2p)
     return price(cfg, hw, stages, layout, strategy, sp, x, p2p).step_s if sp else None
 

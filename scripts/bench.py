@@ -84,6 +84,7 @@ def parse_args(argv=None):
 def build_config(args):
     from oases_jax.errors import UserError
     from oases_jax.files import output_file
+    from oases_jax.pipeline.config import FUSED_TICKS, PipelineConfig
     from oases_jax.tools.bench import BenchConfig, VariantSpec, parse_variant
     from oases_jax.training.config import check_seed
     from oases_jax.training.data import data_files
@@ -104,12 +105,15 @@ def build_config(args):
         # (e.g. --pipeline gpipe_spmd --schedules megatron,collective_matmul).
         schedules = args.schedules.split(",") if args.schedules else ["megatron"]
         fused = [f.strip() for f in args.fused_ticks.split(",")]
-        bad = [f for f in fused if f not in ("auto", "on", "off")]
+        bad = [f for f in fused if f not in FUSED_TICKS]
         if bad:
             raise UserError(f"unknown --fused-ticks {bad[0]!r}: give auto, on or off (or a "
                             f"comma list of them)")
         variants += [VariantSpec(mesh=args.mesh, rules=args.rules, schedule=s.strip(),
-                                 pipeline=p, fused_ticks=f)
+                                 pipeline=PipelineConfig.from_flags(
+                                     pipeline=p, stage_layers=args.stage_layers,
+                                     virtual_stages=args.virtual_stages,
+                                     remat_ratios=args.remat_ratios, fused_ticks=f))
                      for p in pipelines for s in schedules for f in fused]
     elif args.schedules is not None or not variants:
         # primepar needs a tp_row x tp_col square: give it as a --variant with such a mesh.
@@ -131,9 +135,6 @@ def build_config(args):
         seed=args.seed,
         data=args.data,
         microbatches=args.microbatches,
-        stage_layers=args.stage_layers,
-        virtual_stages=args.virtual_stages,
-        remat_ratios=args.remat_ratios,
         op_times=args.op_times,
         trace_dir=args.trace_dir,
     )
@@ -169,16 +170,16 @@ def add_predictions(report: dict, cfg, hw, source: str) -> None:
     from oases_jax.planner.rank import predict_pipeline_step_s, predict_step_s, spearman
 
     rows = report["variants"]
-    for r in rows:
+    for r, variant in zip(rows, cfg.variants, strict=True):
         if r.get("plan_predicted_s") is not None:  # a plan variant: the plan's own prediction
             r["predicted_s"] = r["plan_predicted_s"]
             continue
-        if r.get("pipeline"):  # priced as the 3D search prices its plans
+        if variant.pipeline:  # priced as the 3D search prices its plans
             r["predicted_s"] = predict_pipeline_step_s(
                 cfg.model, hw, mesh=r["mesh"], rules=r["rules"], schedule=r["schedule"],
-                pipeline=r["pipeline"], microbatches=r.get("microbatches") or cfg.microbatches,
-                global_batch=cfg.batch_size, seq_len=cfg.seq_len, stage_layers=cfg.stage_layers,
-                virtual_stages=cfg.virtual_stages, remat_ratios=cfg.remat_ratios)
+                pipeline=variant.pipeline,
+                microbatches=r.get("microbatches") or cfg.microbatches,
+                global_batch=cfg.batch_size, seq_len=cfg.seq_len)
             continue
         r["predicted_s"] = predict_step_s(
             cfg.model, hw, mesh=r["mesh"], rules=r["rules"], schedule=r["schedule"],

@@ -147,22 +147,22 @@ def main() -> int:
 
     def inspect(schedule: str, first: bool = True, pipeline: str | None = None) -> dict:
         """The report of one schedule (and its timeline PNG when asked)."""
-        layout = {**layout_kwargs(args), **({"pipeline": pipeline} if pipeline else {})}
         if plan:
             spec = plan.compile_spec(model)
         else:
+            parallel = ParallelConfig(mesh=args.mesh, rules=args.rules, schedule=schedule,
+                                      sub_batches=args.sub_batches,
+                                      **layout_kwargs(args, pipeline))
             spec = CompileSpec(model=model, batch_size=args.batch_size, seq_len=seq_len,
                                layer=args.layer, microbatches=args.microbatches,
-                               parallel=ParallelConfig(mesh=args.mesh, rules=args.rules,
-                                                       schedule=schedule,
-                                                       sub_batches=args.sub_batches, **layout))
+                               parallel=parallel)
         png = timeline_path(pipeline or schedule, first)
         xla_png = png if args.timeline_source == "xla" else None
         # A pipelined step's picture is one row per stage, tick by tick (`pipeline_plot`): the
         # two-stream replay takes each tick's conditional by its first branch. The SPMD
         # pipelines have no conditional: the whole program's two-stream replay is their step.
         ticked = (spec.parallel.pipeline is not None
-                  and pipeline_registry.get(spec.parallel.pipeline).executor == "ticks")
+                  and pipeline_registry.get(spec.parallel.pipeline.schedule).executor == "ticks")
         stage_png = png if ticked and not spec.layer and not xla_png else None
         png = None if stage_png else png
         if target.is_gpu_aot and may_abort(spec):
@@ -194,7 +194,7 @@ def main() -> int:
     if len(pipelines) > 1:  # pipeline schedules side by side, each compiled in turn
         for p in pipelines:  # every one checked before the first compile
             ParallelConfig(mesh=args.mesh, rules=args.rules, schedule=args.schedule,
-                           **{**layout_kwargs(args), "pipeline": p})
+                           **layout_kwargs(args, p))
         reports = [inspect(args.schedule, i == 0, p) for i, p in enumerate(pipelines)]
     else:
         schedules = args.compare.split(",") if args.compare else [args.schedule]

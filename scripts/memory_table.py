@@ -109,6 +109,7 @@ def pipeline_main(args) -> int:
     from oases_jax.errors import UserError
     from oases_jax.mesh import make_mesh
     from oases_jax.models.presets import get_preset
+    from oases_jax.pipeline.config import PipelineConfig
     from oases_jax.targets import get_target
     from oases_jax.tools.inspection import inspect_isolated, inspect_program
     from oases_jax.tools.pipeline_report import memory_rows, memory_text, step_plan
@@ -127,8 +128,9 @@ def pipeline_main(args) -> int:
                     spec = CompileSpec(model=model.replace(remat=remat),
                                        batch_size=args.batch_size, seq_len=args.seq_len,
                                        microbatches=args.microbatches,
-                                       parallel=ParallelConfig(mesh=args.mesh, pipeline=schedule,
-                                                               remat_ratios=ratios))
+                                       parallel=ParallelConfig(
+                                           mesh=args.mesh, pipeline=PipelineConfig.from_flags(
+                                               pipeline=schedule, remat_ratios=ratios)))
                     step_plan(spec, make_mesh(args.mesh, devices))
                     runs.append((name, target, f"{label}, {schedule}", spec))
     rows = []

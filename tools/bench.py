@@ -17,6 +17,7 @@ from oases_jax.mesh import make_mesh, parse_mesh
 from oases_jax.models.config import ModelConfig
 from oases_jax.models.sharding import init_sharded
 from oases_jax.pipeline import registry as pipelines
+from oases_jax.pipeline.config import PipelineConfig
 from oases_jax.rules import get_rules
 from oases_jax.tools.op_times import for_variant, kept_dir
 from oases_jax.training.config import OptimConfig, ParallelConfig
@@ -36,10 +37,9 @@ class VariantSpec:
     rules: str = "tp"
     schedule: str = "megatron"
     label: str | None = None  # None: derived from what differs between the variants
-    pipeline: str | None = None  # pipeline schedule (training.pipeline_step); None: none
-    fused_ticks: str = "auto"  # a pipelined variant's tick table (--fused-ticks)
+    pipeline: PipelineConfig | None = None  # over the mesh's stage axis; None: none
     # A plan's variant (bench.py --plan): its whole parallel config, micro-batch count and
-    # predicted step; None: built from the fields above and BenchConfig's settings.
+    # predicted step; None: built from the fields above.
     parallel: ParallelConfig | None = None
     microbatches: int | None = None
     predicted_s: float | None = None
@@ -76,10 +76,6 @@ class BenchConfig:
     # Every variant's batch is split into this many micro-batches (pipelined variants run them
     # through the stages; the others accumulate gradients over them).
     microbatches: int = 1
-    # The pipelined variants' settings (ParallelConfig's fields of the same names).
-    stage_layers: str | None = None
-    virtual_stages: int = 0
-    remat_ratios: str | None = None
     op_times: int = 0  # steps profiled per variant after timing (`tools.op_times`); 0: none
     trace_dir: str | None = None  # keep each variant's op_times trace under DIR/LABEL
 
@@ -125,8 +121,12 @@ class Resolved:
     mesh: str  # every size filled in
     rules: str  # the rule set actually used (a sequence-parallel schedule upgrades tp to tp_sp)
     schedule: str
-    pipeline: str | None = None
-    source: VariantSpec  # what it was resolved from (a plan's config rides here)
+    source: VariantSpec  # what it was resolved from (its pipeline, a plan's config, ride here)
+
+    @property
+    def pipeline(self) -> str | None:
+        """The pipeline schedule's name; None: no pipeline."""
+        return self.source.pipeline.schedule if self.source.pipeline else None
 
     def microbatches(self, cfg: BenchConfig) -> int:
         return self.source.microbatches or cfg.microbatches
@@ -139,8 +139,9 @@ def _short_mesh(mesh: str) -> str:
 
 def _labels(specs: list[VariantSpec], meshes: list[str], rules: list[str]) -> list[str]:
     """Given labels are kept; others show the parts that differ (the rule set each runs)."""
-    parts = [(_short_mesh(m), r, s.schedule, s.pipeline or "", s.pipeline and
-              {"auto": "", "on": "fused", "off": "unfused"}[s.fused_ticks] or "")
+    tables = {None: "", True: "fused", False: "unfused"}
+    parts = [(_short_mesh(m), r, s.schedule, s.pipeline.schedule if s.pipeline else "",
+              tables[s.pipeline.fused_ticks] if s.pipeline else "")
              for s, m, r in zip(specs, meshes, rules, strict=True)]
     differ = [len({p[i] for p in parts}) > 1 for i in range(5)]
     if not any(differ):
@@ -153,17 +154,12 @@ def _labels(specs: list[VariantSpec], meshes: list[str], rules: list[str]) -> li
     return labels
 
 
-def parallel_config(spec: VariantSpec, cfg: BenchConfig | None = None) -> ParallelConfig:
-    """The variant's parallel config (with `cfg`'s pipeline settings when it is pipelined, or
-    a plan's own on the variant's mesh)."""
+def parallel_config(spec: VariantSpec) -> ParallelConfig:
+    """The variant's parallel config (a plan's own on the variant's mesh)."""
     if spec.parallel is not None:
         return dataclasses.replace(spec.parallel, mesh=spec.mesh)
-    extra = {}
-    if spec.pipeline and cfg is not None:
-        extra = {"stage_layers": cfg.stage_layers, "virtual_stages": cfg.virtual_stages,
-                 "remat_ratios": cfg.remat_ratios, "fused_ticks": spec.fused_ticks}
     return ParallelConfig(mesh=spec.mesh, rules=spec.rules, schedule=spec.schedule,
-                          pipeline=spec.pipeline, **extra)
+                          pipeline=spec.pipeline)
 
 
 def resolve_variants(specs: tuple[VariantSpec, ...], n_devices: int,
@@ -173,9 +169,9 @@ def resolve_variants(specs: tuple[VariantSpec, ...], n_devices: int,
     meshes, rules = [], []
     for spec in specs:
         where = spec.label or "/".join((spec.mesh, spec.rules, spec.schedule)
-                                       + ((spec.pipeline,) if spec.pipeline else ()))
+                                       + ((spec.pipeline.schedule,) if spec.pipeline else ()))
         try:
-            parallel = parallel_config(spec, cfg)
+            parallel = parallel_config(spec)
             get_rules(parallel.rules_name)
             mesh = parse_mesh(spec.mesh).resolve(n_devices)
             meshes.append(str(mesh))
@@ -189,7 +185,7 @@ def resolve_variants(specs: tuple[VariantSpec, ...], n_devices: int,
         rules.append(parallel.rules_name)
     labels = _labels(list(specs), meshes, rules)
     return [
-        Resolved(label=lab, mesh=m, rules=r, schedule=s.schedule, pipeline=s.pipeline, source=s)
+        Resolved(label=lab, mesh=m, rules=r, schedule=s.schedule, source=s)
         for lab, m, r, s in zip(labels, meshes, rules, specs, strict=True)
     ]
 
@@ -221,7 +217,7 @@ def build_variant(cfg: BenchConfig, spec: Resolved, sampler: BatchSampler) -> Va
     t0 = time.perf_counter()
     try:  # the compile path training uses: same lowering, same XLA options
         parallel = parallel_config(dataclasses.replace(spec.source, mesh=spec.mesh,
-                                                       rules=spec.rules), cfg)
+                                                       rules=spec.rules))
         prog = lower(CompileSpec(model=cfg.model, batch_size=cfg.batch_size, seq_len=cfg.seq_len,
                                  microbatches=m, parallel=parallel),
                      mesh, tx=make_optimizer(OptimConfig(), cfg.total_steps))

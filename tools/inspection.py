@@ -52,7 +52,7 @@ class Inspection:
             "mesh": self.mesh,
             "rules": self.spec.parallel.rules_name,
             "schedule": "plan" if par.layers else par.schedule,
-            "pipeline_schedule": par.pipeline,
+            "pipeline_schedule": par.pipeline.schedule if par.pipeline else None,
             # A plan's per-layer strategies; None when every layer runs `schedule`.
             "layers": [dataclasses.asdict(s) for s in par.layers] if par.layers else None,
             "layer": self.spec.layer,
@@ -165,7 +165,7 @@ def _pipeline(spec: CompileSpec, mesh, program: Program, target: Target,
               peak_bytes: int) -> dict | None:
     """A pipelined train step's tick loop timed by `analysis.pipeline_time` (None otherwise)."""
     if (not spec.parallel.pipeline or spec.layer
-            or pipelines.get(spec.parallel.pipeline).executor != "ticks"):
+            or pipelines.get(spec.parallel.pipeline.schedule).executor != "ticks"):
         return None  # no tick switch (gpipe_spmd, 1f1b_spmd): the whole program is the step
     from oases_jax.training.pipeline_step import spec_for, step_plan
 

@@ -13,6 +13,7 @@ from oases_jax.models.config import ModelConfig
 from oases_jax.moe import MoESetup
 from oases_jax.moe import schedules as moe_schedules
 from oases_jax.pipeline import registry as pipelines
+from oases_jax.pipeline.config import PipelineConfig
 from oases_jax.primepar import square_size
 from oases_jax.rules import RULE_SETS
 from oases_jax.schema import MAX_GLOBAL_BATCH, MAX_SEQ_LEN, MAX_TOKENS_PER_STEP
@@ -65,7 +66,8 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """Where things run: the mesh, the rule set and the tensor-parallel schedule."""
+    """Where things run: the mesh, the rule set, the tensor-parallel schedule and the
+    pipeline."""
 
     mesh: str = "data=2,tensor=4"
     rules: str = "tp"
@@ -77,18 +79,8 @@ class ParallelConfig:
     moe_chunks: int = 0
     # Per-layer strategies from a plan; None: every layer runs `schedule`.
     layers: tuple[LayerSpec, ...] | None = None
-    # Pipeline parallelism over the mesh's `stage` axis (`training.pipeline_step`): the schedule
-    # (None: no pipeline), per-stage layer counts (None: uniform), chunks per stage
-    # (interleaved; 0: 2), stage-aware recompute ratios (r0, or one per stage), the ticks a
-    # backward spans (0: one) and whether a tick holds a forward, a recompute and a backward
-    # ("auto": when that is faster in lockstep, `PipelineSpec.fused`).
-    pipeline: str | None = None
-    stage_layers: str | None = None
-    virtual_stages: int = 0
-    remat_ratios: str | None = None
-    backward_ticks: int = 0
-    fused_ticks: str = "auto"
-    split_head: str = "off"  # "on": the head split over the stages by positions
+    # Pipeline parallelism over the mesh's `stage` axis (`training.pipeline_step`); None: none.
+    pipeline: PipelineConfig | None = None
 
     def __post_init__(self):
         spec = registry.get(self.schedule)
@@ -164,31 +156,21 @@ def _check_moe_flags(par: ParallelConfig) -> None:
                         "use --moe-schedule auto")
 
 
-# The tick executor's per-stage settings: (flag, the value a run gave, or None at its default).
-def _per_stage_flags(par: ParallelConfig) -> tuple[tuple[str, object], ...]:
-    return (("--stage-layers", par.stage_layers), ("--remat-ratios", par.remat_ratios),
-            ("--backward-ticks", par.backward_ticks or None),
-            ("--fused-ticks", None if par.fused_ticks == "auto" else par.fused_ticks),
-            ("--split-head", None if par.split_head == "off" else "on"))
-
-
 def _check_pipeline(par: ParallelConfig) -> None:
-    """The pipeline flags against the mesh and the rest of the parallel config, from the
-    schedule's record (`oases_jax.pipeline.registry`); what needs the model or the micro-batches
-    is checked by `training.pipeline_step.pipeline_spec`."""
+    """The pipeline against the mesh and the rest of the parallel config, from the schedule's
+    record (`oases_jax.pipeline.registry`); what needs only the record is checked by
+    `PipelineConfig`, what needs the model or the micro-batches by `PipelineSpec.of`."""
     mesh = parse_mesh(par.mesh)
     runnable = ", ".join(pipelines.names(runnable=True))
     if par.pipeline is None:
         if mesh.size("stage") != 1:
             raise UserError(f"--mesh {par.mesh} has a stage axis but no --pipeline schedule: pass "
                             f"--pipeline 1f1b (or {runnable}), or drop stage=")
-        extra = [(f, v) for f, v in _per_stage_flags(par) if v is not None]
-        if par.virtual_stages:
-            extra.append(("--virtual-stages", par.virtual_stages))
-        if extra:
-            raise UserError(f"{extra[0][0]} {extra[0][1]} needs --pipeline and a stage mesh axis")
         return
-    pipe = pipelines.runnable(par.pipeline)
+    if not isinstance(par.pipeline, PipelineConfig):
+        raise UserError(f"pipeline={par.pipeline!r} is not a PipelineConfig: give e.g. "
+                        f"PipelineConfig(schedule='1f1b'), or None for no pipeline")
+    pipe = pipelines.runnable(par.pipeline.schedule)
     # stage=1 named in the mesh is a one-stage pipeline: the tick loop, residual pools and
     # stage program with no transfers, to measure the executor against plain accumulation.
     if "stage" not in mesh.names:
@@ -208,10 +190,9 @@ def _check_pipeline(par: ParallelConfig) -> None:
                         f"for stages running other branches): use --pipeline "
                         f"{' or '.join(permuting)}")
     if pipe.equal_stages:
-        for flag, value in _per_stage_flags(par):
-            if value is not None:
-                raise UserError(f"--pipeline {pipe.name} runs one program on every stage: "
-                                f"equal stages under --remat, one backward; drop {flag} {value}")
+        for flag, value in par.pipeline.per_stage_flags():
+            raise UserError(f"--pipeline {pipe.name} runs one program on every stage: "
+                            f"equal stages under --remat, one backward; drop {flag} {value}")
     if par.layers is not None:
         if pipe.equal_stages:
             raise UserError(f"--pipeline {pipe.name} runs one program on every stage, so one "
@@ -223,21 +204,6 @@ def _check_pipeline(par: ParallelConfig) -> None:
             raise UserError(f"--pipeline {pipe.name} cannot run the plan's {', '.join(bad)} "
                             f"layers inside its stages; plan with --schedules "
                             f"{','.join(pipelines.stage_schedules())}, or drop --pipeline")
-    if par.virtual_stages < 0:
-        raise UserError(f"--virtual-stages {par.virtual_stages} must be >= 2 (or 0: the "
-                        f"schedule's default)")
-    if par.virtual_stages != 1:  # 1 is every schedule's one chunk
-        pipe.check_chunks(par.virtual_stages)
-    if not 0 <= par.backward_ticks <= 8:
-        raise UserError(f"--backward-ticks {par.backward_ticks} must be 1 to 8 (or 0: the "
-                        f"schedule's default)")
-    if par.fused_ticks not in ("auto", "on", "off"):
-        raise UserError(f"unknown --fused-ticks {par.fused_ticks!r}: choose auto, on or off")
-    if par.split_head not in ("on", "off"):
-        raise UserError(f"unknown --split-head {par.split_head!r}: choose on or off")
-    if par.fused_ticks == "on" and par.backward_ticks > 1:
-        raise UserError(f"--fused-ticks on runs each backward in one tick, not "
-                        f"--backward-ticks {par.backward_ticks}; drop one of them")
 
 
 def _check_square_mesh(schedule: str, mesh: str, rules: str) -> None:
@@ -324,7 +290,8 @@ class TrainConfig:
                 f"{self.model.max_seq_len}; shorten it or raise max_seq_len"
             )
         stages = parse_mesh(self.parallel.mesh).size("stage")
-        if self.parallel.split_head == "on" and self.seq_len % stages:
+        pipe = self.parallel.pipeline
+        if pipe is not None and pipe.split_head and self.seq_len % stages:
             raise UserError(f"--split-head on splits each micro-batch's {self.seq_len} positions "
                             f"over {stages} stages: use a --seq-len divisible by {stages}, or "
                             f"--split-head off")

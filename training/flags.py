@@ -58,8 +58,15 @@ def add_layout_flags(group) -> None:
                        "ticks; default off)")
 
 
-def layout_kwargs(args: argparse.Namespace) -> dict:
-    """The `ParallelConfig` fields `add_layout_flags` sets."""
-    return {k: getattr(args, k) for k in ("moe_schedule", "moe_chunks", "pipeline",
-                                          "stage_layers", "virtual_stages", "remat_ratios",
-                                          "backward_ticks", "fused_ticks", "split_head")}
+def layout_kwargs(args: argparse.Namespace, pipeline: str | None = None) -> dict:
+    """The `ParallelConfig` fields `add_layout_flags` sets, the pipeline flags parsed into one
+    `PipelineConfig` (None without --pipeline). `pipeline`: the schedule to use instead of
+    --pipeline's (one of the schedules a comma list names, `inspect_hlo.py --pipeline a,b`)."""
+    from oases_jax.pipeline.config import PipelineConfig
+
+    config = PipelineConfig.from_flags(
+        pipeline=pipeline or args.pipeline, stage_layers=args.stage_layers,
+        virtual_stages=args.virtual_stages, remat_ratios=args.remat_ratios,
+        backward_ticks=args.backward_ticks, fused_ticks=args.fused_ticks,
+        split_head=args.split_head)
+    return {"moe_schedule": args.moe_schedule, "moe_chunks": args.moe_chunks, "pipeline": config}

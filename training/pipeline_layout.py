@@ -1,10 +1,10 @@
-"""A pipeline's settings (`PipelineSpec`) and its parameter layout: each stacked block parameter
-[L, ...] stored as [S, v, Lmax, ...], sharded on `stage` (device s, chunk c holds virtual stage
-c*S + s, whose n_j layers are the first n_j of its Lmax rows; uneven stages leave zero padding
-rows that no stage reads). Checkpoints hold the standard [L, ...] layout, so a run resumes onto
-any stage count. The train step is `training.pipeline_step` (the tick executor's) or
-`training.pipeline_spmd` (`gpipe_spmd`); both take the model's graphdefs and shifted tokens from
-here."""
+"""A pipeline resolved against a model and a mesh (`PipelineSpec`) and its parameter layout:
+each stacked block parameter [L, ...] stored as [S, v, Lmax, ...], sharded on `stage` (device
+s, chunk c holds virtual stage c*S + s, whose n_j layers are the first n_j of its Lmax rows;
+uneven stages leave zero padding rows that no stage reads). Checkpoints hold the standard
+[L, ...] layout, so a run resumes onto any stage count. The train step is
+`training.pipeline_step` (the tick executor's) or `training.pipeline_spmd` (`gpipe_spmd`);
+both take the model's graphdefs and shifted tokens from here."""
 
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ from oases_jax.models.config import ModelConfig
 from oases_jax.models.transformer import Transformer
 from oases_jax.pipeline import events
 from oases_jax.pipeline import registry as pipelines
+from oases_jax.pipeline.config import PipelineConfig
+from oases_jax.pipeline.remat import resolve_stage_layers
 from oases_jax.pipeline.table import Schedule
 from oases_jax.rules import ShardingRules, outer_axes, spec_divides
 from oases_jax.stacks import Parallel, use_parallel
@@ -34,20 +36,49 @@ STAGE = "stage"
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PipelineSpec:
-    """A pipeline: schedule name, S stages (the mesh's `stage` size), M micro-batches, v chunks
-    per stage (interleaved), per-device layer counts and per-stage recompute ratios."""
+    """A pipeline resolved against a model and a mesh: the settings it came from (`config`),
+    S stages (the mesh's `stage` size), M micro-batches, v chunks per stage (interleaved),
+    per-device layer counts and per-stage recompute ratios. Built by `of`."""
 
-    schedule: str
+    config: PipelineConfig
     stages: int
     microbatches: int
     layers: tuple[int, ...]  # per device, summing to the model's layers
     chunks: int = 1
     ratios: tuple[Fraction, ...] | None = None  # stage-aware remat; None: none
-    backward_ticks: int = 0  # ticks a backward spans; 0: the schedule's default (`backward_parts`)
-    fuse: bool | None = None  # fused tick table (`pipeline.table`); None: `fused()` chooses
-    # The head (final norm, logits, loss) split over every stage by vocabulary, run after the
-    # tick of the last stage's forward (`executor.HeadProgram`); False: the last stage's own.
-    split_head: bool = False
+
+    @classmethod
+    def of(cls, config: PipelineConfig, *, stages: int, microbatches: int,
+           num_layers: int) -> PipelineSpec:
+        """`config` on S stages with M micro-batches over `num_layers` layers, checked (one-line
+        UserErrors naming the value and the fix): the schedule runs, its M/S/v checks, the
+        stages' layers and ratios."""
+        spec = pipelines.runnable(config.schedule)
+        chunks = spec.table(stages, microbatches, chunks=config.virtual_stages).chunks
+        layers = resolve_stage_layers(config.stage_layers, num_layers, stages, chunks)
+        if spec.equal_stages and len(set(layers)) > 1:
+            raise UserError(f"--pipeline {spec.name} runs one program on every stage: the "
+                            f"model's {num_layers} layers do not split into {stages} equal "
+                            f"stages; use a stage count dividing them, or --pipeline "
+                            f"{spec.ticked}")
+        return cls(config=config, stages=stages, microbatches=microbatches, layers=layers,
+                   chunks=chunks, ratios=config.ratios_for(stages))
+
+    @property
+    def schedule(self) -> str:
+        return self.config.schedule
+
+    @property
+    def backward_ticks(self) -> int:
+        """Ticks a backward spans; 0: the schedule's default (`backward_parts`)."""
+        return self.config.backward_ticks
+
+    @property
+    def split_head(self) -> bool:
+        """The head (final norm, logits, loss) split over every stage by positions, run after
+        the tick of the last stage's forward (`executor.HeadProgram`); False (and always on one
+        stage): the last stage's own."""
+        return self.config.split_head and self.stages > 1
 
     def fused(self) -> bool:
         """Whether the executor runs the fused tick table: as set, else when it is the faster
@@ -59,8 +90,8 @@ class PipelineSpec:
         196.8 unfused), so it runs fused only when asked (`--fused-ticks on`)."""
         if self.backward_ticks > 1:
             return False
-        if self.fuse is not None:
-            return self.fuse
+        if self.config.fused_ticks is not None:
+            return self.config.fused_ticks
         return not self.split_head and events.fused_by_default(self.schedule_table())
 
     @property

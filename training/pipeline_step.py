@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import types
-from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +32,7 @@ from oases_jax.models.sharding import abstract_model
 from oases_jax.models.transformer import Transformer, cross_entropy
 from oases_jax.pipeline import executor
 from oases_jax.pipeline import registry as pipelines
-from oases_jax.pipeline import remat as pipe_remat
+from oases_jax.pipeline.config import PipelineConfig
 from oases_jax.rules import ShardingRules
 from oases_jax.stacks import Parallel, run_stack, use_parallel
 from oases_jax.stacks import active as active_parallel
@@ -56,30 +55,17 @@ __all__ = ["STAGE", "PipelineSpec", "backward_parts", "build_pipeline_step_fns",
            "stage_shardings", "step_plan", "to_stages"]
 
 
-def pipeline_spec(cfg: ModelConfig, *, schedule: str, stages: int, microbatches: int,
-                  stage_layers: str | Sequence[int] | None = None, chunks: int = 0,
-                  remat_ratios: str | None = None, backward_ticks: int = 0,
-                  fused_ticks: str = "auto", split_head: str = "off") -> PipelineSpec:
-    """Checked pipeline settings (one-line UserErrors naming the value and the fix); `chunks`
-    0 is the schedule's default."""
+def pipeline_spec(cfg: ModelConfig, config: PipelineConfig, *, stages: int,
+                  microbatches: int) -> PipelineSpec:
+    """`config` resolved against the model on S stages with M micro-batches (`PipelineSpec.of`;
+    one-line UserErrors naming the value and the fix)."""
     if cfg.moe:
         raise UserError("--pipeline does not run MoE models yet; drop --pipeline or use a dense "
                         "model")
-    spec = pipelines.runnable(schedule)
-    chunks = spec.table(stages, microbatches, chunks=chunks).chunks  # its own M/S/v checks
-    layers = pipe_remat.parse_stage_layers(stage_layers, cfg.n_layers, stages, chunks)
-    if spec.equal_stages and len(set(layers)) > 1:
-        raise UserError(f"--pipeline {schedule} runs one program on every stage: the model's "
-                        f"{cfg.n_layers} layers do not split into {stages} equal stages; use a "
-                        f"stage count dividing them, or --pipeline {spec.ticked}")
-    ratios = None
-    if remat_ratios:
-        ratios = pipe_remat.parse_ratios(remat_ratios, stages, shifted=spec.shifted_recompute)
+    pipe = PipelineSpec.of(config, stages=stages, microbatches=microbatches,
+                           num_layers=cfg.n_layers)
     _graphdefs(cfg)
-    return PipelineSpec(schedule=schedule, stages=stages, microbatches=microbatches,
-                        layers=layers, chunks=chunks, ratios=ratios, backward_ticks=backward_ticks,
-                        fuse=None if fused_ticks == "auto" else fused_ticks == "on",
-                        split_head=split_head == "on" and stages > 1)
+    return pipe
 
 
 # --- The stage program of the transformer -------------------------------------------------------
@@ -303,16 +289,10 @@ def pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,
 
 def spec_for(cfg: ModelConfig, parallel_cfg, microbatches: int, mesh: Mesh | int
              ) -> PipelineSpec:
-    """The pipeline a run asks for (`ParallelConfig.pipeline` and friends) on `mesh` (or on
-    that many stages)."""
+    """The pipeline a run asks for (`ParallelConfig.pipeline`) on `mesh` (or on that many
+    stages)."""
     stages = mesh if isinstance(mesh, int) else mesh.shape.get(STAGE, 1)
-    return pipeline_spec(cfg, schedule=parallel_cfg.pipeline, stages=stages,
-                         microbatches=microbatches, stage_layers=parallel_cfg.stage_layers,
-                         chunks=parallel_cfg.virtual_stages,
-                         remat_ratios=parallel_cfg.remat_ratios,
-                         backward_ticks=parallel_cfg.backward_ticks,
-                         fused_ticks=parallel_cfg.fused_ticks,
-                         split_head=parallel_cfg.split_head)
+    return pipeline_spec(cfg, parallel_cfg.pipeline, stages=stages, microbatches=microbatches)
 
 
 # The executor of each pipeline schedule's record (`oases_jax.pipeline.registry.EXECUTORS`).

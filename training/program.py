@@ -29,6 +29,7 @@ from oases_jax.moe import schedules as moe_schedules
 from oases_jax.moe.stack import scan_schedules
 from oases_jax.pipeline import pools
 from oases_jax.pipeline import registry as pipelines
+from oases_jax.pipeline.config import PipelineConfig
 from oases_jax.rules import constrain, get_rules
 from oases_jax.stacks import Parallel, run_layer, use_parallel
 from oases_jax.training import pipeline_step
@@ -58,7 +59,9 @@ class CompileSpec:
                             "drop --layer")
 
     def to_json(self) -> dict:
-        par = dataclasses.asdict(self.parallel)
+        pipe = self.parallel.pipeline
+        par = {**dataclasses.asdict(self.parallel),
+               "pipeline": None if pipe is None else pipe.to_json()}
         return {"model": dataclasses.asdict(self.model), "parallel": par,
                 "batch_size": self.batch_size, "seq_len": self.seq_len,
                 "microbatches": self.microbatches, "layer": self.layer}
@@ -68,6 +71,8 @@ class CompileSpec:
         par = dict(d["parallel"])
         if par.get("layers") is not None:
             par["layers"] = tuple(LayerSpec(**s) for s in par["layers"])
+        if par.get("pipeline") is not None:
+            par["pipeline"] = PipelineConfig(**par["pipeline"])
         return cls(model=ModelConfig(**d["model"]), parallel=ParallelConfig(**par),
                    batch_size=d["batch_size"], seq_len=d["seq_len"],
                    microbatches=d.get("microbatches", 1), layer=d["layer"])
@@ -83,7 +88,7 @@ def compiler_options(parallel: ParallelConfig, mesh: Mesh) -> dict:
     MoE schedule's too: those of parm_s2 wherever `auto` may choose it; a pipeline run by the
     tick executor, `pools.compiler_options`)."""
     out = registry.compiler_options(parallel.schedules, platform_of(mesh))
-    if parallel.pipeline and pipelines.get(parallel.pipeline).executor == "ticks":
+    if parallel.pipeline and pipelines.get(parallel.pipeline.schedule).executor == "ticks":
         out = registry.merge_options(out, pools.compiler_options(platform_of(mesh)))
     if platform_of(mesh) in ("gpu", "cuda", "rocm"):
         name = parallel.moe_schedule
@@ -155,7 +160,7 @@ def lower(spec: CompileSpec, mesh: Mesh, tx: optax.GradientTransformation | None
     tx = tx or make_optimizer(OptimConfig(), total_steps=1000)
     check_moe(spec.model, par, mesh)
     parallel = Parallel(mesh, rules, par.default_layer, par.layers, moe=par.moe_setup)
-    if (par.pipeline and pipelines.get(par.pipeline).executor == "spmd_gpipe"
+    if (par.pipeline and pipelines.get(par.pipeline.schedule).executor == "spmd_gpipe"
             and "primepar" in par.schedules
             and platform_of(mesh) == "cpu"):
         # XLA:CPU starts some of this program's independent collectives in a different order

@@ -18,8 +18,8 @@ from oases_jax.errors import UserError
 Ratio = int | float | str | Fraction
 
 
-def _exact(value: Ratio, what: str) -> Fraction:
-    """A ratio as an exact fraction (a float by its shortest decimal: 0.8 is 4/5)."""
+def exact_ratio(value: Ratio, what: str) -> Fraction:
+    """A ratio as an exact fraction (a float by its shortest decimal: 0.8 is 4/5), in [0, 1]."""
     try:
         out = Fraction(repr(value) if isinstance(value, float) else value)
     except (TypeError, ValueError, ZeroDivisionError):
@@ -28,6 +28,15 @@ def _exact(value: Ratio, what: str) -> Fraction:
         raise UserError(f"{what}={value!r} is outside [0, 1]: give the fraction of layers to "
                         f"recompute, 0 (none) to 1 (all)")
     return out
+
+
+def ratio_text(value: Ratio) -> str:
+    """A ratio as the flag spells it: a fraction with a short decimal as that decimal (4/5 is
+    0.8, 1 is 1), any other as k/n (1/3)."""
+    if not isinstance(value, Fraction):
+        return str(value)
+    text = f"{float(value):.12g}"
+    return text if Fraction(text) == value else str(value)
 
 
 def stage_ratios(stages: int, r0: Ratio, *, shifted: bool = False) -> tuple[Fraction, ...]:
@@ -41,7 +50,7 @@ def stage_ratios(stages: int, r0: Ratio, *, shifted: bool = False) -> tuple[Frac
     S=4, r0=0.8 -> 4/5, 7/10, 2/5, 0."""
     if not isinstance(stages, int) or stages < 1:
         raise UserError(f"pipeline stages S={stages!r} must be a positive integer")
-    r = _exact(r0, "first-stage recompute ratio r0")
+    r = exact_ratio(r0, "first-stage recompute ratio r0")
     if stages == 1:
         return (r,)
     last = stages - 1
@@ -55,17 +64,10 @@ def stage_ratios(stages: int, r0: Ratio, *, shifted: bool = False) -> tuple[Frac
 def check_ratios(ratios: Sequence[Ratio], stages: int) -> tuple[Fraction, ...]:
     """An explicit per-stage list, checked: one ratio per stage, each in [0, 1]."""
     if len(ratios) != stages:
-        raise UserError(f"{len(ratios)} recompute ratios ({', '.join(map(str, ratios))}) for "
-                        f"S={stages} stages: give one per stage, or one first-stage ratio r0")
-    return tuple(_exact(r, f"recompute ratio of stage {i}") for i, r in enumerate(ratios))
-
-
-def parse_ratios(text: str, stages: int, *, shifted: bool = False) -> tuple[Fraction, ...]:
-    """`0.8` (Merak's rule from r0) or `0.8,0.7,0.4,0` (one per stage)."""
-    parts = [p.strip() for p in text.split(",")]
-    if len(parts) == 1:
-        return stage_ratios(stages, parts[0], shifted=shifted)
-    return check_ratios(parts, stages)
+        given = ", ".join(map(ratio_text, ratios))
+        raise UserError(f"{len(ratios)} recompute ratios ({given}) for S={stages} stages: give "
+                        f"one per stage, or one first-stage ratio r0")
+    return tuple(exact_ratio(r, f"recompute ratio of stage {i}") for i, r in enumerate(ratios))
 
 
 def uniform_stage_layers(num_layers: int, stages: int) -> tuple[int, ...]:
@@ -78,15 +80,15 @@ def uniform_stage_layers(num_layers: int, stages: int) -> tuple[int, ...]:
     return tuple(base + (i < extra) for i in range(stages))
 
 
-def parse_stage_layers(spec: str | Sequence[int] | None, num_layers: int, stages: int,
-                       chunks: int = 1) -> tuple[int, ...]:
-    """Per-stage layer counts: None for the uniform split, else `5,6,6,7` (or a list) with one
-    positive count per stage summing to the model's layers. With v `chunks` per stage
-    (interleaved), every count must split into v equal chunks."""
-    if spec is None or spec == "":
+def resolve_stage_layers(counts: Sequence[int] | None, num_layers: int, stages: int,
+                         chunks: int = 1) -> tuple[int, ...]:
+    """Per-stage layer counts: None for the uniform split, else `counts` (positive, as
+    `PipelineConfig` holds them) checked for one per stage summing to the model's layers. With
+    v `chunks` per stage (interleaved), every count must split into v equal chunks."""
+    if counts is None:
         counts = uniform_stage_layers(num_layers, stages)
     else:
-        counts = _explicit(spec, num_layers, stages)
+        counts = _explicit(tuple(counts), num_layers, stages)
     if chunks > 1 and any(n % chunks for n in counts):
         text = ",".join(map(str, counts))
         if num_layers % chunks == 0 and num_layers // chunks >= stages:
@@ -99,19 +101,11 @@ def parse_stage_layers(spec: str | Sequence[int] | None, num_layers: int, stages
     return counts
 
 
-def _explicit(spec: str | Sequence[int], num_layers: int, stages: int) -> tuple[int, ...]:
-    text = spec if isinstance(spec, str) else ",".join(map(str, spec))
-    try:
-        counts = tuple(int(p) for p in text.split(","))
-    except ValueError:
-        raise UserError(f"stage layers {text!r} are not integers: give comma-separated counts, "
-                        f"one per stage, e.g. {_example(num_layers, stages)}") from None
+def _explicit(counts: tuple[int, ...], num_layers: int, stages: int) -> tuple[int, ...]:
+    text = ",".join(map(str, counts))
     if len(counts) != stages:
         raise UserError(f"stage layers {text} give {len(counts)} counts for S={stages} stages: "
                         f"give one per stage, e.g. {_example(num_layers, stages)}")
-    if any(c < 1 for c in counts):
-        raise UserError(f"stage layers {text} leave a stage without layers: each stage needs at "
-                        f"least one, e.g. {_example(num_layers, stages)}")
     if sum(counts) != num_layers:
         raise UserError(f"stage layers {text} sum to {sum(counts)}, but the model has "
                         f"{num_layers} layers: give counts that sum to {num_layers}, e.g. "
@@ -130,5 +124,5 @@ def recomputed_layers(stage_layers: Sequence[int], ratios: Sequence[Fraction]) -
     if len(stage_layers) != len(ratios):
         raise UserError(f"{len(ratios)} recompute ratios for {len(stage_layers)} stages: give "
                         f"one per stage")
-    return tuple(math.floor(n * _exact(r, f"recompute ratio of stage {i}"))
+    return tuple(math.floor(n * exact_ratio(r, f"recompute ratio of stage {i}"))
                  for i, (n, r) in enumerate(zip(stage_layers, ratios, strict=True)))

@@ -159,7 +159,7 @@ def interleaved(stages: int, microbatches: int, *, chunks: int = 2,
                 recompute: bool | Sequence[bool] = False) -> Schedule:
     """Megatron's interleaved 1F1B: device s holds v chunks, virtual stages s, s+S, ...,
     s+(v-1)S. Bubble (S-1)/(v*M+S-1); needs M a multiple of S, S >= 2 and v >= 2 (and each
-    stage's layers divisible by v: `remat.parse_stage_layers(..., chunks=v)`); v times the
+    stage's layers divisible by v: `remat.resolve_stage_layers(..., chunks=v)`); v times the
     transfers of 1F1B, and a wrap-around edge (device S-1 -> 0) between chunks."""
     v = chunks
     if not isinstance(v, int) or v < 2:

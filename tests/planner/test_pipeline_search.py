@@ -163,19 +163,19 @@ def test_search_and_plan_section_round_trip():
                                  alternatives=out[1:3])
     p = plans.from_json(d)
     par = p.parallel()
-    assert par.pipeline == best.stage_plan.schedule and par.layers is None
-    assert par.stage_layers == ",".join(map(str, best.stage_plan.layers))
+    assert par.pipeline.schedule == best.stage_plan.schedule and par.layers is None
+    assert par.pipeline.stage_layers == best.stage_plan.layers
     assert p.microbatches == best.layout.microbatches
     # The plan spans each backward over the ticks it was priced with, on the (fused or not)
     # tick table it was priced with, and the run reads both; a plan without the fields runs
     # the runtime's rule.
     sp = best.stage_plan
-    assert par.backward_ticks == sp.backward_ticks == d["pipeline"]["backward_ticks"] >= 1
+    assert par.pipeline.backward_ticks == sp.backward_ticks == d["pipeline"]["backward_ticks"] >= 1
     assert d["pipeline"]["fused_ticks"] == sp.fused_ticks
-    assert par.fused_ticks == ("on" if sp.fused_ticks else "off")
+    assert par.pipeline.fused_ticks == sp.fused_ticks
     # So does its head: on the last stage or split over the stages (`--split-head`).
     assert d["pipeline"]["split_head"] == sp.split_head
-    assert par.split_head == ("on" if sp.split_head else "off")
+    assert par.pipeline.split_head == sp.split_head
     assert sp.makespan == pytest.approx(simulate(sp.schedule, sp.microbatches, sp.chunks, sp.f,
                                                  sp.b, sp.r, sp.p2p, k=sp.backward_ticks,
                                                  fuse=sp.fused_ticks, ends=sp.ends,
@@ -189,11 +189,11 @@ def test_search_and_plan_section_round_trip():
                                                                  sub_batches=2)
     assert got.layers[1:] == tuple(p.layers[1:]) and got.pipeline == par.pipeline
     split = dict(d, pipeline=dict(d["pipeline"], backward_ticks=3, fused_ticks=False))
-    assert plans.from_json(split).parallel().backward_ticks == 3
+    assert plans.from_json(split).parallel().pipeline.backward_ticks == 3
     legacy = dict(d, pipeline={k: v for k, v in d["pipeline"].items()
                                if k not in ("backward_ticks", "fused_ticks")})
-    assert plans.from_json(legacy).parallel().backward_ticks == 0
-    assert plans.from_json(legacy).parallel().fused_ticks == "auto"
+    assert plans.from_json(legacy).parallel().pipeline.backward_ticks == 0
+    assert plans.from_json(legacy).parallel().pipeline.fused_ticks is None  # auto
     bad = dict(d, pipeline=dict(d["pipeline"], stage_layers=[1] * best.stages))
     with pytest.raises(UserError, match="sum to the plan's 48 layers"):
         plans.from_json(bad)
@@ -285,7 +285,7 @@ def test_fsdp_inside_the_stages_by_hand():
     d = plans.pipeline_plan_json(c1, model="gpt2-1.5b", cfg=cfg, cluster="h100:16",
                                  cost_source="datasheet", search_s=0.1)
     par = plans.from_json(d).parallel()
-    assert (par.mesh, par.rules, par.pipeline) == ("stage=2,data=8", "fsdp", "gpipe")
+    assert (par.mesh, par.rules, par.pipeline.schedule) == ("stage=2,data=8", "fsdp", "gpipe")
 
 
 def test_the_search_offers_fsdp_inside_the_stages():
@@ -337,7 +337,7 @@ def test_primepar_squares_inside_the_spmd_stages():
                                  cost_source="datasheet", search_s=0.1)
     par = plans.from_json(d).parallel()
     data = f"data={lay.data}," if lay.data > 1 else ""
-    assert (par.mesh, par.rules, par.schedule, par.pipeline) == (
+    assert (par.mesh, par.rules, par.schedule, par.pipeline.schedule) == (
         f"stage={S},{data}tp_row={q},tp_col={q}", "primepar", "primepar", c.stage_plan.schedule)
 
 
@@ -370,8 +370,8 @@ def test_gpipe_spmd_is_offered_where_a_ring_wins():
                                  cost_source="model", search_s=0.0)
     p = plans.from_json(d)
     par = p.parallel()
-    assert (par.pipeline, par.schedule, par.stage_layers, par.remat_ratios) == (
-        "gpipe_spmd", "collective_matmul", None, None)
+    assert (par.pipeline.schedule, par.schedule, par.pipeline.stage_layers,
+            par.pipeline.remat_ratios) == ("gpipe_spmd", "collective_matmul", None, None)
     full = c.stage_plan.remat[0] > 0
     assert p.run_model(cfg).remat == ("full" if full else "none")
     # Megatron-only searches and layouts where the tick executor's strategy wins never get it.
@@ -411,7 +411,7 @@ def test_1f1b_spmd_priced_by_hand_and_planned():
     d = plans.pipeline_plan_json(cands[0], model="oases-h4096-l16", cfg=cfg,
                                  cluster="3090-pcie-32", cost_source="model", search_s=0.0)
     par = plans.from_json(d).parallel()
-    assert (par.pipeline, par.schedule, par.stage_layers) == (
+    assert (par.pipeline.schedule, par.schedule, par.pipeline.stage_layers) == (
         "1f1b_spmd", "collective_matmul", None)
 
 

@@ -7,6 +7,7 @@ import pytest
 from oases_jax.hardware import get_cluster
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.models.presets import get_preset
+from oases_jax.pipeline.config import PipelineConfig
 from oases_jax.planner.layout import Layout
 from oases_jax.planner.prices import Hardware
 from oases_jax.planner.rank import (
@@ -70,8 +71,9 @@ def test_a_pipelined_variant_is_priced_as_the_3d_search_prices_it():
     cfg = get_preset("small").replace(remat="full")
     hw = Hardware.of(get_cluster("h100-8"))
     kw = {"global_batch": 32, "seq_len": 128, "microbatches": 4}
+    one_f = PipelineConfig(schedule="1f1b")
     got = predict_pipeline_step_s(cfg, hw, mesh="stage=2,data=4", rules="tp",
-                                  schedule="megatron", pipeline="1f1b", **kw)
+                                  schedule="megatron", pipeline=one_f, **kw)
     lay = Layout(data=4, **kw)
     spec = LayerSpec(schedule="megatron")
     x = stage_inputs(cfg, lay, hw, spec)
@@ -82,18 +84,19 @@ def test_a_pipelined_variant_is_priced_as_the_3d_search_prices_it():
     assert got == price(cfg, hw, 2, lay, spec, sp, x, p2p).step_s
     # Interleaved: two chunks a device, priced with the same per-layer inputs.
     inter = predict_pipeline_step_s(cfg, hw, mesh="stage=2,data=4", rules="tp",
-                                    schedule="megatron", pipeline="interleaved", **kw)
+                                    schedule="megatron",
+                                    pipeline=PipelineConfig(schedule="interleaved"), **kw)
     spi = fixed(x, schedule="interleaved", counts=[half, half], remat=[half, half],
                 microbatches=4, chunks=2, p2p=p2p)
     assert inter == price(cfg, hw, 2, lay, spec, spi, x, p2p).step_s
     fsdp = predict_pipeline_step_s(cfg, hw, mesh="stage=2,data=4", rules="fsdp",
-                                   schedule="megatron", pipeline="1f1b", **kw)
+                                   schedule="megatron", pipeline=one_f, **kw)
     assert fsdp is not None and fsdp != got
     assert predict_pipeline_step_s(cfg.replace(remat="save_proj"), hw, mesh="stage=2,data=4",
-                                   rules="tp", schedule="megatron", pipeline="1f1b",
+                                   rules="tp", schedule="megatron", pipeline=one_f,
                                    **kw) is None
     assert predict_pipeline_step_s(cfg, hw, mesh="stage=2,tp_row=2,tp_col=2", rules="primepar",
-                                   schedule="primepar", pipeline="1f1b", **kw) is None
+                                   schedule="primepar", pipeline=one_f, **kw) is None
 
 
 def test_a_pipelined_variant_prices_its_stage_aware_ratios():
@@ -118,10 +121,11 @@ def test_a_pipelined_variant_prices_its_stage_aware_ratios():
 
     def got(schedule, ratios):
         return predict_pipeline_step_s(cfg, hw, mesh="stage=2,data=4", rules="tp",
-                                       schedule="megatron", pipeline=schedule,
-                                       remat_ratios=ratios, **kw)
+                                       schedule="megatron",
+                                       pipeline=PipelineConfig(schedule=schedule,
+                                                               remat_ratios=ratios), **kw)
 
-    assert got("1f1b", "0.5") == expect("1f1b", [half // 2, 0]) != got("1f1b", None)
+    assert got("1f1b", (0.5,)) == expect("1f1b", [half // 2, 0]) != got("1f1b", None)
     assert got("1f1b", None) == expect("1f1b", [0, 0])
     # Merak's stage 0 is recomputed whole by its schedule whatever its ratio.
-    assert got("merak", "0.5") == got("merak", None) == expect("merak", [half, 0])
+    assert got("merak", (0.5,)) == got("merak", None) == expect("merak", [half, 0])

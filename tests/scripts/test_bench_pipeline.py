@@ -9,16 +9,19 @@ import pytest
 
 from oases_jax.errors import UserError
 from oases_jax.models import get_preset
+from oases_jax.pipeline.config import PipelineConfig
 from oases_jax.tools.bench import BenchConfig, VariantSpec, format_table, resolve_variants
 from tests.scripts.test_bench import DATA, run_bench_cli
 
 
-def piped(*schedules: str, mesh: str = "data=4,stage=2", **kw) -> BenchConfig:
+def piped(*schedules: str, mesh: str = "data=4,stage=2", settings=None, **kw) -> BenchConfig:
+    """One variant per pipeline schedule, each `PipelineConfig(schedule, **settings)`."""
     kw = {"batch_size": 16, "seq_len": 32, "microbatches": 4, "warmup": 1, "rounds": 2,
           "steps_per_round": 1, "data": DATA} | kw
-    return BenchConfig(model=get_preset("tiny"), model_name="tiny",
-                       variants=tuple(VariantSpec(mesh=mesh, pipeline=s) for s in schedules),
-                       **kw)
+    variants = tuple(VariantSpec(mesh=mesh, pipeline=PipelineConfig(schedule=s,
+                                                                     **(settings or {})))
+                     for s in schedules)
+    return BenchConfig(model=get_preset("tiny"), model_name="tiny", variants=variants, **kw)
 
 
 def test_labels_are_the_schedules():
@@ -32,7 +35,7 @@ def test_labels_are_the_schedules():
 @pytest.mark.parametrize("overrides, needles", [
     ({"microbatches": 1}, ("variant data=4,stage=2/tp/megatron/merak", "M >= 2")),  # M >= S
     ({"mesh": "data=8"}, ("variant data=8/tp/megatron/1f1b", "stage axis")),
-    ({"remat_ratios": "0.5,0.5,0.5"}, ("/1f1b", "3 recompute ratios", "S=2")),
+    ({"settings": {"remat_ratios": (0.5, 0.5, 0.5)}}, ("/1f1b", "3 recompute ratios", "S=2")),
 ])
 def test_bad_pipeline_is_one_line_before_compiling(overrides, needles):
     mesh = overrides.pop("mesh", "data=4,stage=2")
@@ -51,7 +54,7 @@ def test_every_pipeline_with_every_schedule_named():
             "--batch-size", "16", "--seq-len", "32", "--data", str(DATA)]
     cfg = build_config(parse_args([*args, "--pipeline", "gpipe_spmd",
                                    "--schedules", "megatron,collective_matmul"]))
-    assert [(v.pipeline, v.schedule) for v in cfg.variants] == [
+    assert [(v.pipeline.schedule, v.schedule) for v in cfg.variants] == [
         ("gpipe_spmd", "megatron"), ("gpipe_spmd", "collective_matmul")]
     cfg = build_config(parse_args([*args, "--pipeline", "gpipe,gpipe_spmd",
                                    "--schedules", "collective_matmul"]))
@@ -165,8 +168,8 @@ def test_fused_ticks_variants_side_by_side():
             "--batch-size", "16", "--seq-len", "32", "--data", str(DATA),
             "--pipeline", "1f1b,merak"]
     cfg = build_config(parse_args([*args, "--fused-ticks", "on,off"]))
-    assert [(v.pipeline, v.fused_ticks) for v in cfg.variants] == [
-        ("1f1b", "on"), ("1f1b", "off"), ("merak", "on"), ("merak", "off")]
+    assert [(v.pipeline.schedule, v.pipeline.fused_ticks) for v in cfg.variants] == [
+        ("1f1b", True), ("1f1b", False), ("merak", True), ("merak", False)]
     rows = resolve_variants(cfg.variants, 8, cfg)
     assert [r.label for r in rows] == ["1f1b/fused", "1f1b/unfused", "merak/fused",
                                        "merak/unfused"]

@@ -12,6 +12,7 @@ from oases_jax.errors import UserError
 from oases_jax.models.config import ModelConfig
 from oases_jax.models.layers import attention_impl
 from oases_jax.models.presets import get_preset
+from oases_jax.pipeline.config import PipelineConfig
 from oases_jax.rules import get_rules, use_rules
 from oases_jax.targets import cudnn_missing, get_target, has_gpu_aot
 from oases_jax.tools.analysis.attention import fused_attention_flops, is_backward
@@ -127,7 +128,8 @@ def test_pipelined_gpu_programs_compile_with_cudnn(pipeline):
         pytest.skip("needs NVIDIA's cuDNN wheel")
     cfg = _bf16("tiny-llama")
     spec = CompileSpec(model=cfg, batch_size=8, seq_len=128, microbatches=4,
-                       parallel=ParallelConfig(mesh="stage=2,tensor=4", pipeline=pipeline))
+                       parallel=ParallelConfig(mesh="stage=2,tensor=4",
+                                               pipeline=PipelineConfig(schedule=pipeline)))
     ins = inspect_program(spec, get_target("h100:8"))
     assert ins.report()["attention_kernel"] == "cudnn_flash"
     assert list(ins.program.fused_attention_calls())

@@ -205,8 +205,8 @@ def test_twenty_adamw_steps(name, mesh):
 @pytest.mark.slow
 @pytest.mark.parametrize("plan", [
     Plan(schedule="interleaved", virtual_stages=2, microbatches=4),
-    Plan(schedule="merak", microbatches=4, remat_ratios="1"),  # shifted CP, stage-aware remat
-    Plan(schedule="gpipe", stage_layers="3,1"),  # uneven stages
+    Plan(schedule="merak", microbatches=4, remat_ratios=(1,)),  # shifted CP, stage-aware remat
+    Plan(schedule="gpipe", stage_layers=(3, 1)),  # uneven stages
 ], ids=["interleaved", "merak-remat", "gpipe-uneven"])
 def test_other_plans_equal_unparallelized(plan):
     model, rows = list_net()
@@ -352,3 +352,16 @@ def test_finds_blocks_in_other_containers(model, found):
     text = run.report()
     assert found in text, text
     assert "up.kernel 16->32: column" in text and "down.kernel 32->16: row" in text
+
+
+@pytest.mark.parametrize(("plan", "words"), [
+    (Plan(split_head=True), "drop split_head=True from the Plan"),
+    (Plan(backward_ticks=2), "drop backward_ticks=2 from the Plan"),
+    (Plan(schedule="gpipe_spmd"), "runs its stages with the tick executor"),
+])
+def test_plan_settings_it_cannot_run_are_one_line(plan, words):
+    model, rows = list_net()
+    with pytest.raises(UserError, match=words) as err:
+        parallelize(model, next_token_loss, _tokens(rows), make_mesh("stage=2,tensor=4"),
+                    plan=plan)
+    assert "\n" not in str(err.value)

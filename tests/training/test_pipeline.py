@@ -6,6 +6,8 @@ with M in {S, S+1, 2S+3}; NaN-filled bubbles and buffers change nothing."""
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ import pytest
 
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.mesh import make_mesh
+from oases_jax.pipeline.config import PipelineConfig
 from oases_jax.rules import get_rules
 from oases_jax.stacks import Parallel, use_parallel
 from oases_jax.training import pipeline_step as ps
@@ -35,15 +38,13 @@ def _reference(cfg, graphdef, params, tokens):
     return losses.mean(), jax.tree.map(lambda g: g.mean(0), grads)
 
 
-def _pipelined(cfg, params, tokens, mesh_text, schedule, *, tp="megatron", layers=None,
-               ratios=None, poison=False, backward_ticks=0, rules="tp", plan=None,
-               fused_ticks="auto", split_head="off"):
+def _pipelined(cfg, params, tokens, mesh_text, schedule, *, tp="megatron", poison=False,
+               rules="tp", plan=None, **pipeline):
+    """The pipelined step's loss and gradients under `PipelineConfig(schedule, **pipeline)`."""
     mesh = make_mesh(mesh_text, jax.devices())
     rules = get_rules(rules)
-    pipe = ps.pipeline_spec(cfg, schedule=schedule, stages=mesh.shape["stage"],
-                            microbatches=tokens.shape[0], stage_layers=layers,
-                            remat_ratios=ratios, backward_ticks=backward_ticks,
-                            fused_ticks=fused_ticks, split_head=split_head)
+    pipe = ps.pipeline_spec(cfg, PipelineConfig(schedule=schedule, **pipeline),
+                            stages=mesh.shape["stage"], microbatches=tokens.shape[0])
     parallel = Parallel(mesh, rules, LayerSpec(schedule=tp), plan)
     groups = accumulation_groups(rules, mesh)
     staged = jax.device_put(ps.to_stages(params, pipe),
@@ -103,10 +104,10 @@ def test_pipeline_equals_one_device(model, mesh, schedule, m):
 
 
 FUSED = [  # (mesh, schedule, M, --fused-ticks): each the table its default does not pick
-    pytest.param("data=2,stage=2,tensor=2", "1f1b", "S+1", "off"),
-    pytest.param("data=2,stage=2,tensor=2", "merak", "2S+3", "off"),
-    pytest.param("data=2,stage=4", "gpipe", "S", "on", marks=pytest.mark.slow),
-    pytest.param("data=2,stage=4", "interleaved", "S", "off", marks=pytest.mark.slow),
+    pytest.param("data=2,stage=2,tensor=2", "1f1b", "S+1", False),
+    pytest.param("data=2,stage=2,tensor=2", "merak", "2S+3", False),
+    pytest.param("data=2,stage=4", "gpipe", "S", True, marks=pytest.mark.slow),
+    pytest.param("data=2,stage=4", "interleaved", "S", False, marks=pytest.mark.slow),
 ]
 
 
@@ -118,10 +119,10 @@ def test_fused_and_unfused_tick_tables(model, mesh, schedule, m, fused):
     the other tests' tables."""
     cfg, graphdef, params = model
     S = _stages(mesh)
-    pipe = ps.pipeline_spec(cfg, schedule=schedule, stages=S, microbatches=_m(m, S),
-                            fused_ticks=fused)
-    assert pipe.fused() == (fused == "on") != ps.pipeline_spec(
-        cfg, schedule=schedule, stages=S, microbatches=_m(m, S)).fused()
+    pipe = ps.pipeline_spec(cfg, PipelineConfig(schedule=schedule, fused_ticks=fused),
+                            stages=S, microbatches=_m(m, S))
+    assert pipe.fused() == fused != ps.pipeline_spec(
+        cfg, PipelineConfig(schedule=schedule), stages=S, microbatches=_m(m, S)).fused()
     tokens = _tokens(cfg, _m(m, S))
     _assert_equal(_reference(cfg, graphdef, params, tokens),
                   _pipelined(cfg, params, tokens, mesh, schedule, poison=True,
@@ -187,9 +188,9 @@ def test_fsdp_inside_the_stages(model, schedule):
 
 
 @pytest.mark.parametrize(("schedule", "layers", "ratios"), [
-    ("1f1b", "3,5", None),
+    ("1f1b", (3, 5), None),
     pytest.param("interleaved", None, None, marks=pytest.mark.slow),
-    pytest.param("merak", "3,5", "0.5", marks=pytest.mark.slow),
+    pytest.param("merak", (3, 5), (Fraction(1, 2),), marks=pytest.mark.slow),
 ])
 def test_per_layer_plan_inside_the_stages(model, schedule, layers, ratios, monkeypatch):
     """A per-layer plan (megatron, oases with 2 sub-batches, megatron_sp-free mixes, each
@@ -212,7 +213,8 @@ def test_per_layer_plan_inside_the_stages(model, schedule, layers, ratios, monke
     ref = _reference(cfg, graphdef, params, tokens)
     seen.clear()
     _assert_equal(ref, _pipelined(cfg, params, tokens, "data=2,stage=2,tensor=2", schedule,
-                                  layers=layers, ratios=ratios, plan=plan, poison=True))
+                                  stage_layers=layers, remat_ratios=ratios, plan=plan,
+                                  poison=True))
     assert {("oases", 2, "save_proj"), ("megatron", 1, "full")} <= set(seen), seen
     if ratios is None:
         assert set(seen) == {(s.schedule, s.sub_batches, s.remat) for s in plan}
@@ -225,8 +227,9 @@ def test_nan_bubbles_uneven_stages_and_stage_aware_remat(model):
     cfg, graphdef, params = model
     tokens = _tokens(cfg, 5)
     _assert_equal(_reference(cfg, graphdef, params, tokens),
-                  _pipelined(cfg, params, tokens, "data=2,stage=4", "1f1b", layers="2,3,1,2",
-                             ratios="0.8", poison=True))
+                  _pipelined(cfg, params, tokens, "data=2,stage=4", "1f1b",
+                             stage_layers=(2, 3, 1, 2), remat_ratios=(Fraction(4, 5),),
+                             poison=True))
 
 
 def test_interleaved_shared_pools(model):
@@ -237,8 +240,8 @@ def test_interleaved_shared_pools(model):
     cfg, graphdef, params = model
     tokens = _tokens(cfg, 4)
     _assert_equal(_reference(cfg, graphdef, params, tokens),
-                  _pipelined(cfg, params, tokens, "data=4,stage=2", "interleaved", layers="2,6",
-                             poison=True, backward_ticks=2))
+                  _pipelined(cfg, params, tokens, "data=4,stage=2", "interleaved",
+                             stage_layers=(2, 6), poison=True, backward_ticks=2))
 
 
 @pytest.mark.parametrize(("schedule", "ticks"), [("1f1b", 2), ("merak", 3)])
@@ -248,23 +251,24 @@ def test_backward_over_two_or_three_ticks(model, schedule, ticks):
     (the other tests run one tick)."""
     cfg, graphdef, params = model
     tokens = _tokens(cfg, 3)
-    pipe = ps.pipeline_spec(cfg, schedule=schedule, stages=2, microbatches=3,
-                            stage_layers="3,5", backward_ticks=ticks)
+    pipe = ps.pipeline_spec(cfg, PipelineConfig(schedule=schedule, stage_layers=(3, 5),
+                                                backward_ticks=ticks),
+                            stages=2, microbatches=3)
     assert tuple(map(len, ps.backward_parts(cfg, pipe))) == (ticks, ticks)
     parts = {kind for kind, _ in ps.step_plan(cfg, pipe).branches if kind.startswith("B")}
     assert parts == ({"B"} if ticks == 1 else {f"B{i}" for i in range(ticks)})
     _assert_equal(_reference(cfg, graphdef, params, tokens),
                   _pipelined(cfg, params, tokens, "data=2,stage=2,tensor=2", schedule,
-                             layers="3,5", backward_ticks=ticks))
+                             stage_layers=(3, 5), backward_ticks=ticks))
 
 
 SPLIT_HEAD = [  # (mesh, schedule, M, stage layers, --fused-ticks)
-    ("data=2,stage=4", "1f1b", "S+1", "2,3,1,2", "auto"),  # unfused
-    ("data=2,stage=2,tensor=2", "1f1b", "S+1", None, "on"),
-    ("data=2,stage=2,tensor=2", "merak", "2S+3", None, "on"),  # two forwards a tick
-    pytest.param("data=4,stage=2", "interleaved", "S", None, "on", marks=pytest.mark.slow),
-    pytest.param("data=2,stage=4", "gpipe", "S", None, "on", marks=pytest.mark.slow),
-    pytest.param("stage=8", "gpipe", "S", None, "auto", marks=pytest.mark.slow),
+    ("data=2,stage=4", "1f1b", "S+1", (2, 3, 1, 2), None),  # unfused
+    ("data=2,stage=2,tensor=2", "1f1b", "S+1", None, True),
+    ("data=2,stage=2,tensor=2", "merak", "2S+3", None, True),  # two forwards a tick
+    pytest.param("data=4,stage=2", "interleaved", "S", None, True, marks=pytest.mark.slow),
+    pytest.param("data=2,stage=4", "gpipe", "S", None, True, marks=pytest.mark.slow),
+    pytest.param("stage=8", "gpipe", "S", None, None, marks=pytest.mark.slow),
 ]
 
 
@@ -278,10 +282,11 @@ def test_split_head(model, mesh, schedule, m, layers, fused):
     micro-batch."""
     cfg, graphdef, params = model
     S = _stages(mesh)
-    pipe = ps.pipeline_spec(cfg, schedule=schedule, stages=S, microbatches=_m(m, S),
-                            stage_layers=layers, split_head="on", fused_ticks=fused)
+    pipe = ps.pipeline_spec(cfg, PipelineConfig(schedule=schedule, stage_layers=layers,
+                                                split_head=True, fused_ticks=fused),
+                            stages=S, microbatches=_m(m, S))
     plan = ps.step_plan(cfg, pipe)
-    assert plan.head and pipe.fused() == (fused == "on")  # unfused unless asked
+    assert plan.head and pipe.fused() == (fused is True)  # unfused unless asked
     heads = plan.rows[:, 0, ps.executor.HEAD_MB]
     assert sorted(heads[heads >= 0]) == list(range(_m(m, S)))  # one head a micro-batch
     # No tick runs the last virtual stage's forward and backward of one micro-batch.
@@ -292,14 +297,15 @@ def test_split_head(model, mesh, schedule, m, layers, fused):
         assert not any(("F", mb) in done and ("B", mb) in done for _, mb in done), done
     tokens = _tokens(cfg, _m(m, S))
     _assert_equal(_reference(cfg, graphdef, params, tokens),
-                  _pipelined(cfg, params, tokens, mesh, schedule, layers=layers, poison=True,
-                             split_head="on", fused_ticks=fused))
+                  _pipelined(cfg, params, tokens, mesh, schedule, stage_layers=layers,
+                             poison=True, split_head=True, fused_ticks=fused))
 
 
 def test_layout_round_trip(model):
     cfg, _, params = model
-    pipe = ps.pipeline_spec(cfg, schedule="interleaved", stages=2, microbatches=4,
-                            stage_layers="2,6", chunks=2)
+    pipe = ps.pipeline_spec(cfg, PipelineConfig(schedule="interleaved", stage_layers=(2, 6),
+                                                virtual_stages=2),
+                            stages=2, microbatches=4)
     assert pipe.virtual_layers() == (1, 3, 1, 3) and pipe.lmax == 3
     back = ps.from_stages(ps.to_stages(params, pipe), pipe)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back), strict=True):

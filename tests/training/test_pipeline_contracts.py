@@ -6,6 +6,8 @@ hold in the compiled pools; the per-stage timeline picture is written."""
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import jax
 import numpy as np
 import pytest
@@ -13,7 +15,7 @@ import pytest
 from oases_jax.hardware import get_cluster
 from oases_jax.mesh import make_mesh
 from oases_jax.models import get_preset
-from oases_jax.pipeline.remat import parse_ratios
+from oases_jax.pipeline.config import PipelineConfig
 from oases_jax.tools.analysis import pipeline_plot, pipeline_stages
 from oases_jax.tools.analysis.pipeline_time import pipeline_time
 from oases_jax.tools.analysis.program import analyze
@@ -21,7 +23,7 @@ from oases_jax.tools.pipeline_report import stage_account, stage_layouts, step_p
 from oases_jax.training import ParallelConfig
 from oases_jax.training.program import CompileSpec, lower
 
-MESH, LAYERS, SEQ = "data=2,stage=4", "5,10,5,1", 16
+MESH, LAYERS, SEQ = "data=2,stage=4", (5, 10, 5, 1), 16
 # n_i x r_i is a whole number of layers on every stage: Merak's rule from r0 = 0.8 gives
 # 0.8, 0.7, 0.4, 0 -> 4, 7, 2, 0 layers; the explicit list 0.6, 0.3, 1, 0 -> 3, 3, 5, 0.
 CFG = get_preset("tiny").replace(n_layers=21, d_model=32, d_ff=128)
@@ -35,13 +37,13 @@ def rerun_share(cfg=CFG, seq=SEQ) -> float:
     return 1 - 2 * d * f / (8 * d * d + 4 * d * f + 4 * seq * d)
 
 
-def compiled(ratios: str | None, backward_ticks: int = 0, remat: str = "none",
-             pipeline: str = "1f1b"):
+def compiled(ratios: tuple[float | Fraction, ...] | None, backward_ticks: int = 0,
+             remat: str = "none", pipeline: str = "1f1b"):
+    pipe = PipelineConfig(schedule=pipeline, stage_layers=LAYERS, remat_ratios=ratios,
+                          backward_ticks=backward_ticks)
     spec = CompileSpec(model=CFG.replace(remat=remat), batch_size=8, seq_len=SEQ, microbatches=4,
                        parallel=ParallelConfig(mesh=MESH, rules="tp", schedule="megatron",
-                                               pipeline=pipeline, stage_layers=LAYERS,
-                                               remat_ratios=ratios,
-                                               backward_ticks=backward_ticks))
+                                               pipeline=pipe))
     mesh = make_mesh(MESH, jax.devices())
     analysis, program = analyze(lower(spec, mesh).compile(), mesh)
     return spec, mesh, analysis, program
@@ -50,7 +52,7 @@ def compiled(ratios: str | None, backward_ticks: int = 0, remat: str = "none",
 @pytest.fixture(scope="module")
 def merak_rule():
     """Merak's rule from r0 = 0.8, one tick per backward (the fewest branches to compile)."""
-    spec, mesh, analysis, program = compiled("0.8", backward_ticks=1)
+    spec, mesh, analysis, program = compiled((Fraction(4, 5),), backward_ticks=1)
     return spec, mesh, analysis, program, stage_account(spec, mesh, program,
                                                         analysis.peak_memory_bytes)
 
@@ -69,7 +71,7 @@ def _check_ratios(account: dict, ratios) -> None:
 
 def test_recompute_is_the_ratio_of_the_forward_merak_rule(merak_rule):
     *_, account = merak_rule
-    ratios = parse_ratios("0.8", 4)
+    ratios = PipelineConfig(schedule="1f1b", remat_ratios=(Fraction(4, 5),)).ratios_for(4)
     assert [float(r) for r in ratios] == [0.8, 0.7, 0.4, 0.0]
     assert account["remat_ratios"] == [0.8, 0.7, 0.4, 0.0]
     _check_ratios(account, ratios)
@@ -109,7 +111,7 @@ def test_timeline_png_one_row_per_stage(merak_rule, tmp_path):
 def test_explicit_list_and_backward_is_twice_forward():
     """An explicit list (stage 2 recomputes all its layers, more than stage 1) under the
     default backward spans; without remat every backward does exactly twice its forward."""
-    spec, mesh, analysis, program = compiled("0.6,0.3,1,0")
+    spec, mesh, analysis, program = compiled((0.6, 0.3, 1, 0))
     account = stage_account(spec, mesh, program, analysis.peak_memory_bytes)
     _check_ratios(account, [0.6, 0.3, 1, 0])
     spec, mesh, analysis, program = compiled(None)
@@ -125,7 +127,7 @@ def test_full_remat_keeps_each_layers_input():
     account = stage_account(spec, mesh, program, analysis.peak_memory_bytes)
     m, f = account["memory"], account["flops"]
     x = 8 // 4 // 2 * SEQ * CFG.d_model * 4  # rows of a micro-batch per data group, fp32
-    n = [int(v) for v in LAYERS.split(",")]
+    n = list(LAYERS)
     assert m["residual_bytes"][1:3] == [n[1] * x, n[2] * x]
     assert m["residual_bytes"][0] == n[0] * x + 8 // 4 // 2 * SEQ * 4  # + int32 tokens
     assert account["unmatched_pools"] == 0
@@ -143,7 +145,7 @@ def test_merak_recomputes_a_stage_once_under_full_remat():
     (before, a checkpointed layer was recomputed a second time inside the backward: 1.68x the
     forward on stage 0 of a 2-stage `small`); the last stage, which has no R, follows the policy
     inside its backward; the ratios do not apply to a stage recomputed whole."""
-    spec, mesh, analysis, program = compiled("0.8", backward_ticks=1, remat="full",
+    spec, mesh, analysis, program = compiled((Fraction(4, 5),), backward_ticks=1, remat="full",
                                              pipeline="merak")
     f = stage_account(spec, mesh, program, analysis.peak_memory_bytes)["flops"]
     fwd, r, b = (np.array(f[k]) for k in ("forward", "recompute_r", "recompute_b"))

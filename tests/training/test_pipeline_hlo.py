@@ -10,6 +10,7 @@ import pytest
 
 from oases_jax.mesh import make_mesh
 from oases_jax.models import get_preset
+from oases_jax.pipeline.config import PipelineConfig
 from oases_jax.tools.analysis import hlo
 from oases_jax.training import ParallelConfig
 from oases_jax.training.program import CompileSpec, lower
@@ -21,7 +22,7 @@ CFG = get_preset("tiny").replace(n_layers=4, d_model=128, d_ff=512)
 def _compile(schedule: str, m: int):
     spec = CompileSpec(model=CFG, parallel=ParallelConfig(mesh=MESH, rules="tp",
                                                           schedule="megatron",
-                                                          pipeline=schedule),
+                                                          pipeline=PipelineConfig(schedule=schedule)),
                        batch_size=4 * m, seq_len=64, microbatches=m)
     return lower(spec, make_mesh(MESH, jax.devices())).compile()
 
@@ -135,7 +136,8 @@ def _inside_the_switch(mesh: str, rules: str, schedule: str, m: int) -> list:
     """Every instruction inside the branches of the tick's conditional of the compiled 1F1B
     step (and what they call)."""
     spec = CompileSpec(model=CFG, parallel=ParallelConfig(mesh=mesh, rules=rules,
-                                                          schedule=schedule, pipeline="1f1b"),
+                                                          schedule=schedule,
+                                                          pipeline=PipelineConfig(schedule="1f1b")),
                        batch_size=4 * m, seq_len=64, microbatches=m)
     module = hlo.parse_module(lower(spec, make_mesh(mesh, jax.devices())).compile().as_text())
     switches = [i for i in _walk(module, module.computations[module.entry])
@@ -185,7 +187,8 @@ def test_weights_cast_before_the_tick_loop(target):
     cfg = CFG.replace(dtype="bfloat16")
     devices = jax.devices() if target == "cpu" else get_target(target).devices
     spec = CompileSpec(model=cfg, parallel=ParallelConfig(mesh="stage=4", rules="tp",
-                                                          schedule="megatron", pipeline="1f1b"),
+                                                          schedule="megatron",
+                                                          pipeline=PipelineConfig(schedule="1f1b")),
                        batch_size=16, seq_len=64, microbatches=4)
     module = hlo.parse_module(lower(spec, make_mesh("stage=4", devices[:4])).compile().as_text())
     entry = module.computations[module.entry]
@@ -230,7 +233,8 @@ def test_primepar_square_inside_stages_compiles_for_gpus(pipeline):
     # cuDNN's attention does not partition inside the stage loop (docs/parallelism.md).
     spec = CompileSpec(model=CFG.replace(dtype="bfloat16", attention="xla"),
                        parallel=ParallelConfig(mesh=mesh_text, rules="primepar",
-                                               schedule="primepar", pipeline=pipeline),
+                                               schedule="primepar",
+                                               pipeline=PipelineConfig(schedule=pipeline)),
                        batch_size=16, seq_len=64, microbatches=4)
     mesh = make_mesh(mesh_text, get_target("h100:8").devices)
     module = hlo.parse_module(lower(spec, mesh).compile().as_text())
@@ -261,7 +265,7 @@ def test_no_pool_copied_every_tick(schedule):
     m = 8
     spec = CompileSpec(model=CFG, parallel=ParallelConfig(mesh="stage=2", rules="tp",
                                                           schedule="megatron",
-                                                          pipeline=schedule),
+                                                          pipeline=PipelineConfig(schedule=schedule)),
                        batch_size=2 * m, seq_len=64, microbatches=m)
     module = hlo.parse_module(lower(spec, make_mesh("stage=2", devices[:2])).compile().as_text())
     loop, body = _tick_loop(module)
@@ -303,7 +307,7 @@ def test_gpu_tick_body_transposes_and_copies_no_pool(pipeline):
                                           attention="xla")
     spec = CompileSpec(model=cfg, parallel=ParallelConfig(mesh=mesh_text, rules="tp",
                                                           schedule="megatron",
-                                                          pipeline=pipeline),
+                                                          pipeline=PipelineConfig(schedule=pipeline)),
                        batch_size=2 * m, seq_len=1024, microbatches=m)
     mesh = make_mesh(mesh_text, get_target("h100:8").devices)
     module = hlo.parse_module(lower(spec, mesh).compile().as_text())

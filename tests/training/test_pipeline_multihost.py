@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from oases_jax.models import get_preset
+from oases_jax.pipeline.config import PipelineConfig
 from oases_jax.training import ParallelConfig, TrainConfig, train
 from tests.training.test_multihost import ROOT, cli_env, free_port, run_processes
 
@@ -40,7 +41,7 @@ def config() -> TrainConfig:
                        seq_len=32, data=str(ROOT / "README.md"), log_every=1, eval_batches=0,
                        progress=False,
                        parallel=ParallelConfig(mesh=MESH, rules="tp", schedule="megatron",
-                                               pipeline="1f1b"))
+                                               pipeline=PipelineConfig(schedule="1f1b")))
 
 
 @pytest.mark.slow

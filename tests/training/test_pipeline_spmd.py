@@ -14,6 +14,7 @@ from oases_jax.layer_plan import LayerSpec
 from oases_jax.mesh import make_mesh
 from oases_jax.models.layout import layout_fns
 from oases_jax.models.sharding import param_shardings
+from oases_jax.pipeline.config import PipelineConfig
 from oases_jax.rules import get_rules
 from oases_jax.stacks import Parallel, use_parallel
 from oases_jax.training import pipeline_spmd
@@ -26,7 +27,7 @@ def _spmd(cfg, params, tokens, mesh_text, *, tp="megatron", rules="tp", poison=F
           pipeline="gpipe_spmd"):
     mesh = make_mesh(mesh_text, jax.devices())
     rules = get_rules(rules)
-    pipe = ps.pipeline_spec(cfg, schedule=pipeline, stages=mesh.shape["stage"],
+    pipe = ps.pipeline_spec(cfg, PipelineConfig(schedule=pipeline), stages=mesh.shape["stage"],
                             microbatches=tokens.shape[0])
     parallel = Parallel(mesh, rules, LayerSpec(schedule=tp))
     groups = accumulation_groups(rules, mesh)
@@ -190,7 +191,8 @@ def test_compiled_ring_permutes_and_no_switch():
     cfg = get_preset("tiny").replace(n_layers=4, d_model=128, d_ff=512)
     mesh_text = "stage=4,tensor=2"  # device d: stage d // 2, tensor d % 2
     spec = CompileSpec(model=cfg, parallel=ParallelConfig(
-        mesh=mesh_text, rules="tp", schedule="collective_matmul", pipeline="gpipe_spmd"),
+        mesh=mesh_text, rules="tp", schedule="collective_matmul",
+        pipeline=PipelineConfig(schedule="gpipe_spmd")),
         batch_size=8, seq_len=64, microbatches=4)
     module = hlo.parse_module(lower(spec, make_mesh(mesh_text, jax.devices())).compile()
                               .as_text())

@@ -11,18 +11,20 @@ import pytest
 from oases_jax.errors import UserError
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.models import get_preset
+from oases_jax.pipeline.config import PipelineConfig
 from oases_jax.training import CheckpointConfig, ParallelConfig, TrainConfig, train
 
 STEPS = 20
 
 
 def _config(mesh: str, pipeline: str | None = None, *, ckpt: CheckpointConfig | None = None,
-            stop_after: int | None = None, schedule: str = "megatron",
-            **parallel) -> TrainConfig:
+            stop_after: int | None = None, schedule: str = "megatron", rules: str = "tp",
+            **settings) -> TrainConfig:
+    """`settings`: the pipeline's (`PipelineConfig`'s fields) beside its schedule."""
+    pipe = PipelineConfig(schedule=pipeline, **settings) if pipeline else None
     return TrainConfig(
         model=get_preset("tiny").replace(n_layers=4),
-        parallel=ParallelConfig(mesh=mesh, schedule=schedule, pipeline=pipeline,
-                                **{"rules": "tp", **parallel}),
+        parallel=ParallelConfig(mesh=mesh, schedule=schedule, rules=rules, pipeline=pipe),
         steps=STEPS, batch_size=16, seq_len=32, microbatches=4, log_every=STEPS,
         eval_every=STEPS, eval_batches=1, progress=False, ckpt=ckpt or CheckpointConfig(),
         stop_after=stop_after,
@@ -68,8 +70,8 @@ def test_primepar_square_inside_stages_trains_and_resumes(reference, tmp_path):
 
 @pytest.mark.slow
 def test_uneven_stages_with_ratios_train_alike(reference):
-    got = train(_config("data=2,stage=4", "merak", stage_layers="1,1,1,1",
-                        remat_ratios="0.8")).losses
+    got = train(_config("data=2,stage=4", "merak", stage_layers=(1, 1, 1, 1),
+                        remat_ratios=(0.8,))).losses
     np.testing.assert_allclose([got[s] for s in reference], list(reference.values()), rtol=1e-4)
 
 
@@ -158,17 +160,20 @@ def test_spmd_checkpoint_resumes_under_the_tick_executor(reference, tmp_path):
      "cannot run the plan's collective_matmul layers inside its stages"),
 ])
 def test_bad_input_is_one_line(overrides, words):
+    """The pipeline settings as the command line spells them (`PipelineConfig.from_flags`)."""
     overrides = dict(overrides)
     m = overrides.pop("microbatches", 4)
     schedule = overrides.pop("schedule", "megatron")
     layers = overrides.pop("model_layers", 4)
     seq_len = overrides.pop("seq_len", 32)
-    par = dict(mesh=overrides.pop("mesh"), pipeline=overrides.pop("pipeline", None),
-               rules=overrides.pop("rules", "tp"), **overrides)
+    par = dict(mesh=overrides.pop("mesh"), rules=overrides.pop("rules", "tp"),
+               layers=overrides.pop("layers", None))
     with pytest.raises(UserError, match=words) as err:
+        pipe = PipelineConfig.from_flags(pipeline=overrides.pop("pipeline", None), **overrides)
         cfg = TrainConfig(model=get_preset("tiny").replace(n_layers=layers),
-                          parallel=ParallelConfig(schedule=schedule, **par), steps=2,
-                          batch_size=16, seq_len=seq_len, microbatches=m, progress=False)
+                          parallel=ParallelConfig(schedule=schedule, pipeline=pipe, **par),
+                          steps=2, batch_size=16, seq_len=seq_len, microbatches=m,
+                          progress=False)
         from oases_jax.mesh import make_mesh
         from oases_jax.training.loop import step_program
         step_program(cfg, make_mesh(cfg.parallel.mesh, jax.devices()))

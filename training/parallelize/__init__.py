@@ -15,7 +15,7 @@ over `data`. `run.report()` says what it found and chose.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -28,7 +28,8 @@ from jax.sharding import PartitionSpec as P
 
 from oases_jax.errors import UserError
 from oases_jax.pipeline import registry as pipelines
-from oases_jax.pipeline import remat as pipe_remat
+from oases_jax.pipeline.config import PipelineConfig
+from oases_jax.pipeline.remat import ratio_text
 from oases_jax.rules import get_rules
 from oases_jax.stacks import Parallel, use_parallel
 from oases_jax.training.parallelize import block, graph, step
@@ -41,16 +42,16 @@ AXES = ("data", "stage", "tensor")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Plan:
-    """How to pipeline: schedule (`gpipe`, `1f1b`, `interleaved`, `merak`), M micro-batches per
-    step (None: the "auto" rule), per-stage layer counts (None: uniform), chunks per stage for
-    `interleaved`, and Merak's per-stage recompute ratios (`"0.8"` or one per stage)."""
+class Plan(PipelineConfig):
+    """How to pipeline: a `PipelineConfig` (schedule `gpipe`, `1f1b`, `interleaved` or `merak`;
+    per-stage block counts, None: uniform; chunks per stage for `interleaved`, 0: its 2;
+    Merak's stage-aware recompute ratios, `(0.8,)` or one per stage; the tick table) and M
+    micro-batches per step (None: the "auto" rule), e.g. `Plan(schedule="gpipe",
+    stage_layers=(3, 1), microbatches=4)`. A plan is the pipeline's config itself, so its
+    fields read as the runtime's."""
 
     schedule: str = "1f1b"
     microbatches: int | None = None
-    stage_layers: str | Sequence[int] | None = None
-    virtual_stages: int = 1
-    remat_ratios: str | None = None
 
 
 def auto_microbatches(rows: int, stages: int) -> int:
@@ -182,22 +183,21 @@ def _microbatches(plan, rows: int, stages: int, groups: int) -> Plan:
 
 
 def _resolve(plan: Plan, stages: int, layers: int) -> tuple[Plan, PipelineSpec]:
-    m = plan.microbatches
+    """The plan's pipeline on S stages of `layers` blocks; the plan with its chunks filled in."""
     spec = pipelines.runnable(plan.schedule)
     if spec.executor != "ticks":
         raise UserError(f"parallelize() runs its stages with the tick executor: schedule "
                         f"{plan.schedule!r} is not one of its "
                         f"({', '.join(pipelines.names(executor='ticks'))})")
-    # 0 or 1 asks for the schedule's own chunk count; its own M/S/v checks.
-    asked = plan.virtual_stages if plan.virtual_stages > 1 else 0
-    chunks = spec.table(stages, m, chunks=asked).chunks
-    counts = pipe_remat.parse_stage_layers(plan.stage_layers, layers, stages, chunks)
-    ratios = (pipe_remat.parse_ratios(plan.remat_ratios, stages,
-                                      shifted=spec.shifted_recompute)
-              if plan.remat_ratios else None)
-    plan = dataclasses.replace(plan, microbatches=m, virtual_stages=chunks)
-    return plan, PipelineSpec(schedule=plan.schedule, stages=stages, microbatches=m,
-                              layers=counts, chunks=chunks, ratios=ratios)
+    # A user's block has no cost model to split a backward by, nor a head to split.
+    if plan.backward_ticks > 1 or plan.split_head:
+        flag = "backward_ticks" if plan.backward_ticks > 1 else "split_head"
+        raise UserError(f"parallelize() runs every backward in one tick and the loss on the "
+                        f"last stage; drop {flag}={getattr(plan, flag)!r} from the Plan")
+    pipe = PipelineSpec.of(plan, stages=stages, microbatches=plan.microbatches,
+                           num_layers=layers)
+    plan = dataclasses.replace(plan, virtual_stages=pipe.chunks)
+    return plan, dataclasses.replace(pipe, config=plan)
 
 
 def _find(model, loss_fn, micro) -> tuple[graph.Blocks, graph.Cut]:
@@ -316,7 +316,8 @@ def parallelize(model: nnx.Module, loss_fn: Callable, batch, mesh: Mesh, plan: P
                f"{blocks.size // blocks.count:,} parameters each",
                f"mesh: {dict(mesh.shape)}; plan: {plan.schedule}, M={plan.microbatches}, "
                f"stage layers {list(pipe.layers)}"
-               + (f", remat ratios {plan.remat_ratios}" if plan.remat_ratios else ""),
+               + (f", remat ratios {', '.join(map(ratio_text, plan.remat_ratios))}"
+                  if plan.remat_ratios else ""),
                "tensor parallel (per block):"] + ["  " + x for x in lines]
     summary += ["shared parameters: replicated over stage and tensor"
                 + ("" if not shared_lines else "; except:")] + ["  " + x for x in shared_lines]

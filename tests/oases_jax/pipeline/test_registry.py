@@ -2,12 +2,14 @@
 config follows, and every list derived from the records."""
 
 import inspect
+from fractions import Fraction
 
 import pytest
 
 from oases_jax import registry as tp_registry
 from oases_jax.errors import UserError
 from oases_jax.pipeline import registry
+from oases_jax.pipeline.config import PipelineConfig
 from oases_jax.pipeline.validate import validate
 from oases_jax.training import ParallelConfig
 
@@ -43,7 +45,7 @@ def _config(pipeline: str, schedule: str, **kw) -> ParallelConfig:
     square = tp_registry.get(schedule).square
     mesh = "stage=2,tp_row=2,tp_col=2" if square else "stage=2,tensor=4"
     return ParallelConfig(mesh=mesh, rules="primepar" if square else "tp", schedule=schedule,
-                          pipeline=pipeline, **kw)
+                          pipeline=PipelineConfig(schedule=pipeline, **kw))
 
 
 @pytest.mark.parametrize("pipeline", RUNNABLE)
@@ -52,7 +54,7 @@ def test_the_config_follows_the_compatibility_table(pipeline):
     and a refusal is one line naming both and the pipelines that would run it."""
     for schedule in sorted(EVERY):
         if schedule in RUNS_INSIDE[pipeline]:
-            assert _config(pipeline, schedule).pipeline == pipeline
+            assert _config(pipeline, schedule).pipeline.schedule == pipeline
             continue
         with pytest.raises(UserError, match=f"--pipeline {pipeline} cannot run --schedule "
                            f"{schedule} inside its stages.*gpipe_spmd or 1f1b_spmd") as e:
@@ -61,13 +63,14 @@ def test_the_config_follows_the_compatibility_table(pipeline):
 
 
 @pytest.mark.parametrize("pipeline", RUNNABLE)
-@pytest.mark.parametrize("flag,value", [("stage_layers", "1,3"), ("remat_ratios", "0.5"),
-                                        ("backward_ticks", 2), ("fused_ticks", "off"),
-                                        ("split_head", "on")])
+@pytest.mark.parametrize("flag,value", [("stage_layers", (1, 3)),
+                                        ("remat_ratios", (Fraction(1, 2),)),
+                                        ("backward_ticks", 2), ("fused_ticks", False),
+                                        ("split_head", True)])
 def test_per_stage_settings_only_where_stages_may_differ(pipeline, flag, value):
     equal = pipeline in ("gpipe_spmd", "1f1b_spmd")
     if not equal:
-        assert getattr(_config(pipeline, "megatron", **{flag: value}), flag) == value
+        assert getattr(_config(pipeline, "megatron", **{flag: value}).pipeline, flag) == value
         return
     with pytest.raises(UserError, match="runs one program on every stage"):
         _config(pipeline, "megatron", **{flag: value})
@@ -76,7 +79,7 @@ def test_per_stage_settings_only_where_stages_may_differ(pipeline, flag, value):
 @pytest.mark.parametrize("pipeline", RUNNABLE)
 def test_chunks_only_where_the_schedule_holds_them(pipeline):
     if pipeline == "interleaved":
-        assert _config(pipeline, "megatron", virtual_stages=3).virtual_stages == 3
+        assert _config(pipeline, "megatron", virtual_stages=3).pipeline.virtual_stages == 3
         return
     with pytest.raises(UserError, match="--virtual-stages 3 needs a schedule with model chunks "
                        r"per stage \(interleaved\)"):

@@ -7,9 +7,9 @@ import pytest
 from oases_jax.errors import UserError
 from oases_jax.pipeline.remat import (
     check_ratios,
-    parse_ratios,
-    parse_stage_layers,
+    ratio_text,
     recomputed_layers,
+    resolve_stage_layers,
     stage_ratios,
 )
 
@@ -46,17 +46,21 @@ def test_recomputed_layers_floor_exactly():
 
 
 def test_explicit_ratios():
-    assert parse_ratios("0.8,0.7,0.4,0", 4) == (Fr(4, 5), Fr(7, 10), Fr(2, 5), 0)
-    assert parse_ratios("0.8", 4) == stage_ratios(4, 0.8)
+    assert check_ratios(["0.8", "0.7", "0.4", "0"], 4) == (Fr(4, 5), Fr(7, 10), Fr(2, 5), 0)
     assert check_ratios([1, 0.5, 0], 3) == (1, Fr(1, 2), 0)
 
 
+def test_ratio_text_is_the_flags_spelling():
+    assert [ratio_text(r) for r in (Fr(4, 5), Fr(1), Fr(0), Fr(1, 8), Fr(1, 3))] == [
+        "0.8", "1", "0", "0.125", "1/3"]
+
+
 def test_stage_layers():
-    assert parse_stage_layers(None, 24, 4) == (6, 6, 6, 6)
-    assert parse_stage_layers(None, 26, 4) == (7, 7, 6, 6)  # the first L mod S get one more
-    assert parse_stage_layers("5,6,6,7", 24, 4) == (5, 6, 6, 7)
-    assert parse_stage_layers([5, 6, 6, 7], 24, 4) == (5, 6, 6, 7)
-    assert parse_stage_layers("4,6,6,8", 24, 4, chunks=2) == (4, 6, 6, 8)  # interleaved, v=2
+    assert resolve_stage_layers(None, 24, 4) == (6, 6, 6, 6)
+    assert resolve_stage_layers(None, 26, 4) == (7, 7, 6, 6)  # the first L mod S get one more
+    assert resolve_stage_layers((5, 6, 6, 7), 24, 4) == (5, 6, 6, 7)
+    assert resolve_stage_layers([5, 6, 6, 7], 24, 4) == (5, 6, 6, 7)
+    assert resolve_stage_layers((4, 6, 6, 8), 24, 4, chunks=2) == (4, 6, 6, 8)  # v=2
 
 
 def one_line(fn, *args, **kwargs) -> str:
@@ -67,19 +71,19 @@ def one_line(fn, *args, **kwargs) -> str:
 
 
 def test_bad_input_is_one_line():
-    msg = one_line(parse_stage_layers, "5,6,6,6", 24, 4)
+    msg = one_line(resolve_stage_layers, (5, 6, 6, 6), 24, 4)
     assert "sum to 23" in msg and "24 layers" in msg and "e.g. 6,6,6,6" in msg
-    assert "3 counts for S=4" in one_line(parse_stage_layers, "8,8,8", 24, 4)
-    assert "without layers" in one_line(parse_stage_layers, "0,8,8,8", 24, 4)
-    assert "not integers" in one_line(parse_stage_layers, "5,6,x,7", 24, 4)
-    assert "3 layers cannot fill S=4" in one_line(parse_stage_layers, None, 3, 4)
-    msg = one_line(parse_stage_layers, "5,6,6,7", 24, 4, chunks=2)
+    assert "3 counts for S=4" in one_line(resolve_stage_layers, (8, 8, 8), 24, 4)
+    assert "3 layers cannot fill S=4" in one_line(resolve_stage_layers, None, 3, 4)
+    msg = one_line(resolve_stage_layers, (5, 6, 6, 7), 24, 4, chunks=2)
     assert "5,6,6,7 do not split into v=2" in msg and "e.g. 6,6,6,6" in msg
-    msg = one_line(parse_stage_layers, None, 26, 4, chunks=2)  # uniform 7,7,6,6
+    msg = one_line(resolve_stage_layers, None, 26, 4, chunks=2)  # uniform 7,7,6,6
     assert "7,7,6,6 do not split into v=2" in msg and "e.g. 8,6,6,6" in msg
-    assert "25 layers need v dividing them" in one_line(parse_stage_layers, None, 25, 4, chunks=2)
+    msg = one_line(resolve_stage_layers, None, 25, 4, chunks=2)
+    assert "25 layers need v dividing them" in msg
     assert "r0=1.2" in one_line(stage_ratios, 4, 1.2)
     assert "not a number" in one_line(stage_ratios, 4, "abc")
-    assert "3 recompute ratios" in one_line(parse_ratios, "0.8,0.7,0.4", 4)
+    assert "3 recompute ratios (0.8, 0.7, 0.4)" in one_line(check_ratios, [Fr(4, 5), Fr(7, 10),
+                                                                        Fr(2, 5)], 4)
     assert "stage 1=-0.1" in one_line(check_ratios, [0.5, -0.1], 2)
     assert "S=0" in one_line(stage_ratios, 0, 0.5)

@@ -16,6 +16,7 @@ from oases_jax.mesh import make_mesh
 from oases_jax.models import get_preset
 from oases_jax.pipeline import events, executor
 from oases_jax.pipeline import registry as pipeline_registry
+from oases_jax.pipeline.config import PipelineConfig
 from oases_jax.tools.analysis import hlo
 from oases_jax.tools.analysis.pipeline_time import find_tick_loop, pipeline_time
 from oases_jax.tools.analysis.program import Program
@@ -55,18 +56,17 @@ def test_branch_computations_follow_switch_index():
         assert op in ops and not (set(UNARY) - {op}) & ops, (op, branch, ops)
 
 
-def _program(schedule: str, m: int, ticks: int = 1, cfg=CFG, fused: str = "off",
-             split_head: str = "off"):
+def _program(schedule: str, m: int, ticks: int = 1, cfg=CFG, fused: bool = False,
+             split_head: bool = False):
+    pipe = PipelineConfig(schedule=schedule, backward_ticks=ticks, fused_ticks=fused,
+                          split_head=split_head)
     spec = CompileSpec(model=cfg, parallel=ParallelConfig(mesh=MESH, rules="tp",
-                                                          schedule="megatron", pipeline=schedule,
-                                                          backward_ticks=ticks,
-                                                          fused_ticks=fused,
-                                                          split_head=split_head),
+                                                          schedule="megatron", pipeline=pipe),
                        batch_size=4 * m, seq_len=16, microbatches=m)
     mesh = make_mesh(MESH, jax.devices()[:4])
     compiled = lower(spec, mesh).compile()
-    plan = executor.plan(pipeline_registry.get(schedule).build(2, m), ticks, fuse=fused == "on",
-                         head=split_head == "on")
+    plan = executor.plan(pipeline_registry.get(schedule).build(2, m), ticks, fuse=fused,
+                         head=split_head)
     return Program(compiled.as_text(), (("data", 2), ("stage", 2))), plan
 
 
@@ -82,12 +82,12 @@ def one_f_one_b():
 
 @pytest.fixture(scope="module")
 def one_f_one_b_fused():
-    return _program("1f1b", 4, fused="on")
+    return _program("1f1b", 4, fused=True)
 
 
 @pytest.fixture(scope="module")
 def merak_fused():
-    return _program("merak", 3, fused="on")
+    return _program("merak", 3, fused=True)
 
 
 @pytest.fixture(scope="module")
@@ -204,7 +204,7 @@ def test_split_head_phase_after_the_ticks_that_run_it():
     holds one more conditional, the head's phase (true: the phase, false: nothing), which runs
     after each tick where the last stage ran a forward; with F=1, B=2 and a phase of 0.5 the
     loop is the switch time plus M phases."""
-    program, plan = _program("1f1b", 4, split_head="on")
+    program, plan = _program("1f1b", 4, split_head=True)
     loop = find_tick_loop(program, plan)
     assert plan.head and plan.heads == 1 and len(loop.heads) == 1
     assert len(loop.heads[0].called) == 2 and loop.heads[0] not in loop.switches
@@ -262,9 +262,9 @@ def test_inspection_reports_the_pipeline():
     from oases_jax.tools.inspection import inspect_program
     from oases_jax.tools.report import summary
 
+    pipe = PipelineConfig(schedule="gpipe", backward_ticks=1)
     spec = CompileSpec(model=CFG, parallel=ParallelConfig(mesh="data=4,stage=2", rules="tp",
-                                                          schedule="megatron", pipeline="gpipe",
-                                                          backward_ticks=1),
+                                                          schedule="megatron", pipeline=pipe),
                        batch_size=8, seq_len=16, microbatches=2)
     r = inspect_program(spec, get_target("local")).report()
     p = r["pipeline"]
