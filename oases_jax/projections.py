@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from oases_jax import compat, primepar
+from oases_jax import compat, primepar, step_order
 from oases_jax.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from oases_jax.registry import ScheduleSpec
 from oases_jax.rules import Logical, ShardingRules, constrain
@@ -113,6 +113,9 @@ class Projection:
 
     def after_step(self, x) -> None:
         return None
+
+    def settle(self, x):
+        return x
 
 
 class Gspmd(Projection):
@@ -213,6 +216,25 @@ class LocalAllReduce(Projection):
         self.axis = axis
         self._partials: list[jax.Array] = []  # row partials produced since the last step
         self._anchor: jax.Array | None = None  # the output of the last executed step
+        self._tied: tuple | None = None  # (the last step's output, as `column` tied it)
+
+    def column(self, x_BLD, weights, names) -> list[jax.Array]:
+        """The column GEMMs on x made varying over `axis` explicitly: that cast's transpose is
+        the backward's dX all-reduce, and its input (the dX partial) is tied to the previous
+        step's output (`step_order.tie_backward`): the previous step's backward starts only
+        once this step's dX partial is computed, so that all-reduce runs beside it."""
+        xv = jax.lax.pcast(x_BLD, (self.axis,), to="varying")
+        if self._anchor is not None:
+            untied = self._tied[0] if self._tied else self._anchor
+            self._anchor, xv = step_order.tie_backward(self._anchor, xv)
+            self._tied = (untied, self._anchor)
+        return super().column(xv, weights, names)
+
+    def settle(self, x):
+        """The previous step's output as `column` tied it (`step_order.run`'s hook)."""
+        if self._tied and x is self._tied[0]:
+            return self._tied[1]
+        return x
 
     def row(self, h, w, names) -> jax.Array:
         partial = einsum_row(h, w)
@@ -224,7 +246,7 @@ class LocalAllReduce(Projection):
         # fuse the residual adds of two sub-batches into one multi-output fusion (they share
         # the bias), which waits for both all-reduces and so serialises the second behind the
         # first.
-        return jax.lax.optimization_barrier((self._anchor, y))[1]
+        return step_order.pin((self._anchor, y))[1]
 
     def complete(self, partial) -> jax.Array:
         """The all-reduce of a `row_partial`. Not tied to the last step's output: an overlapped
@@ -239,10 +261,10 @@ class LocalAllReduce(Projection):
         partials, self._partials = self._partials, []
         if not partials:
             return x
-        return jax.lax.optimization_barrier((*partials, x))[-1]
+        return step_order.pin((*partials, x))[-1]
 
     def after_step(self, x) -> None:
-        self._anchor = x
+        self._anchor, self._tied = x, None
 
     def forget_partials(self) -> None:
         self._partials = []

@@ -247,7 +247,7 @@ def run_layer(seg: Segment, fns: LayerFns, state, x_BLD: jax.Array) -> jax.Array
         state = _gather_shards(fns, state, seg)
         with suspend_rules(), projections.use(seg.projection(manual=True)) as proj:
             return step_order.run(seg.order, x, fns.ops(state), before_step=proj.before_step,
-                                  after_step=proj.after_step)
+                                  after_step=proj.after_step, settle=proj.settle)
 
     return jax.shard_map(local, mesh=compat.context_mesh(seg.mesh),
                          in_specs=(_local_specs(fns, state, seg, False), x_spec),
@@ -274,7 +274,8 @@ def _run_overlapped(seg: Segment, fns: LayerFns, stacked, x_BLD, scan: bool):
             carry = step_order.run_overlapped(order, xs, pending, fns.ops(state),
                                               fns.defer(state), fns.complete,
                                               before_step=proj.before_step,
-                                              after_step=proj.after_step)
+                                              after_step=proj.after_step,
+                                              settle=proj.settle)
         return carry, None
 
     def local(stacked, x):

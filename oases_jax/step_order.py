@@ -23,6 +23,39 @@ import jax
 import jax.numpy as jnp
 
 
+@jax.custom_jvp
+def pin(xs):
+    """`jax.lax.optimization_barrier` for the forward's order only: the values of `xs` become
+    available together, so XLA may not move work across the point, while their derivatives
+    pass through unpinned. A plain barrier's transpose is a barrier over the cotangents, and the
+    forward's pins, transposed, made each sub-batch's backward wait for the next one's dX
+    all-reduce: the backward ran its all-reduces one after another with nothing beside them."""
+    return jax.lax.optimization_barrier(xs)
+
+
+@pin.defjvp
+def _pin_jvp(primals, tangents):
+    return jax.lax.optimization_barrier(primals[0]), tangents[0]
+
+
+@jax.custom_vjp
+def tie_backward(a, b):
+    """`(a, b)` unchanged; in the backward their cotangents become available together, so the
+    work on a's cotangent waits until b's is computed. The forward is not constrained."""
+    return a, b
+
+
+def _tie_fwd(a, b):
+    return (a, b), None
+
+
+def _tie_bwd(_, cts):
+    return tuple(jax.lax.optimization_barrier(cts))
+
+
+tie_backward.defvjp(_tie_fwd, _tie_bwd)
+
+
 @dataclasses.dataclass(frozen=True)
 class Step:
     op: str  # "attn" or "mlp": a residual sub-layer, x <- x + op(x)
@@ -65,7 +98,7 @@ def split(order: StepOrder, x_BLD: jax.Array) -> tuple[jax.Array, ...]:
     grouped = x_BLD.reshape(b // k, k, *x_BLD.shape[1:])
     xs = tuple(grouped[:, j] for j in range(k))
     if k > 1:  # materialise the sub-batches: no later fusion may slice one out of x again
-        xs = tuple(jax.lax.optimization_barrier(xs))
+        xs = tuple(pin(xs))
     return xs
 
 
@@ -78,18 +111,24 @@ def join(xs: Sequence[jax.Array]) -> jax.Array:
 def run(order: StepOrder, x_BLD: jax.Array, ops: dict[str, Callable[[jax.Array], jax.Array]],
         constrain: Callable[[jax.Array], jax.Array] = lambda x: x,
         before_step: Callable[[jax.Array], jax.Array] = lambda x: x,
-        after_step: Callable[[jax.Array], None] = lambda x: None) -> jax.Array:
+        after_step: Callable[[jax.Array], None] = lambda x: None,
+        settle: Callable[[jax.Array], jax.Array] = lambda x: x) -> jax.Array:
     """Execute `order` on x: split the batch into sub-batches, apply each residual step in
-    order, and join the sub-batches again. `before_step` sees each step's input first and
-    `after_step` each step's output (a manual layer's projection uses them to pin the order of
-    work, see `oases_jax.projections.LocalAllReduce`)."""
+    order, and join the sub-batches again. `before_step` sees each step's input first,
+    `after_step` each step's output, and `settle` the previous step's output once the next step
+    ran, returning it as the rest of the layer uses it (a manual layer's projection uses them to
+    pin the order of work forward and backward, see `oases_jax.projections.LocalAllReduce`)."""
     xs = list(split(order, x_BLD))
+    prev = None
     for step in order.steps:
         x = before_step(xs[step.sub_batch])
         out = ops[step.op](x)
         with jax.named_scope("residual"):
             xs[step.sub_batch] = constrain(x + out)
+        if prev is not None and prev != step.sub_batch:
+            xs[prev] = settle(xs[prev])
         after_step(xs[step.sub_batch])
+        prev = step.sub_batch
     return join(xs)
 
 
@@ -98,17 +137,23 @@ def run_overlapped(order: StepOrder, xs: Sequence[jax.Array], pending: Any,
                   defer: Callable[[jax.Array], Any], complete: Callable[[Any], jax.Array],
                   before_step: Callable[[jax.Array], jax.Array] = lambda x: x,
                   after_step: Callable[[jax.Array], None] = lambda x: None,
+                  settle: Callable[[jax.Array], jax.Array] = lambda x: x,
                   ) -> tuple[tuple[jax.Array, ...], Any]:
     """One layer of an overlapped stack, on sub-batches `xs` that stay split between
     layers. The order's last step (its sub-batch `s`) is left unfinished: `defer(x)` returns
     its pre-collective state (`pending`) and xs[s] stays that step's input, so the true xs[s] is
     xs[s] + complete(pending). A layer given the previous layer's `pending` completes it just
     before its first step on sub-batch s: the collective runs while the steps before that
-    (attn(0) .. attn(s-1) under `oases`) compute. Finish the stack with `finish_pending`."""
+    (attn(0) .. attn(s-1) under `oases`) compute. Finish the stack with `finish_pending`. The
+    hooks are `run`'s."""
     xs = list(xs)
     last = order.steps[-1]
     new_pending = None
     for i, step in enumerate(order.steps):
+        if i and order.steps[i - 1].sub_batch != step.sub_batch:
+            prev = order.steps[i - 1].sub_batch
+        else:
+            prev = None
         if pending is not None and step.sub_batch == last.sub_batch:
             xs, pending = list(finish_pending(order, xs, pending, complete)), None
         x = before_step(xs[step.sub_batch])
@@ -118,6 +163,9 @@ def run_overlapped(order: StepOrder, xs: Sequence[jax.Array], pending: Any,
             out = ops[step.op](x)
             with jax.named_scope("residual"):
                 xs[step.sub_batch] = x + out
+        if prev is not None:
+            xs[prev] = settle(xs[prev])
+        if i < len(order.steps) - 1:
             after_step(xs[step.sub_batch])
     return tuple(xs), new_pending
 

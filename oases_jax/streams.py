@@ -32,6 +32,21 @@ COMM = "comm"
 Op = tuple  # ("c", seconds) | ("start", key, seconds) | ("done", key) | ("sync",)
 
 
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """One collective's time on its stream and the seconds of it compute covers."""
+
+    name: str
+    kind: str
+    start: float
+    end: float
+    covered_s: float
+
+    @property
+    def share(self) -> float:
+        return self.covered_s / (self.end - self.start) if self.end > self.start else 1.0
+
+
 @dataclasses.dataclass
 class Event:
     """One task on the timeline (`Streams(events=N)` keeps the first N)."""
@@ -53,7 +68,7 @@ class Streams:
         self.busy: dict[str, float] = {}
         self.events: list[Event] = []
         self._max_events = events
-        # Collective windows: [start, end, kind, seconds compute covers]; `_open` holds those
+        # Collective windows: [start, end, kind, seconds compute covers, name]; `_open` those
         # a later compute task may still cover (compute starts only grow on its stream).
         self._windows: list[list] = []
         self._open: list[list] = []
@@ -76,7 +91,7 @@ class Streams:
         if stream == COMPUTE:
             self._cover(start, end)
         else:
-            self._window(start, end, kind or stream)
+            self._window(start, end, kind or stream, name)
         if len(self.events) < self._max_events and end > start:
             self.events.append(Event(stream, name, kind or stream, start, end))
         return len(self.ends) - 1
@@ -112,11 +127,16 @@ class Streams:
     def covered(self) -> dict[str, tuple[float, float]]:
         """Per collective kind: (its seconds, the seconds of them compute covers)."""
         out: dict[str, list[float]] = {}
-        for start, end, kind, cov in self._windows:
+        for start, end, kind, cov, _ in self._windows:
             tally = out.setdefault(kind, [0.0, 0.0])
             tally[0] += end - start
             tally[1] += cov
         return {k: (s, c) for k, (s, c) in out.items()}
+
+    def windows(self) -> list[Window]:
+        """Every collective in program order, with the seconds of it compute covers."""
+        return [Window(name, kind, start, end, cov)
+                for start, end, kind, cov, name in self._windows]
 
     def _cover(self, start: float, end: float) -> None:
         """Compute on [start, end] covers the part of each collective window it overlaps."""
@@ -127,10 +147,10 @@ class Streams:
         for w in self._open:
             w[3] += max(0.0, min(end, w[1]) - max(start, w[0]))
 
-    def _window(self, start: float, end: float, kind: str) -> None:
+    def _window(self, start: float, end: float, kind: str, name: str) -> None:
         """A collective on [start, end]: covered by compute already placed inside it (tasks of
         a dependency graph may start before compute added earlier ends) and by later compute."""
-        w = [start, end, kind, 0.0]
+        w = [start, end, kind, 0.0, name]
         for cs, ce in reversed(self._compute):
             if ce <= start:
                 break
@@ -164,4 +184,4 @@ def replay(ops: Sequence[Op], *, overlap: bool = True) -> tuple[float, float, fl
     return s.makespan, s.compute_s, s.comm_s
 
 
-__all__ = ["COMM", "COMPUTE", "Event", "Op", "Streams", "replay"]
+__all__ = ["COMM", "COMPUTE", "Event", "Op", "Streams", "Window", "replay"]

@@ -115,7 +115,7 @@ class LayerModel(LayerWork):
             fwd += self._fwd(pattern, work[name], f"{name}{j}", prev=self._prev(order, idx, "f"))
         rorder = order[::-1]
         if pattern == "deferred":
-            bwd += self._bwd_grouped(work, k)
+            bwd += self._bwd_tied(work, k)
         else:
             for idx, (name, j) in enumerate(rorder):
                 bwd += self._bwd(pattern, work[name], f"b{name}{j}",
@@ -210,24 +210,25 @@ class LayerModel(LayerWork):
         ops += [("c", 2 * w.pre)]
         return ops
 
-    def _bwd_grouped(self, work, k) -> list[Op]:
-        """Oases' backward as XLA's scheduler orders it: per sub-layer (the MLP, then the
-        attention), every sub-batch's work up to its dX all-reduce, then the k all-reduces back
-        to back behind the sub-batches' column dW GEMMs, and the next sub-layer waits for all k
-        (not, as the forward's order would have it, each sub-batch for its own). The
-        interleaved order priced oases-h4096-l16's oases/2 backward on 3090-nvlink-32 (M = 2,
-        one iteration replayed alone) at 0.83-0.85 of the compiled loop's, this 1.02."""
-        ops = []
-        prev = []
+    def _bwd_tied(self, work, k) -> list[Op]:
+        """Oases' backward as the compiled program runs it: the forward's steps reversed
+        (mlp(k-1) .. mlp(0), attn(k-1) .. attn(0)), each step's dX all-reduce issued once its dX
+        partial is computed and covered by its own column dW GEMM and the next step's backward
+        up to its dX (`step_order.tie_backward` starts the next step only after this one's dX
+        partial), the norm's backward after the all-reduce. Before the tie, XLA ran every
+        sub-batch's work up to its dX and then the k all-reduces back to back."""
+        ops: list[Op] = []
+        prev = None
         for name in ("mlp", "attn"):
             w = work[name]
-            ops += [("done", key) for key in prev]
-            keys = [f"b{name}{j}" for j in reversed(range(k))]
-            ops += [("c", 2 * w.row + w.core_bwd + w.col)] * k
-            ops += [("start", key, self._ar(w.col_bytes)) for key in keys]
-            ops += [("c", w.col + 2 * w.pre)] * k
-            prev = keys
-        return ops
+            for j in reversed(range(k)):
+                ops.append(("c", 2 * w.row + w.core_bwd + w.col))
+                if prev:
+                    ops += [("done", prev[0]), ("c", 2 * prev[1].pre)]
+                key = f"b{name}{j}"
+                ops += [("start", key, self._ar(w.col_bytes)), ("c", w.col)]
+                prev = (key, w)
+        return ops + [("done", prev[0]), ("c", 2 * prev[1].pre)]
 
     def _recompute(self, strategy: LayerSpec, pattern, work, k) -> list[Op]:
         if strategy.remat == "none":

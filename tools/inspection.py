@@ -82,7 +82,8 @@ class Inspection:
             # (a GEMM beside a collective is not the same as hidden), and the step's exposed
             # share (`SimResult.covered`).
             "hidden": {k: v for k, v in sim.to_json().items() if k in (
-                "covered_comm_s", "hidden_share", "exposed_share", "covered_by_kind")},
+                "covered_comm_s", "hidden_share", "exposed_share", "covered_by_kind",
+                "collectives")},
             "compile_s": self.compile_s,
             "compiler_options": self.options,
             "xla_estimate": self.xla.to_json() if self.xla else None,

@@ -183,8 +183,15 @@ def hidden_lines(r: dict) -> list[str]:
         return []
     kinds = ", ".join(f"{k} {v['share']:.0%} of {v['comm_s'] * 1e3:.3f} ms"
                       for k, v in h["covered_by_kind"].items())
-    return [f"covered by compute: {h['hidden_share']:.1%} of the collectives' time ({kinds}); "
-            f"exposed: {h['exposed_share']:.1%} of the step"]
+    lines = [f"covered by compute: {h['hidden_share']:.1%} of the collectives' time ({kinds}); "
+             f"exposed: {h['exposed_share']:.1%} of the step"]
+    shares = [c["share"] for c in h.get("collectives", ()) if c["end_s"] > c["start_s"]]
+    if shares:
+        under = sum(s < 0.9 for s in shares)
+        lines.append(f"per collective, in program order: covered share "
+                     f"{' '.join(f'{s:.2f}' for s in shares[:16])}"
+                     f"{' ...' if len(shares) > 16 else ''}; {under} of {len(shares)} under 0.90")
+    return lines
 
 
 def planner_lines(r: dict) -> list[str]:

@@ -24,11 +24,15 @@ def test_an_issued_collective_hides_behind_the_compute_before_its_done():
 def test_collectives_queue_on_their_stream():
     # two collectives issued back to back run one after the other: 0..2 then 2..5
     s = Streams()
-    a, b = s.issue(2.0), s.issue(3.0)
+    a, b = s.issue(2.0, name="a"), s.issue(3.0, name="b")
     s.add(COMPUTE, 4.0)
     s.wait(a, b)
     assert (s.end(a), s.end(b), s.makespan) == (2.0, 5.0, 5.0)
     assert s.covered() == {COMM: (5.0, 4.0)}
+    # per collective: the compute 0..4 covers all of a (0..2) and 2 of b's 3 s (2..5)
+    assert [(w.name, w.start, w.end, w.covered_s) for w in s.windows()] == [
+        ("a", 0.0, 2.0, 2.0), ("b", 2.0, 5.0, 2.0)]
+    assert [w.share for w in s.windows()] == pytest.approx([1.0, 2 / 3])
 
 
 def test_a_dependency_graph_counts_compute_placed_before_the_window_opened():

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from oases_jax.hardware import ClusterSpec, DeviceSpec, collective_time
-from oases_jax.streams import COMPUTE, Event, Streams
+from oases_jax.streams import COMPUTE, Event, Streams, Window
 from oases_jax.tools.analysis.hlo import Computation, Instr
 from oases_jax.tools.analysis.program import TRIVIAL, Program, collective_kind, is_async_start
 
@@ -54,6 +54,7 @@ class SimResult:
     exposed_comm_s: float
     events: list[Event]
     covered: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    windows: list[Window] = dataclasses.field(default_factory=list)  # per collective
 
     @property
     def covered_comm_s(self) -> float:
@@ -74,6 +75,9 @@ class SimResult:
                                              "covered_comm_s", "hidden_share", "exposed_share")}
         out["covered_by_kind"] = {k: {"comm_s": s, "covered_s": c, "share": c / s if s else 1.0}
                                   for k, (s, c) in sorted(self.covered.items())}
+        out["collectives"] = [{"name": w.name, "kind": w.kind, "start_s": w.start,
+                               "end_s": w.end, "covered_s": w.covered_s, "share": w.share}
+                              for w in self.windows]
         return out
 
 
@@ -116,7 +120,7 @@ class Simulator:
         step = s.makespan
         return SimResult(step_s=step, compute_s=s.compute_s, comm_s=s.comm_s,
                          exposed_comm_s=max(step - s.compute_s, 0.0), events=s.events,
-                         covered=s.covered())
+                         covered=s.covered(), windows=s.windows())
 
     def _replay(self, comp_name: str) -> None:
         comp = self.p.comp(comp_name)
