@@ -165,11 +165,10 @@ def test_overlapped_layer_hides_collectives_on_h100(model, schedule):
 @pytest.mark.gpu_aot
 def test_oases_backward_hides_each_dx_all_reduce_behind_another_sub_batch():
     """One bf16 GPT-2 1.5B layer (k = 2) for 8 H100s: its four backward all-reduces (each
-    sub-layer's
-    dX, in the order mlp(1) mlp(0) attn(1) attn(0)) each have the next sub-layer's backward
-    GEMMs covering most of their simulated time (`step_order.tie_backward`; without it XLA ran
-    attn(1)'s and attn(0)'s back to back after both attention backwards, covered 0.29 and
-    0.17). attn(0)'s, the layer's last, has nothing left beside it in a one-layer program."""
+    sub-layer's dX, in the order mlp(1) mlp(0) attn(1) attn(0)) each have the next sub-layer's
+    backward GEMMs covering most of their simulated time (`step_order.tie_backward`; without it
+    XLA ran attn(1)'s and attn(0)'s back to back after both attention backwards, covered 0.29
+    and 0.17). attn(0)'s, the layer's last, has nothing left beside it in a one-layer program."""
     windows = _h100_inspection("gpt2-1.5b", "oases", "bfloat16").sim.windows
     ar = [w for w in windows if w.kind == "all-reduce"]
     assert len(ar) == 8
