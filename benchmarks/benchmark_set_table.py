@@ -11,7 +11,7 @@ import json
 import pathlib
 import sys
 
-from oases_jax.planner.rank import spearman
+from oases_jax.planner.verification.rank import spearman
 
 STEP, PEAK = 0.15, 0.10
 

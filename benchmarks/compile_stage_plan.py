@@ -1,8 +1,8 @@
 """Price one 3D plan of GPT-2 1.5B (bf16, attention=xla, global batch 32 x 1024) and compile it
 deviceless for h100:16 through the one compile path (the program `train.py --plan` runs), then
 print the prediction beside the tick-by-tick step and each branch's cost
-(planner/verify_pipeline.py, `analysis.pipeline_time`). For A/B runs of the tick executor
-across commits: run it at each and compare.
+(planner/verification/verify_pipeline.py, `analysis.pipeline_time`). For A/B runs of the tick
+executor across commits: run it at each and compare.
 
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/compile_stage_plan.py \
         STAGES DATA TENSOR MICROBATCHES SCHEDULE [--heads N] [--layers L]
@@ -16,9 +16,9 @@ import time
 from oases_jax.hardware import get_cluster
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.models import get_preset
+from oases_jax.planner.cost.prices import Hardware
 from oases_jax.planner.layout import Layout
-from oases_jax.planner.prices import Hardware
-from oases_jax.planner.verify_pipeline import candidate, compile_candidate
+from oases_jax.planner.verification.verify_pipeline import candidate, compile_candidate
 
 
 def main() -> None:

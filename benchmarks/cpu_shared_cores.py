@@ -1,6 +1,6 @@
 """How the 8 virtual CPU devices share the host's cores: 20 chained 256 x 256 GEMMs under
 `lax.cond` on 8, 4, 2 and 1 of the 8 devices, median of 7 runs each. The idle devices' share of
-the cores goes to the busy ones, which is what `planner.prices.SharedCores` prices
+the cores goes to the busy ones, which is what `planner.cost.prices.SharedCores` prices
 (docs/planner.md, "Ranking on the CPU devices").
 
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/cpu_shared_cores.py

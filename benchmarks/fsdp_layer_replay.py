@@ -1,7 +1,7 @@
 """One iteration of the layer loop of FSDP plans, compiled deviceless for h100:8 and replayed
 alone by the inspection simulator (forward loop, then backward loop), beside the planner's price
 of the same layer: `LayerModel` (compute and tensor collectives) plus what it waits for on FSDP's
-gathers and reduce-scatters (`planner.fsdp_chain`).
+gathers and reduce-scatters (`planner.cost.fsdp_chain`).
 
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/fsdp_layer_replay.py
 
@@ -15,13 +15,13 @@ import jax
 from oases_jax.hardware import get_cluster
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.models import get_preset
-from oases_jax.planner.fsdp_chain import layer_exposed
-from oases_jax.planner.layer_cost import LayerModel
+from oases_jax.planner.cost.fsdp_chain import layer_exposed
+from oases_jax.planner.cost.layer_cost import LayerModel
+from oases_jax.planner.cost.prices import Hardware
+from oases_jax.planner.cost.step_cost import step_cost
 from oases_jax.planner.layout import Layout
-from oases_jax.planner.prices import Hardware
-from oases_jax.planner.search import Candidate
-from oases_jax.planner.step_cost import step_cost
-from oases_jax.planner.verify import candidate_spec
+from oases_jax.planner.search.dense import Candidate
+from oases_jax.planner.verification.verify import candidate_spec
 from oases_jax.targets import get_target
 from oases_jax.tools.analysis.simulate import Simulator
 from oases_jax.tools.inspection import inspect_program

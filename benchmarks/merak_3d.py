@@ -7,8 +7,8 @@ import time
 
 from oases_jax.hardware import get_cluster
 from oases_jax.models import get_preset
-from oases_jax.planner.pipeline_search import megatron_3d, search_3d
-from oases_jax.planner.prices import Hardware
+from oases_jax.planner.cost.prices import Hardware
+from oases_jax.planner.search.pipeline import megatron_3d, search_3d
 
 
 def main() -> None:

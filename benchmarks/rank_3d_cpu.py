@@ -19,8 +19,8 @@ from oases_jax.hardware import get_cluster
 from oases_jax.models import get_preset
 from oases_jax.planner import load_profile
 from oases_jax.planner import plan as plans
-from oases_jax.planner.pipeline_search import search_3d
-from oases_jax.planner.prices import Hardware
+from oases_jax.planner.cost.prices import Hardware
+from oases_jax.planner.search.pipeline import search_3d
 
 BATCH, SEQ, N = 16, 128, 10
 

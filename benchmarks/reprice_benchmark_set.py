@@ -16,9 +16,9 @@ import sys
 from oases_jax.hardware import get_cluster
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.models.config import ModelConfig
+from oases_jax.planner.cost.prices import Hardware
+from oases_jax.planner.cost.step_cost import step_cost
 from oases_jax.planner.layout import Layout
-from oases_jax.planner.prices import Hardware
-from oases_jax.planner.step_cost import step_cost
 
 BOUND = 0.15
 

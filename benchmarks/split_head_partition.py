@@ -9,10 +9,10 @@ import time
 from oases_jax.hardware import get_cluster
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.models import get_preset
+from oases_jax.planner.cost.prices import Hardware
 from oases_jax.planner.layout import Layout
-from oases_jax.planner.pipeline_search import split_head_inputs, stage_inputs, transfer_s
-from oases_jax.planner.prices import Hardware
-from oases_jax.planner.stage_partition import partition
+from oases_jax.planner.search.pipeline import split_head_inputs, stage_inputs, transfer_s
+from oases_jax.planner.search.stage_partition import partition
 
 
 def main() -> None:

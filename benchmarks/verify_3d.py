@@ -1,5 +1,5 @@
 """Compile the 3D search's top 6 plans for GPT-2 1.5B (bf16, attention=xla) on h100:16 and set the
-prediction beside the compiled step (planner/verify_pipeline.py).
+prediction beside the compiled step (planner/verification/verify_pipeline.py).
 `JAX_PLATFORMS=cpu .venv/bin/python benchmarks/verify_3d.py OUT.json [--spmd-everywhere]
 [--heads N]` (benchmarks/results/verify_3d_gpt2-1.5b_h100x16.{txt,json}; 2-13 minutes here).
 `--spmd-everywhere`: the search offers the SPMD pipelines on every layout, not only where a ring
@@ -15,9 +15,9 @@ import time
 
 from oases_jax.hardware import get_cluster
 from oases_jax.models import get_preset
-from oases_jax.planner.pipeline_search import timed_search
-from oases_jax.planner.prices import Hardware
-from oases_jax.planner.verify_pipeline import agreement, table, verify_3d
+from oases_jax.planner.cost.prices import Hardware
+from oases_jax.planner.search.pipeline import timed_search
+from oases_jax.planner.verification.verify_pipeline import agreement, table, verify_3d
 
 
 def main(out: str, spmd_everywhere: bool = False, heads: int | None = None) -> None:

@@ -1,8 +1,8 @@
 """Compile pipelined plans with FSDP and tensor parallelism inside the stages (`--rules fsdp_tp`)
 for GPT-2 1.5B with 20 heads (bf16, attention=xla) on h100:16, and set the 3D search's price
-(`planner.stage_fsdp.fsdp_layer_s`) beside our simulator's step of each compiled program
-(planner/verify_pipeline.py). The last plan runs `oases` inside the stages, which the search
-does not offer under fsdp_tp (`FSDP_TP_STAGE_SCHEDULES`).
+(`planner.cost.stage_fsdp.fsdp_layer_s`) beside our simulator's step of each compiled program
+(planner/verification/verify_pipeline.py). The last plan runs `oases` inside the stages, which
+the search does not offer under fsdp_tp (`FSDP_TP_STAGE_SCHEDULES`).
 
     JAX_PLATFORMS=cpu .venv/bin/python benchmarks/verify_fsdp_tp_stages.py
 
@@ -13,9 +13,9 @@ import time
 from oases_jax.hardware import get_cluster
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.models import get_preset
+from oases_jax.planner.cost.prices import Hardware
 from oases_jax.planner.layout import Layout
-from oases_jax.planner.prices import Hardware
-from oases_jax.planner.verify_pipeline import agreement, candidate, table, verify_3d
+from oases_jax.planner.verification.verify_pipeline import agreement, candidate, table, verify_3d
 
 # (stages, fsdp, tensor, micro-batches, schedule, layer schedule)
 PLANS = [(2, 4, 2, 2, "interleaved", "megatron"), (2, 4, 2, 4, "interleaved", "megatron"),

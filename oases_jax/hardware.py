@@ -336,8 +336,8 @@ class Prices:
     """The datasheet price of one op on `device`: a GEMM or memory pass at its roofline, a
     collective by the alpha-beta model (`collective_time`) on the link it crosses.
     `async_collectives`: collectives run beside compute (False on CPUs, whose collectives are
-    synchronous). `oases_jax.planner.prices.Hardware` puts a calibration profile's fits in front
-    of these prices; the MoE cost model (`oases_jax.moe.cost`) prices with either."""
+    synchronous). `oases_jax.planner.cost.prices.Hardware` puts a calibration profile's fits in
+    front of these prices; the MoE cost model (`oases_jax.moe.cost`) prices with either."""
 
     device: DeviceSpec
     async_collectives: bool = True

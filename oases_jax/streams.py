@@ -1,6 +1,7 @@
 """The two-stream engine: the one rule by which the planner's layer replay
-(`oases_jax.planner.layer_cost`), the inspection simulator (`oases_jax.tools.analysis.simulate`)
-and the MoE cost model (`oases_jax.moe.cost`) turn work into seconds.
+(`oases_jax.planner.cost.layer_cost`), the inspection simulator
+(`oases_jax.tools.analysis.simulate`) and the MoE cost model (`oases_jax.moe.cost`) turn work into
+seconds.
 
 Work is a program-order list of tasks, each on a stream (`COMPUTE`, or a collective stream such
 as `COMM`): a task starts when its stream has finished the tasks added to it before and the

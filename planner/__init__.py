@@ -1,11 +1,15 @@
-"""The planner: an overlap-aware cost model (layouts `planner.layout`, single-op prices
-`planner.prices`, replayed by the two-stream `oases_jax.streams`, one layer `planner.layer_work`,
-`planner.layer_cost` and `planner.primepar_cost`, the whole step `planner.step_cost`, an MoE
-model's step `planner.moe_step`), calibration profiles (`planner.profile`, measured by
-`planner.calibrate`), an exact per-layer search (`planner.search`; MoE models:
-`planner.moe_search`), JSON plans (`planner.plan`) and their check against compiled programs
-(`planner.verify`, imported on use: it loads the compile path). `make_plan` is the one-call
-entry point."""
+"""The planner, in sub-packages by job, over layouts (`planner.layout`) and JSON plans
+(`planner.plan`, `planner.plan_schema`):
+
+    cost/          the overlap-aware cost model: single-op prices, one layer's work replayed by
+                   the two-stream `oases_jax.streams`, the one step model, MoE and pipeline stages
+    search/        the exact per-layer search (`search.dense`), the 3D search and its stage
+                   partitioner, MoE models' search
+    verification/  plans checked against their compiled programs, and the ranking of measured
+                   plans (imported on use: they load the compile path)
+    calibration/   profiles the cost model reads, and the measurements that write them
+
+`make_plan` is the one-call entry point."""
 
 from __future__ import annotations
 
@@ -14,10 +18,10 @@ import jax
 from oases_jax.errors import UserError
 from oases_jax.hardware import CLUSTERS, ClusterSpec, LinkSpec, compile_targets, detect, get_cluster
 from oases_jax.models.config import ModelConfig
+from oases_jax.planner.calibration.profile import ROOT, Profile, default_profile_path
+from oases_jax.planner.cost.prices import Hardware
 from oases_jax.planner.plan import plan_json
-from oases_jax.planner.prices import Hardware
-from oases_jax.planner.profile import ROOT, Profile, default_profile_path
-from oases_jax.planner.search import SCHEDULES, search
+from oases_jax.planner.search.dense import SCHEDULES, search
 
 COST_SOURCES = ("datasheet", "profile", "xla")
 
@@ -79,11 +83,11 @@ def make_plan(cfg: ModelConfig, *, model: str, cluster: ClusterSpec, global_batc
               seq_len: int, memory_fraction: float | None = None, profile=None,
               cost_source: str = "datasheet", schedules=None) -> tuple[dict, object]:
     """Search and return (plan JSON, SearchResult): an MoE model's data x expert x tensor
-    search (`planner.moe_search`), a dense model's per-layer one (`planner.search`)."""
+    search (`planner.search.moe`), a dense model's per-layer one (`planner.search.dense`)."""
     hw = Hardware.of(cluster, profile)
     find = search
     if cfg.moe:
-        from oases_jax.planner.moe_search import search_moe as find
+        from oases_jax.planner.search.moe import search_moe as find
     result = find(cfg, hw, global_batch=global_batch, seq_len=seq_len,
                   memory_fraction=memory_fraction, schedules=schedules or SCHEDULES)
     return plan_json(result, model=model, cfg=cfg, cluster=cluster.name,

@@ -19,12 +19,12 @@ class Layout:
 
     A `primepar` layout's tensor group is a q x q square (`tensor` = q^2, mesh axes `tp_row` and
     `tp_col`, rules `primepar`); its parameters are stacked with one sharding, so every layer of
-    its plans runs `primepar` (`planner.primepar_cost`).
+    its plans runs `primepar` (`planner.cost.primepar_cost`).
 
     An MoE model's layout adds `expert` (EP: the experts split over it, the batch split over
     data x expert, as the runtime's rules do) between data and tensor; `expert_inner` says
     which of data and expert is the inner (closer, within a node) mesh axis: the mesh is
-    data, expert, tensor, or expert, data, tensor (`planner.moe_search`)."""
+    data, expert, tensor, or expert, data, tensor (`planner.search.moe`)."""
 
     data: int = 1
     fsdp: int = 1

@@ -7,10 +7,10 @@
      "predicted_step_s": ..., "predicted_peak_memory_bytes": ..., "predicted_exposed_comm_s": ...,
      "memory": {...}, "baselines": {"megatron": {...}, "best_uniform": {...}},
      "search_s": ..., "cost_source": "datasheet" | "profile", "alternatives": [...],
-     "verified": {...},  # with `plan.py --verify N` only (`planner.verify`)
+     "verified": {...},  # with `plan.py --verify N` only (`planner.verification.verify`)
      "moe": {"expert": 2, "schedule": "parm_s2", "chunks": 2, ...}}  # MoE models only
 
-An MoE model's plan (`planner.moe_search`) gains the `moe` section: the expert degree (the mesh's
+An MoE model's plan (`planner.search.moe`) gains the `moe` section: the expert degree (the mesh's
 `expert` axis), the MoE schedule and its chunk count; its layers all run one dense strategy.
 
 `load` and `from_json` validate a plan against its schema (`planner.plan_schema`) before anything
@@ -34,9 +34,9 @@ from oases_jax.models.config import ModelConfig
 from oases_jax.pipeline import registry as pipelines
 from oases_jax.pipeline.config import PipelineConfig
 from oases_jax.pipeline.remat import resolve_stage_layers
-from oases_jax.planner.pipeline_search import PipelineCandidate
 from oases_jax.planner.plan_schema import FIX, FORMAT, VERSION, PipelineEntry, PlanFile, check
-from oases_jax.planner.search import Candidate, SearchResult
+from oases_jax.planner.search.dense import Candidate, SearchResult
+from oases_jax.planner.search.pipeline import PipelineCandidate
 from oases_jax.schema import validate
 
 if TYPE_CHECKING:  # the compile path loads Flax and optax: only when a plan is compiled
@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # the compile path loads Flax and optax: only when a plan is 
 
 def candidate_plan(c: Candidate) -> dict:
     """The fields of a plan a run reads, for a candidate of either search (an MoE candidate,
-    `planner.moe_search.MoECandidate`, adds its `moe` section)."""
+    `planner.search.moe.MoECandidate`, adds its `moe` section)."""
     d = {"global_batch": c.layout.global_batch, "seq_len": c.layout.seq_len,
          "mesh": c.layout.mesh(), "rules": c.layout.rules(),
          "microbatches": c.layout.microbatches, "layers": [s.to_json() for s in c.strategies]}
@@ -94,7 +94,7 @@ def plan_json(result: SearchResult, *, model: str, cfg: ModelConfig, cluster: st
 def pipeline_plan_json(c: PipelineCandidate, *, model: str, cfg: ModelConfig, cluster: str,
                        cost_source: str, search_s: float,
                        alternatives: Sequence[PipelineCandidate] = ()) -> dict:
-    """A 3D plan (`planner.pipeline_search`): every layer runs the candidate's strategy, remat
+    """A 3D plan (`planner.search.pipeline`): every layer runs the candidate's strategy, remat
     comes from the stage section's per-stage ratios (k/n, the first k layers), so the model
     config's own remat is none."""
     sp = c.stage_plan

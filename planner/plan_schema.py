@@ -18,7 +18,7 @@ from oases_jax.models.config import CHOICES, SIZE_CAP, SIZE_CAPS, ModelConfig, f
 from oases_jax.moe.schedules import MOE_SCHEDULES
 from oases_jax.moe.stack import scan_schedules
 from oases_jax.pipeline import registry as pipelines
-from oases_jax.planner.search import SCHEDULES
+from oases_jax.planner.search.dense import SCHEDULES
 from oases_jax.remat import POLICIES as REMATS
 from oases_jax.rules import RULE_SETS
 from oases_jax.schema import (
@@ -64,7 +64,7 @@ class CandidateEntry(Strict):
 
 
 class PipelineEntry(Strict):
-    """The stage section of a 3D plan (`planner.pipeline_search`): the schedule over the mesh's
+    """The stage section of a 3D plan (`planner.search.pipeline`): the schedule over the mesh's
     `stage` axis, layers and recompute ratios (k/n) per stage, chunks per stage."""
 
     schedule: one_of(pipelines.names(runnable=True), "pipeline schedule")
@@ -81,7 +81,7 @@ class PipelineEntry(Strict):
 
 
 class MoEEntry(Strict):
-    """The MoE section of an MoE model's plan (`planner.moe_search`): the expert degree (the
+    """The MoE section of an MoE model's plan (`planner.search.moe`): the expert degree (the
     mesh's `expert` axis, 1 without one), how the MoE layers run (`oases_jax.moe.schedules`:
     `local` without an expert axis) and parm_s2's chunk count, with what the search predicted."""
 
@@ -137,7 +137,7 @@ class PlanFile(Strict):
     search_s: NonNegativeFloat = None
     cost_source: Text = None
     alternatives: list[CandidateEntry] = None
-    verified: dict = None  # `planner.verify`'s record of the compiled candidates
+    verified: dict = None  # `planner.verification.verify`'s record of the compiled candidates
     pipeline: PipelineEntry = None  # 3D plans only; absent: no pipeline
     moe: MoEEntry = None  # MoE models' plans only; absent: a dense plan
     provenance: dict = None  # `oases_jax.provenance.record()` of the command that wrote it

@@ -167,7 +167,11 @@ def plan_variant(path: str, model, args):
 def add_predictions(report: dict, cfg, hw, source: str) -> None:
     """Put the planner's predicted step time beside every measured variant, and the rank
     correlation of the two over the variants it prices."""
-    from oases_jax.planner.rank import predict_pipeline_step_s, predict_step_s, spearman
+    from oases_jax.planner.verification.rank import (
+        predict_pipeline_step_s,
+        predict_step_s,
+        spearman,
+    )
 
     rows = report["variants"]
     for r, variant in zip(rows, cfg.variants, strict=True):
@@ -194,7 +198,7 @@ def add_predictions(report: dict, cfg, hw, source: str) -> None:
 
 
 def format_predictions(report: dict) -> str:
-    from oases_jax.planner.rank import ranks
+    from oases_jax.planner.verification.rank import ranks
 
     rows = [r for r in report["variants"] if r.get("predicted_s") is not None]
     pred = report["prediction"]
@@ -224,7 +228,7 @@ def main() -> int:
     hw = None
     if args.predict is not None:  # load the costs first: a bad source fails before compiling
         from oases_jax.planner import load_profile, local_cluster
-        from oases_jax.planner.prices import Hardware
+        from oases_jax.planner.cost.prices import Hardware
 
         cluster = local_cluster()
         hw = Hardware.of(cluster, load_profile(args.predict, cluster, args.profile))

@@ -117,13 +117,13 @@ def check_args(args) -> None:
 
 def build_config(args, n_devices: int):
     from oases_jax.models.presets import get_preset
-    from oases_jax.planner.calibrate import (
+    from oases_jax.planner.calibration.calibrate import (
         CalibrationConfig,
         byte_sizes,
         default_axis_sizes,
         projection_shapes,
     )
-    from oases_jax.planner.profile import COMM_KINDS
+    from oases_jax.planner.calibration.profile import COMM_KINDS
 
     base = QUICK if args.quick else FULL
     tokens = args.tokens if args.tokens is not None else base["tokens"]
@@ -155,13 +155,13 @@ def main() -> int:
     import jax
 
     from oases_jax.files import output_file
-    from oases_jax.planner.calibrate import (
+    from oases_jax.planner.calibration.calibrate import (
         calibrate,
         check_axis_sizes,
         format_table,
         local_device_name,
     )
-    from oases_jax.planner.profile import default_profile_out
+    from oases_jax.planner.calibration.profile import default_profile_out
 
     cfg = build_config(args, len(jax.devices()))
     check_axis_sizes(cfg, len(jax.devices()))

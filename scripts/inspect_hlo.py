@@ -282,14 +282,14 @@ def load_plan(args, model, n_devices: int):
 
 
 def plan_cluster(plan, target):
-    """The target simulated on the cluster the plan was made for, where the plan's cluster
-    compiles for this target (`planner.verify.compile_target`): `3090:32` is the PCIe cluster,
+    """The target simulated on the cluster the plan was made for, where the plan's cluster compiles
+    for this target (`planner.verification.verify.compile_target`): `3090:32` is the PCIe cluster,
     and a plan for `3090-nvlink-32` is timed over its bridges, as `plan.py --verify` timed it."""
     import dataclasses as dc
 
     from oases_jax.errors import UserError
     from oases_jax.hardware import get_cluster
-    from oases_jax.planner.verify import compile_target
+    from oases_jax.planner.verification.verify import compile_target
 
     name = plan.raw.get("cluster")
     if not name or name == target.cluster.name:

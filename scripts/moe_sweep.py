@@ -34,7 +34,7 @@ def main() -> int:
     args = parse_args()
     made = provenance.record()
     if args.compiled:
-        from oases_jax.planner.moe_compiled import markdown, subset, summary, validate
+        from oases_jax.planner.verification.moe_compiled import markdown, subset, summary, validate
 
         configs = subset(args.compiled)
         t0 = time.perf_counter()
@@ -46,7 +46,7 @@ def main() -> int:
               f"compiled in {seconds:.0f} s")
         out = {**made, "seconds": seconds, "summary": summary(rows), "rows": rows}
     else:
-        from oases_jax.planner.moe_cost import markdown, summary, sweep
+        from oases_jax.planner.cost.moe_cost import markdown, summary, sweep
 
         rows = sweep(dtype_bytes=args.dtype_bytes)
         print(markdown(rows))

@@ -102,8 +102,8 @@ def moe_baselines(result) -> str:
 def explain_moe(result, cfg, hw) -> str:
     """For the chosen layout: every (dense strategy, MoE schedule) pair's step, MoE time and
     memory, and why the layers share one strategy."""
-    from oases_jax.planner.moe_search import UNIFORM, plan_moe_layout
-    from oases_jax.planner.search import REMATS, SCHEDULES
+    from oases_jax.planner.search.dense import REMATS, SCHEDULES
+    from oases_jax.planner.search.moe import UNIFORM, plan_moe_layout
 
     best = result.best
     lines = [f"layout {best.layout.label()}: each dense strategy x MoE schedule (whole step)",
@@ -123,8 +123,8 @@ def explain_moe(result, cfg, hw) -> str:
 
 def explain(result, cfg, hw) -> str:
     """For the chosen layout: every strategy's layer time and memory, and the choice."""
-    from oases_jax.planner.layer_cost import LayerModel
-    from oases_jax.planner.search import strategies
+    from oases_jax.planner.cost.layer_cost import LayerModel
+    from oases_jax.planner.search.dense import strategies
 
     best = result.best
     lm = LayerModel(cfg, best.layout, hw)
@@ -227,7 +227,7 @@ def check_args(args) -> None:
                         "of each device's memory a plan may use")
     if args.pipeline and args.verify:
         raise UserError("--verify compiles 2D plans only; drop --verify with --pipeline (3D "
-                        "plans: benchmarks/verify_3d.py, planner/verify_pipeline.py)")
+                        "plans: benchmarks/verify_3d.py, planner/verification/verify_pipeline.py)")
     if args.verify < 0:
         raise UserError(f"--verify {args.verify} must be >= 0 (0: no verification)")
     if args.top < 1:
@@ -276,8 +276,8 @@ def search_plan(args, cfg, cluster, profile, seq_len, schedules):
         return make_plan(cfg, model=args.model, cluster=cluster, global_batch=args.global_batch,
                          seq_len=seq_len, memory_fraction=args.memory_fraction, profile=profile,
                          cost_source=args.cost_source, schedules=schedules)
-    from oases_jax.planner.moe_search import EP_SCHEDULES, search_moe
-    from oases_jax.planner.prices import Hardware
+    from oases_jax.planner.cost.prices import Hardware
+    from oases_jax.planner.search.moe import EP_SCHEDULES, search_moe
 
     result = search_moe(cfg, Hardware.of(cluster, profile), global_batch=args.global_batch,
                         seq_len=seq_len, memory_fraction=args.memory_fraction,
@@ -291,9 +291,9 @@ def pipeline_choice(args, cfg, cluster, profile, seq_len, plan: dict, best_2d_s:
     """`--pipeline`: the 3D search beside the 2D plan; returns the plan to write (the 3D one
     when it is faster)."""
     from oases_jax.errors import UserError
-    from oases_jax.planner.pipeline_search import megatron_3d, timed_search
+    from oases_jax.planner.cost.prices import Hardware
     from oases_jax.planner.plan import pipeline_plan_json, report_3d
-    from oases_jax.planner.prices import Hardware
+    from oases_jax.planner.search.pipeline import megatron_3d, timed_search
 
     if cfg.moe:
         raise UserError("--pipeline plans dense models; MoE models are not pipelined yet: drop "
@@ -311,13 +311,14 @@ def pipeline_choice(args, cfg, cluster, profile, seq_len, plan: dict, best_2d_s:
 
 
 def setup_verify(cluster) -> None:
-    """Before JAX starts a backend: the devices `--verify` compiles for (`planner.verify`), on
-    the CPU backend: the cluster's count of CPU devices, or a GPU target compiled from the CPU."""
+    """Before JAX starts a backend: the devices `--verify` compiles for
+    (`planner.verification.verify`), on the CPU backend: the cluster's count of CPU devices, or a
+    GPU target compiled from the CPU."""
     import os
 
     import jax
 
-    from oases_jax.planner.verify import compile_target
+    from oases_jax.planner.verification.verify import compile_target
 
     if compile_target(cluster) == "local":
         jax.config.update("jax_num_cpu_devices", cluster.n_devices)
@@ -328,7 +329,7 @@ def setup_verify(cluster) -> None:
 def agreement(verified) -> str:
     """Predicted against simulated step over the compiled plans: the ratio range and the
     Spearman rank correlation."""
-    from oases_jax.planner.rank import spearman
+    from oases_jax.planner.verification.rank import spearman
 
     done = [v for v in verified if v.simulated_step_s and not v.baseline]
     if len(done) < 2:
@@ -348,9 +349,9 @@ def main() -> int:
     from oases_jax.errors import UserError
     from oases_jax.hardware import get_cluster
     from oases_jax.planner import load_profile
+    from oases_jax.planner.cost.prices import Hardware
     from oases_jax.planner.plan import save
-    from oases_jax.planner.prices import Hardware
-    from oases_jax.planner.search import SCHEDULES
+    from oases_jax.planner.search.dense import SCHEDULES
 
     cluster = get_cluster(args.cluster)
     if args.save_cluster:
@@ -396,7 +397,7 @@ def main() -> int:
     if args.pipeline:
         plan = pipeline_choice(args, cfg, cluster, profile, seq_len, plan, best.cost.step_s)
     if args.verify:
-        from oases_jax.planner.verify import verify_plan
+        from oases_jax.planner.verification.verify import verify_plan
 
         plan, verified, chosen = verify_plan(result, cfg, cluster, args.verify,
                                              model=args.model, cost_source=args.cost_source,

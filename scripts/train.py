@@ -132,7 +132,7 @@ def plan_config(args, model):
 
     from oases_jax.planner import local_cluster, make_plan
     from oases_jax.planner import plan as plans
-    from oases_jax.planner.profile import Profile, default_profile_path
+    from oases_jax.planner.calibration.profile import Profile, default_profile_path
 
     if args.plan == "auto":
         cluster = local_cluster(jax.devices())

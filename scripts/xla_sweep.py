@@ -55,7 +55,7 @@ def main() -> int:
     meta = {**provenance.record(), "target": args.target,
             "estimator": "XLA latency-hiding scheduler, sol prices"}
     try:
-        from oases_jax.planner.profile import Profile
+        from oases_jax.planner.calibration.profile import Profile
     except ImportError:  # the planner's profile format is not in this checkout
         Profile = None
     if Profile is not None:

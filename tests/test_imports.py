@@ -22,6 +22,9 @@ FOLDERS = {"oases_jax": "oases_jax", "models": "oases_jax.models",
 LAYERS = ("oases_jax", "oases_jax.models", "oases_jax.training", "oases_jax.tools",
           "oases_jax.planner", "oases_jax.scripts")
 PURE_JAX = {"flax"}  # never imported by the `oases_jax` core
+# The planner's own order, lowest first, by the name below `oases_jax.planner` (its sub-packages
+# by job, and its top modules where they sit); its `__init__` gathers the entry points.
+PLANNER = ("layout", "calibration", "cost", "search", "plan_schema", "plan", "verification")
 WARN_LINES, MAX_LINES = 600, 800
 
 
@@ -142,12 +145,12 @@ def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
 def test_the_graph_sees_every_kind_of_import():
     """The parser finds function-level and relative imports and resolves `from a import b`."""
     graph = import_graph()
-    assert {"oases_jax.planner", "oases_jax.planner.search", "oases_jax.hardware",
+    assert {"oases_jax.planner", "oases_jax.planner.search.dense", "oases_jax.hardware",
             "oases_jax.scripts.plan"} <= set(MODULES)
-    assert "oases_jax.planner.layer_cost" in graph["oases_jax.planner.search"]
+    assert "oases_jax.planner.cost.layer_cost" in graph["oases_jax.planner.search.dense"]
     assert "oases_jax.planner.plan" in graph["oases_jax.scripts.plan"]  # imported inside main()
     # `from oases_jax import registry`
-    assert "oases_jax.registry" in graph["oases_jax.planner.search"]
+    assert "oases_jax.registry" in graph["oases_jax.planner.search.dense"]
     assert cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [
         ["a", "b", "c", "a"]]
 
@@ -172,6 +175,24 @@ def test_imports_follow_the_package_layering():
                     for name, line in imported(module, path) if name.split(".")[0] in PURE_JAX]
     assert not bad, ("imports against the layering " + " <- ".join(LAYERS) + ":\n  "
                      + "\n  ".join(sorted(bad)))
+
+
+def test_planner_sub_packages_follow_their_order():
+    """calibration <- cost <- search <- plans <- verification: the cost model reads profiles,
+    the searches price with the cost model, plans record search results, and verification
+    compiles plans."""
+    def part(module):
+        rest = module.split(".")[2:]
+        return rest[0] if rest else None
+
+    planner = {m: e for m, e in import_graph().items() if layer(m) == "oases_jax.planner"}
+    assert {part(m) for m in planner} - {None} == set(PLANNER)
+    bad = [f"{MODULES[m].relative_to(ROOT)}:{line} ({part(m)}) imports {t} ({part(t)})"
+           for m, edges in planner.items() if part(m) is not None
+           for t, line in edges.items() if layer(t) == "oases_jax.planner" and part(t)
+           and PLANNER.index(part(t)) > PLANNER.index(part(m))]
+    assert not bad, "planner imports against " + " <- ".join(PLANNER) + ":\n  " + "\n  ".join(
+        sorted(bad))
 
 
 def test_library_modules_stay_readable_in_size():

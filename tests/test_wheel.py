@@ -26,7 +26,7 @@ for name in names:
         wrong.append(f"{name} from {module.__file__}")
 import models, tools
 assert models.USERS_OWN and tools.USERS_OWN, "the user's own packages were shadowed"
-import oases_jax.planner.profile as profile
+import oases_jax.planner.calibration.profile as profile
 assert profile.default_profile_path("cpu", 8).is_file(), "the committed profiles are missing"
 from oases_jax import provenance
 assert provenance.commit() == (None, False), "an installed copy claims a checkout's commit"

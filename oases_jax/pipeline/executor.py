@@ -148,7 +148,12 @@ def run(p: Plan, prog: StageProgram, local_params, data_M, *, stage_axis: str = 
     of the micro-batches' losses on this device (non-zero on the last stage only), the
     gradient accumulator of `local_params`' structure, float32, summed over micro-batches).
     `poison` fills every buffer and every bubble's transfer with NaN: a correct plan never
-    reads them, so the result must not change."""
+    reads them, so the result must not change.
+
+    One function on purpose: its helpers (store, load, the per-action branches, the tick body)
+    are closures over one trace's state (the pool layout, the prepared parameters, the fill,
+    the stage index), which every switch branch must share; split out, each would take that
+    state as ten arguments and the tick's data flow would read less plainly, not more."""
     S, V = p.stages, p.virtual
     if p.head != (prog.head is not None):
         raise ValueError(f"the plan {'splits' if p.head else 'does not split'} the head but the "

@@ -56,7 +56,8 @@ def bench(*args: str) -> None:
 
 def calibrate(*args: str) -> None:
     module = _script("calibrate")
-    with _stubs(module, "oases_jax.planner.calibrate.calibrate"), argv("calibrate.py", *args):
+    with (_stubs(module, "oases_jax.planner.calibration.calibrate.calibrate"),
+          argv("calibrate.py", *args)):
         module.main()
 
 

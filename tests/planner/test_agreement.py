@@ -1,15 +1,15 @@
 """The cost model agrees with the inspection simulator: whole train steps of GPT-2 1.5B's shape
 (32 heads of 50, 4 layers) compiled for h100:8, tensor=8, batch 8 x 1024; the planner's step
-(`planner.step_cost.step_cost`) within 15% of the simulator's (docs/planner.md, "Plans")."""
+(`planner.cost.step_cost.step_cost`) within 15% of the simulator's (docs/planner.md, "Plans")."""
 
 import pytest
 
 from oases_jax.hardware import get_cluster
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.models.presets import get_preset
+from oases_jax.planner.cost.prices import Hardware
+from oases_jax.planner.cost.step_cost import step_cost
 from oases_jax.planner.layout import Layout
-from oases_jax.planner.prices import Hardware
-from oases_jax.planner.step_cost import step_cost
 from oases_jax.targets import has_gpu_aot
 
 pytestmark = [pytest.mark.slow, pytest.mark.gpu_aot,
@@ -68,7 +68,7 @@ FSDP_CFG = get_preset("llama2-7b").with_overrides(["dtype=bfloat16", "n_layers=8
 def test_fsdp_step_and_memory_match_the_compiled_program(mesh, layout):
     """FSDP layouts of the Llama-2 7B shape (8 layers, bf16, 8 x 2048, no remat) on h100:8: the
     planner prices each layer's bf16 weight gathers inside the layer loop beside its compute
-    (`planner.step_cost.fsdp_comm_s`), and the cast copy of only the local shard in memory;
+    (`planner.cost.step_cost.fsdp_comm_s`), and the cast copy of only the local shard in memory;
     step within 15% of the simulator's, peak within 10% of the compiled program's (before:
     every gather fully exposed in fp32, the whole model's bf16 copy in memory: 1.9x the step
     and 1.5x the peak of the 32-layer program)."""
@@ -107,11 +107,11 @@ def test_fsdp_layer_iteration_matches_its_replay(preset, layout, mesh):
     """One iteration of the compiled layer loop, forward and backward, replayed alone by the
     inspection simulator, against the planner's layer (its compute and tensor collectives,
     `LayerModel`, plus what it waits for on FSDP's gathers and reduce-scatters,
-    `planner.fsdp_chain`): within 15% each way. The rule before (attention's gathers exposed
+    `planner.cost.fsdp_chain`): within 15% each way. The rule before (attention's gathers exposed
     forward, the MLP's backward, the rest hidden behind the loop's compute) priced GPT-2 1.5B's
     backward 0.592 ms against 0.714 replayed (-17%)."""
-    from oases_jax.planner.fsdp_chain import layer_exposed
-    from oases_jax.planner.layer_cost import LayerModel
+    from oases_jax.planner.cost.fsdp_chain import layer_exposed
+    from oases_jax.planner.cost.layer_cost import LayerModel
     from oases_jax.targets import get_target
     from oases_jax.tools.analysis.simulate import Simulator
     from oases_jax.tools.inspection import inspect_program
@@ -145,7 +145,7 @@ def test_replica_reduction_sits_in_the_backward_loop_in_the_compute_dtype():
     the backward loop all-reduces each layer's weight-matrix gradients over `data`, in bf16,
     one collective a layer of e x the layer's matrices / tensor bytes (GPT-2 1.5B's shape,
     data=2,tensor=4, h100:8); the rest of the reduction sits outside the loops."""
-    from oases_jax.planner.layer_work import layer_matrices
+    from oases_jax.planner.cost.layer_work import layer_matrices
     from oases_jax.targets import get_target
     from oases_jax.tools.inspection import inspect_program
     from oases_jax.training.config import ParallelConfig
@@ -167,15 +167,15 @@ def test_replica_reduction_sits_in_the_backward_loop_in_the_compute_dtype():
 def test_primepar_peak_counts_the_score_stacks_xla_relays_out():
     """oases-h2048-l24 (fp32, materialised scores, no remat) under primepar on the bridged 3090
     cluster, as the benchmark set plans it: XLA transposes each whole stack of saved f32 scores
-    into a fresh buffer between the layer loops (`planner.step_cost.score_relayout_bytes`), and
+    into a fresh buffer between the layer loops (`planner.cost.step_cost.score_relayout_bytes`), and
     the planner's peak is within 10% of the compiled program's (10.2% low without the copy)."""
     import math
     import re
 
-    from oases_jax.planner.layer_cost import LayerModel
+    from oases_jax.planner.cost.layer_cost import LayerModel
     from oases_jax.planner.plan import candidate_plan, from_json
-    from oases_jax.planner.search import Candidate
-    from oases_jax.planner.verify import target_for
+    from oases_jax.planner.search.dense import Candidate
+    from oases_jax.planner.verification.verify import target_for
     from oases_jax.tools.inspection import inspect_program
 
     cfg = get_preset("oases-h2048-l24")

@@ -12,10 +12,10 @@ from oases_jax.hardware import get_cluster
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.models.presets import get_preset
 from oases_jax.planner import default_xla_profile, load_profile
-from oases_jax.planner.layer_cost import LayerModel
+from oases_jax.planner.calibration.profile import ROOT
+from oases_jax.planner.cost.layer_cost import LayerModel
+from oases_jax.planner.cost.prices import Hardware
 from oases_jax.planner.layout import Layout
-from oases_jax.planner.prices import Hardware
-from oases_jax.planner.profile import ROOT
 from tests.scriptrun import run_script
 
 XLA_H100_8 = ROOT / "planner" / "profiles" / "xla-h100-8.json"

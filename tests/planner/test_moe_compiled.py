@@ -1,5 +1,5 @@
-"""The MoE sweep against compiled programs (`planner.moe_compiled`), on 8 CPU devices with small
-layers: every candidate compiles to the schedule it names (its collectives counted in the
+"""The MoE sweep against compiled programs (`planner.verification.moe_compiled`), on 8 CPU devices
+with small layers: every candidate compiles to the schedule it names (its collectives counted in the
 compiled program), each row's times are our simulator's of those programs, auto's pick and its
 ratio to the best follow, programs are compiled once per run, and the summary is checked by
 hand."""
@@ -11,7 +11,7 @@ import pytest
 from oases_jax.errors import UserError
 from oases_jax.hardware import get_cluster
 from oases_jax.moe import cost as cost
-from oases_jax.planner.moe_compiled import (
+from oases_jax.planner.verification.moe_compiled import (
     Config,
     compile_layer,
     markdown,

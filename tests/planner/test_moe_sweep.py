@@ -3,7 +3,7 @@ the script writes its JSON."""
 
 import json
 
-from oases_jax.planner.moe_cost import summary, sweep
+from oases_jax.planner.cost.moe_cost import summary, sweep
 from tests.scriptrun import run_script
 
 SMALL = {"experts": (8, 32), "hidden": (768, 2048), "tokens": (1024, 16384), "top_k": (1, 2),

@@ -9,9 +9,12 @@ from oases_jax.errors import UserError
 from oases_jax.hardware import get_cluster
 from oases_jax.models.presets import get_preset
 from oases_jax.planner import plan as plans
-from oases_jax.planner.layer_work import elem_bytes
+from oases_jax.planner.cost.layer_work import elem_bytes
+from oases_jax.planner.cost.prices import Hardware
+from oases_jax.planner.cost.step_cost import head_cost
 from oases_jax.planner.layout import Layout
-from oases_jax.planner.pipeline_search import (
+from oases_jax.planner.search.dense import LayerSpec
+from oases_jax.planner.search.pipeline import (
     PIPELINES,
     megatron_3d,
     price,
@@ -21,11 +24,8 @@ from oases_jax.planner.pipeline_search import (
     stage_inputs,
     transfer_s,
 )
-from oases_jax.planner.prices import Hardware
-from oases_jax.planner.search import LayerSpec
-from oases_jax.planner.spmd_stages import spmd_fixed, spmd_head_s
-from oases_jax.planner.stage_partition import fixed, partition, simulate
-from oases_jax.planner.step_cost import head_cost
+from oases_jax.planner.search.spmd_stages import spmd_fixed, spmd_head_s
+from oases_jax.planner.search.stage_partition import fixed, partition, simulate
 
 CFG = get_preset("gpt2-1.5b")
 
@@ -252,10 +252,10 @@ def test_fsdp_inside_the_stages_by_hand():
     forward and backward lengthened by its exposed gathers and its gradients' all-reduce
     (`fsdp_layer_s`), no gradient all-reduce after the loop; the plan names rules fsdp on a
     `data` axis."""
-    from oases_jax.planner.layer_cost import LayerModel
-    from oases_jax.planner.layer_work import layer_matrices
-    from oases_jax.planner.stage_fsdp import FSDP_BWD_HIDDEN, FSDP_FWD_HIDDEN
-    from oases_jax.planner.step_cost import fsdp_collectives
+    from oases_jax.planner.cost.layer_cost import LayerModel
+    from oases_jax.planner.cost.layer_work import layer_matrices
+    from oases_jax.planner.cost.stage_fsdp import FSDP_BWD_HIDDEN, FSDP_FWD_HIDDEN
+    from oases_jax.planner.cost.step_cost import fsdp_collectives
 
     cfg, h = CFG.replace(dtype="bfloat16"), hw("h100:16")
     spec = LayerSpec(schedule="megatron")
@@ -419,8 +419,8 @@ def test_fsdp_hides_nothing_under_fsdp_tp_or_on_cpu():
     """Under fsdp_tp inside the stages the gathers and the all-reduce sit in series with the
     tensor all-reduces, and CPU collectives are synchronous: the forward pays its gathers
     whole, the backward the all-reduce (and on CPU the gathers again)."""
-    from oases_jax.planner.stage_fsdp import fsdp_layer_s
-    from oases_jax.planner.step_cost import fsdp_collectives
+    from oases_jax.planner.cost.stage_fsdp import fsdp_layer_s
+    from oases_jax.planner.cost.step_cost import fsdp_collectives
 
     cfg = CFG.replace(dtype="bfloat16", n_heads=20)
     kw = {"microbatches": 4, "global_batch": 32, "seq_len": 1024}
@@ -437,7 +437,7 @@ def test_fsdp_hides_nothing_under_fsdp_tp_or_on_cpu():
 
 def test_search_offers_fsdp_tp_inside_stages_with_gspmd_layers_only():
     """fsdp_tp layouts are searched inside the stages, with megatron or megatron_sp only."""
-    from oases_jax.planner.pipeline_search import search_3d
+    from oases_jax.planner.search.pipeline import search_3d
 
     cfg = CFG.replace(dtype="bfloat16", n_heads=20)
     cands = search_3d(cfg, hw("h100:16"), global_batch=32, seq_len=1024, refine=40)
@@ -450,7 +450,7 @@ def test_1f1b_spmd_prices_its_weight_passes_by_hand():
     """Each of 1f1b_spmd's M + S - 1 ticks with a backward adds the stage's gradients into the
     float32 accumulator (3 x 4 B a local parameter) and transposes its weights twice (2 x 2 e B);
     gpipe_spmd has none."""
-    from oases_jax.planner.spmd_stages import spmd_weight_pass_s
+    from oases_jax.planner.search.spmd_stages import spmd_weight_pass_s
 
     cfg, h = CFG.replace(dtype="bfloat16"), hw("h100:16")
     lay = Layout(data=8, microbatches=4, global_batch=32, seq_len=1024)
@@ -469,7 +469,7 @@ def test_residual_passes_follow_the_tensor_degree():
     branches of its tensor degree (4.85 / 3.4 without tensor, 4.3 / 3.3 at 2, 3.65 / 2.55 from
     4), its backward loads it; a rematted layer stores its input alone, and its backward is the
     layer model's rematted one (r the difference)."""
-    from oases_jax.planner.layer_cost import LayerModel
+    from oases_jax.planner.cost.layer_cost import LayerModel
 
     h = hw("h100-8")
     for t, (st, ld) in ((1, (4.85, 3.4)), (2, (4.3, 3.3)), (4, (3.65, 2.55)), (8, (3.65, 2.55))):

@@ -12,11 +12,11 @@ from oases_jax.hardware import collective_time, get_cluster
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.models.presets import get_preset
 from oases_jax.planner import plan as plans
-from oases_jax.planner.layer_cost import LayerModel
+from oases_jax.planner.cost.layer_cost import LayerModel
+from oases_jax.planner.cost.prices import Hardware
+from oases_jax.planner.cost.step_cost import step_cost
 from oases_jax.planner.layout import Layout
-from oases_jax.planner.prices import Hardware
-from oases_jax.planner.search import MEMORY_BUCKETS, chain_dp, layouts, search
-from oases_jax.planner.step_cost import step_cost
+from oases_jax.planner.search.dense import MEMORY_BUCKETS, chain_dp, layouts, search
 from oases_jax.streams import replay
 from tests.scriptrun import run_script
 
@@ -34,8 +34,8 @@ def test_replay_hides_comm_behind_the_compute_between_start_and_done():
 
 
 def test_fsdp_chain_by_hand():
-    """One layer's FSDP collectives as XLA orders them (`planner.fsdp_chain`), on a device where
-    every GEMM call (and cuDNN's attention) takes 3 s, memory passes are free and every
+    """One layer's FSDP collectives as XLA orders them (`planner.cost.fsdp_chain`), on a device
+    where every GEMM call (and cuDNN's attention) takes 3 s, memory passes are free and every
     collective takes 1 s. GPT-2's six matrices q, k, v, o, fc1, fc2 (q, k, v share one 3 s
     column GEMM, 1 s each).
     Forward: gather q (0-1); each next gather starts once the last is done: k 1-2 behind
@@ -48,7 +48,7 @@ def test_fsdp_chain_by_hand():
     Without the gathers and scatters the same compute takes 27 s."""
     from types import SimpleNamespace
 
-    from oases_jax.planner.fsdp_chain import layer_exposed
+    from oases_jax.planner.cost.fsdp_chain import layer_exposed
 
     hw = SimpleNamespace(
         gemm_s=lambda flops, nbytes, dtype, chunks=1: 3.0, mem_s=lambda nbytes: 0.0,
@@ -71,8 +71,8 @@ def test_replica_reduce_by_hand():
     loop counts a tied table twice (GPT-2's: one all-reduce per use), an untied one once."""
     from types import SimpleNamespace
 
-    from oases_jax.planner.layer_cost import LayerCost
-    from oases_jax.planner.step_cost import replica_reduce_s
+    from oases_jax.planner.cost.layer_cost import LayerCost
+    from oases_jax.planner.cost.step_cost import replica_reduce_s
 
     hw = SimpleNamespace(comm_s=lambda kind, nbytes, group: 1.0, async_collectives=True)
     cfg = get_preset("gpt2-1.5b").with_overrides(["n_layers=4"])
@@ -105,7 +105,7 @@ def test_fsdp_embedding_and_clip_by_hand():
     fsdp group, all waited for. The clip: one 4-byte all-reduce per array with a D axis."""
     from types import SimpleNamespace
 
-    from oases_jax.planner.step_cost import clip_norm_s, embedding_fsdp_s
+    from oases_jax.planner.cost.step_cost import clip_norm_s, embedding_fsdp_s
 
     hw = SimpleNamespace(comm_s=lambda kind, nbytes, group: nbytes, async_collectives=True)
     layout = Layout(fsdp=4, tensor=2, global_batch=8, seq_len=1024)  # 2 rows a replica
@@ -250,7 +250,7 @@ def test_update_passes_by_hand():
     """The once-per-step passes (`update_s`): AdamW's 28 B per parameter; in bf16 the weight
     matrices add their cast (4 + 2 B), read their gradient in 2 B instead of 4 and the clip
     reads it once more (2 B): 28 P + 6 P_mat."""
-    from oases_jax.planner.step_cost import matrix_share, update_s
+    from oases_jax.planner.cost.step_cost import matrix_share, update_s
 
     hw = Hardware.of(get_cluster("h100:1"))
     bw = hw.cluster.device_spec.hbm_bytes_per_s
@@ -403,7 +403,7 @@ def test_fsdp_overlapped_layers_keep_their_gathered_weights():
     per_layer = 12 * 4096**2 * 4 / 4
     oases = LayerSpec(schedule="oases", sub_batches=2)
     none, proj = oases, LayerSpec(schedule="oases", sub_batches=2, remat="save_proj")
-    from oases_jax.planner.step_cost import gathered_layer_bytes
+    from oases_jax.planner.cost.step_cost import gathered_layer_bytes
     assert gathered_layer_bytes(cfg, fsdp, none) == per_layer
     assert gathered_layer_bytes(cfg, fsdp, proj) == 0
     assert gathered_layer_bytes(cfg, fsdp, LayerSpec(schedule="megatron")) == 0

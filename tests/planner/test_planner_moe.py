@@ -13,9 +13,7 @@ from oases_jax.models.presets import get_preset
 from oases_jax.moe import cost as cost
 from oases_jax.planner import make_plan
 from oases_jax.planner import plan as plans
-from oases_jax.planner.layout import Layout, data_group, expert_group, replica_group
-from oases_jax.planner.moe_search import moe_layouts, search_moe
-from oases_jax.planner.moe_step import (
+from oases_jax.planner.cost.moe_step import (
     MoEChoice,
     grad_reduce_s,
     moe_choices,
@@ -23,8 +21,10 @@ from oases_jax.planner.moe_step import (
     moe_shape,
     moe_static_memory,
 )
-from oases_jax.planner.prices import Hardware
-from oases_jax.planner.search import SCHEDULES, search
+from oases_jax.planner.cost.prices import Hardware
+from oases_jax.planner.layout import Layout, data_group, expert_group, replica_group
+from oases_jax.planner.search.dense import SCHEDULES, search
+from oases_jax.planner.search.moe import moe_layouts, search_moe
 from tests.scriptrun import run_script
 
 BF16 = {"dtype": "bfloat16"}
@@ -280,7 +280,7 @@ def test_moe_feed_forward_prices_through_the_planners_hardware_and_its_profile()
     profile its compute alone is every GEMM at the profile's rate and every memory pass at its
     bandwidth, so doubling both halves it exactly (overheads 0), where the datasheet's roofline
     would not move; and its collectives take the profile's fits."""
-    from oases_jax.planner.profile import CommFit, GemmFit, MemFit, Profile
+    from oases_jax.planner.calibration.profile import CommFit, GemmFit, MemFit, Profile
 
     cfg = get_preset("small-moe")
     cluster = get_cluster("h100-8")

@@ -8,12 +8,12 @@ from oases_jax.hardware import ClusterSpec, LinkSpec
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.models.config import ModelConfig
 from oases_jax.planner import plan as plans
-from oases_jax.planner.layer_cost import LayerModel
+from oases_jax.planner.cost.layer_cost import LayerModel
+from oases_jax.planner.cost.prices import Hardware
+from oases_jax.planner.cost.primepar_cost import Square
+from oases_jax.planner.cost.step_cost import head_cost, head_tensor_comm_s, step_cost
 from oases_jax.planner.layout import Layout
-from oases_jax.planner.prices import Hardware
-from oases_jax.planner.primepar_cost import Square
-from oases_jax.planner.search import layouts, search, strategies
-from oases_jax.planner.step_cost import head_cost, head_tensor_comm_s, step_cost
+from oases_jax.planner.search.dense import layouts, search, strategies
 from oases_jax.streams import replay
 
 # D 64, 4 heads of 16, MLP 256, V 128, fp32 (e = 4); 8 rows x 16 tokens: T = 128, q = 2.

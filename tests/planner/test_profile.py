@@ -9,13 +9,13 @@ import pytest
 
 from oases_jax.errors import UserError
 from oases_jax.mesh import make_mesh
-from oases_jax.planner.calibrate import (
+from oases_jax.planner.calibration.calibrate import (
     _collective_chain,
     _gemm_chain,
     byte_sizes,
     projection_shapes,
 )
-from oases_jax.planner.profile import (
+from oases_jax.planner.calibration.profile import (
     COMM_KINDS,
     ROOT,
     CommFit,
@@ -244,7 +244,7 @@ def test_committed_cpu_profile_covers_every_kind():
 def test_memory_chain_is_one_kernel_per_pass_on_gpu():
     """XLA's GPU fusion runs a chain of row-wise norms as one kernel that reads x once (a
     calibration measured 16 TB/s on an H100); the chain must keep one fusion per pass."""
-    from oases_jax.planner.calibrate import _norm_chain
+    from oases_jax.planner.calibration.calibrate import _norm_chain
     from oases_jax.targets import get_target, has_gpu_aot
 
     if not has_gpu_aot():
@@ -259,7 +259,7 @@ def test_memory_chain_is_one_kernel_per_pass_on_gpu():
 
 
 def test_calibrate_writes_into_a_checkout_never_an_installed_package(tmp_path, monkeypatch):
-    import oases_jax.planner.profile as profile_module
+    import oases_jax.planner.calibration.profile as profile_module
 
     checkout = tmp_path / "checkout"
     (checkout / "planner" / "profiles").mkdir(parents=True)

@@ -8,16 +8,16 @@ from oases_jax.hardware import get_cluster
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.models.presets import get_preset
 from oases_jax.pipeline.config import PipelineConfig
+from oases_jax.planner.cost.prices import Hardware
+from oases_jax.planner.cost.step_cost import step_cost
 from oases_jax.planner.layout import Layout
-from oases_jax.planner.prices import Hardware
-from oases_jax.planner.rank import (
+from oases_jax.planner.verification.rank import (
     layout_of,
     predict_pipeline_step_s,
     predict_step_s,
     ranks,
     spearman,
 )
-from oases_jax.planner.step_cost import step_cost
 
 
 def test_spearman_by_hand():
@@ -65,8 +65,8 @@ def test_a_pipelined_variant_is_priced_as_the_3d_search_prices_it():
     """bench.py --predict on a pipelined variant: the 3D search's price of its uniform stages
     (every layer recomputed under remat full); FSDP rules price FSDP inside the stages; a remat
     policy the stage model does not take, or axes it does not know, give None."""
-    from oases_jax.planner.pipeline_search import price, stage_inputs, transfer_s
-    from oases_jax.planner.stage_partition import fixed
+    from oases_jax.planner.search.pipeline import price, stage_inputs, transfer_s
+    from oases_jax.planner.search.stage_partition import fixed
 
     cfg = get_preset("small").replace(remat="full")
     hw = Hardware.of(get_cluster("h100-8"))
@@ -102,8 +102,8 @@ def test_a_pipelined_variant_is_priced_as_the_3d_search_prices_it():
 def test_a_pipelined_variant_prices_its_stage_aware_ratios():
     """bench.py --predict with --remat-ratios: stage i recomputes its first floor(n_i r_i)
     layers, as the program runs it; Merak's rule from r0 = 0.5 on 2 stages gives 0.5 and 0."""
-    from oases_jax.planner.pipeline_search import price, stage_inputs, transfer_s
-    from oases_jax.planner.stage_partition import fixed
+    from oases_jax.planner.search.pipeline import price, stage_inputs, transfer_s
+    from oases_jax.planner.search.stage_partition import fixed
 
     cfg = get_preset("small")
     hw = Hardware.of(get_cluster("h100-8"))

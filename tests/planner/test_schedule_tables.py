@@ -11,13 +11,14 @@ from oases_jax.errors import UserError
 from oases_jax.hardware import get_cluster
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.models.presets import get_preset
-from oases_jax.planner import make_plan, primepar_cost
+from oases_jax.planner import make_plan
 from oases_jax.planner import plan as plans
-from oases_jax.planner.layer_cost import LayerModel, comm_pattern
-from oases_jax.planner.layer_work import SCHEDULE_PASSES
+from oases_jax.planner.cost import primepar_cost
+from oases_jax.planner.cost.layer_cost import LayerModel, comm_pattern
+from oases_jax.planner.cost.layer_work import SCHEDULE_PASSES
+from oases_jax.planner.cost.prices import Hardware
 from oases_jax.planner.layout import Layout
-from oases_jax.planner.prices import Hardware
-from oases_jax.planner.search import REMATS, SCHEDULES
+from oases_jax.planner.search.dense import REMATS, SCHEDULES
 from oases_jax.remat import POLICIES
 
 PLANNED = registry.names(planned=True)

@@ -2,8 +2,8 @@
 GPT-2 1.5B (48 layers) and of the Llama-2 7B shape (8 layers), batch 8 x 1024, with full remat
 and without, compiled for one H100 without a GPU (cuDNN's fused attention, the weights cast
 once per step, the hand-written loss, norm and bias backwards). The planner prices the passes
-outside the GEMMs as that program makes them (`planner.layer_work.ACTIVATION_PASSES`,
-`WEIGHT_SLICE_PASSES`, `planner.step_cost.update_s`, `LOGIT_PASSES`): its step within 8% of
+outside the GEMMs as that program makes them (`planner.cost.layer_work.ACTIVATION_PASSES`,
+`WEIGHT_SLICE_PASSES`, `planner.cost.step_cost.update_s`, `LOGIT_PASSES`): its step within 8% of
 the simulator's and its peak memory within 10% of `memory_analysis()` (docs/planner.md, "One
 device: the passes outside the GEMMs")."""
 
@@ -12,9 +12,9 @@ import pytest
 from oases_jax.hardware import get_cluster
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.models.presets import get_preset
+from oases_jax.planner.cost.prices import Hardware
+from oases_jax.planner.cost.step_cost import step_cost
 from oases_jax.planner.layout import Layout
-from oases_jax.planner.prices import Hardware
-from oases_jax.planner.step_cost import step_cost
 from oases_jax.targets import has_gpu_aot
 
 pytestmark = [pytest.mark.slow, pytest.mark.gpu_aot,

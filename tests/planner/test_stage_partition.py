@@ -9,8 +9,15 @@ from fractions import Fraction
 import pytest
 
 from oases_jax.pipeline import events
-from oases_jax.planner.prices import SharedCores
-from oases_jax.planner.stage_partition import (
+from oases_jax.planner.cost.prices import SharedCores
+from oases_jax.planner.cost.stage_sim import (
+    backward_ticks,
+    fused,
+    peak_inflight,
+    simulate_events,
+    tick_choices,
+)
+from oases_jax.planner.search.stage_partition import (
     StageInputs,
     _Stages,
     bottleneck,
@@ -18,13 +25,6 @@ from oases_jax.planner.stage_partition import (
     fixed,
     partition,
     simulate,
-)
-from oases_jax.planner.stage_sim import (
-    backward_ticks,
-    fused,
-    peak_inflight,
-    simulate_events,
-    tick_choices,
 )
 
 
@@ -179,7 +179,7 @@ def test_interleaved_head_runs_on_the_last_chunk():
         0 F0.0: 2 | 1 F1.0 F0.0: 2 | 2 F0.1 F1.0: 2 | 3 F1.1 F0.1: 2, 4 -> 4 | 4 B0.1: 8
         5 B0.1 F1.1: 4, 4 | 6 B1.1: 8 | 7 B1.1 B0.0: 4, 4 | 8 B0.0 B1.0: 4 | 9 B1.0: 4
     = 42, stage 1 done at 38. Spread over both chunks (F 3, B 6 each) it is 43."""
-    from oases_jax.planner.stage_sim import chunk_costs
+    from oases_jax.planner.cost.stage_sim import chunk_costs
 
     assert chunk_costs((4.0, 6.0), 2, 1.0, 2.0) == ((2.5, 1.5), (2.0, 4.0))
     f, b, r = (4.0, 6.0), (8.0, 12.0), (0.0, 0.0)

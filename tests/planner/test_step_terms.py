@@ -6,12 +6,12 @@ import pytest
 from oases_jax.hardware import get_cluster
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.models import get_preset
+from oases_jax.planner.cost.moe_step import MoEChoice, moe_step_cost
+from oases_jax.planner.cost.prices import Hardware
+from oases_jax.planner.cost.step_cost import OPTIMIZER_PASSES, step_cost
 from oases_jax.planner.layout import Layout, replica_group
-from oases_jax.planner.moe_step import MoEChoice, moe_step_cost
-from oases_jax.planner.pipeline_search import price, stage_inputs
-from oases_jax.planner.prices import Hardware
-from oases_jax.planner.stage_partition import fixed
-from oases_jax.planner.step_cost import OPTIMIZER_PASSES, step_cost
+from oases_jax.planner.search.pipeline import price, stage_inputs
+from oases_jax.planner.search.stage_partition import fixed
 
 CFG = get_preset("gpt2-1.5b").replace(dtype="bfloat16", n_layers=8)
 STRATEGY = LayerSpec(schedule="megatron")

@@ -1,5 +1,5 @@
-"""Verifying plans (`planner.verify`): the compile target of each cluster, the compiled figures
-beside each prediction (checked against the same plans compiled directly by
+"""Verifying plans (`planner.verification.verify`): the compile target of each cluster, the compiled
+figures beside each prediction (checked against the same plans compiled directly by
 `tools.inspection.inspect_program`), and the fit check that marks a plan and never chooses it."""
 
 import dataclasses
@@ -10,9 +10,9 @@ import pytest
 from oases_jax.errors import UserError
 from oases_jax.hardware import ClusterSpec, get_cluster
 from oases_jax.models.presets import get_preset
-from oases_jax.planner import verify as ver
-from oases_jax.planner.prices import Hardware
-from oases_jax.planner.search import search
+from oases_jax.planner.cost.prices import Hardware
+from oases_jax.planner.search.dense import search
+from oases_jax.planner.verification import verify as ver
 from oases_jax.targets import get_target, has_gpu_aot
 from oases_jax.training.config import ParallelConfig
 from oases_jax.training.program import CompileSpec
@@ -48,7 +48,7 @@ def test_cluster_without_compile_target_is_one_line_naming_the_fix(cluster, fix)
 
 def _reference(c, cfg, target):
     """The candidate compiled directly: its CompileSpec built from the layout and strategies,
-    not through the plan JSON `planner.verify` goes through."""
+    not through the plan JSON `planner.verification.verify` goes through."""
     from oases_jax.tools.inspection import inspect_program
 
     par = ParallelConfig(mesh=",".join(f"{k}={v}" for k, v in c.layout.mesh().items()),

@@ -100,8 +100,8 @@ def _plan_files(tmp_path, n=2):
     """The 3D search's best `n` plans of `tiny` for cpu-8 (batch 16 x 32), as plan files."""
     from oases_jax.hardware import get_cluster
     from oases_jax.planner import plan as plans
-    from oases_jax.planner.pipeline_search import search_3d
-    from oases_jax.planner.prices import Hardware
+    from oases_jax.planner.cost.prices import Hardware
+    from oases_jax.planner.search.pipeline import search_3d
 
     cfg = get_preset("tiny")
     cands = search_3d(cfg, Hardware.of(get_cluster("cpu-8")), global_batch=16, seq_len=32)

@@ -1,8 +1,8 @@
 """XLA's latency estimator as a cost source: deviceless GPU compiles of single collectives and
 GEMMs over a range of sizes, each priced by XLA, returned as calibration-profile samples.
 
-Samples follow `planner.profile`: comm {"kind", "n", "bytes", "seconds"} with bytes as in
-`oases_jax.hardware.collective_time`, gemm {"m", "n", "k", "dtype", "chunks", "seconds"}.
+Samples follow `planner.calibration.profile`: comm {"kind", "n", "bytes", "seconds"} with bytes
+as in `oases_jax.hardware.collective_time`, gemm {"m", "n", "k", "dtype", "chunks", "seconds"}.
 """
 
 from __future__ import annotations

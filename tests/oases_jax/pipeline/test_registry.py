@@ -100,8 +100,8 @@ def test_zb_h1_is_a_record_refused_by_its_capability():
 
 
 def test_every_consumer_lists_what_the_records_hold():
-    from oases_jax.planner import pipeline_search
     from oases_jax.planner.plan_schema import PipelineEntry
+    from oases_jax.planner.search import pipeline as pipeline_search
     from oases_jax.training import flags
     from oases_jax.training.pipeline_step import EXECUTORS
 

@@ -46,6 +46,6 @@ def test_small_sweep_gives_profile_samples_priced_by_xla():
     assert (one["chunks"], two["chunks"]) == (1, 2) and one["m"] == two["m"] == 2048
     assert two["seconds"] == pytest.approx(
         2 * xla_sweep.gemm_seconds(1024, 1024, 512, "bfloat16", devices[0]))
-    profile = pytest.importorskip("oases_jax.planner.profile")
+    profile = pytest.importorskip("oases_jax.planner.calibration.profile")
     prof = profile.Profile.from_samples(gemm, comm, source="xla", device="h100", n_devices=8)
     assert prof.covers("all-gather", 8) and prof.comm_time("all-gather", 4 * MIB, 8) > 0

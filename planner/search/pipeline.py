@@ -1,5 +1,5 @@
 """The 3D search: pipeline degree S on the slowest links, tensor inside a node, data between,
-micro-batches, pipeline schedule and the balanced stages of `planner.stage_partition`, priced
+micro-batches, pipeline schedule and the balanced stages of `planner.search.stage_partition`, priced
 by the layer cost model, the event simulator and alpha-beta transfers (docs/planner.md,
 "3D search")."""
 
@@ -12,16 +12,22 @@ from oases_jax import registry as tp_registry
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.models.config import ModelConfig
 from oases_jax.pipeline import registry as pipeline_registry
-from oases_jax.planner.layer_cost import LayerModel
-from oases_jax.planner.layer_work import elem_bytes, stream_bytes
+from oases_jax.planner.cost.layer_cost import LayerModel
+from oases_jax.planner.cost.layer_work import elem_bytes, stream_bytes
+from oases_jax.planner.cost.prices import Hardware
+from oases_jax.planner.cost.primepar_cost import square_layouts
+from oases_jax.planner.cost.stage_fsdp import FSDP_TP_STAGE_SCHEDULES, fsdp_layer_s
+from oases_jax.planner.cost.step_cost import (
+    StepTerms,
+    head_cost,
+    local_params,
+    step_terms,
+    update_s,
+)
 from oases_jax.planner.layout import Layout
-from oases_jax.planner.prices import Hardware
-from oases_jax.planner.primepar_cost import square_layouts
-from oases_jax.planner.search import divisors, strategies
-from oases_jax.planner.spmd_stages import spmd_head_s, spmd_weight_pass_s, uniform_stages
-from oases_jax.planner.stage_fsdp import FSDP_TP_STAGE_SCHEDULES, fsdp_layer_s
-from oases_jax.planner.stage_partition import StageInputs, StagePlan, fixed, partition
-from oases_jax.planner.step_cost import StepTerms, head_cost, local_params, step_terms, update_s
+from oases_jax.planner.search.dense import divisors, strategies
+from oases_jax.planner.search.spmd_stages import spmd_head_s, spmd_weight_pass_s, uniform_stages
+from oases_jax.planner.search.stage_partition import StageInputs, StagePlan, fixed, partition
 
 # The schedules the runtime runs; gpipe_spmd and 1f1b_spmd (no per-stage control flow) are
 # offered where they run a layer strategy the tick executor cannot (the rings), or everywhere

@@ -1,7 +1,7 @@
 """One layer's work on one device, before any schedule orders it: the seconds of each residual
 sub-layer's norm, projections and core (`LayerWork.sublayers`), and the memory passes a compiled
 layer spends beyond them (`SCAN_PASSES`, `SCHEDULE_PASSES`). Both layer cost models build on it:
-`planner.layer_cost` (the Megatron family) and `planner.primepar_cost` (the square)."""
+`planner.cost.layer_cost` (the Megatron family) and `planner.cost.primepar_cost` (the square)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import jax.numpy as jnp
 from oases_jax import registry
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.models.config import ModelConfig
+from oases_jax.planner.cost.prices import Hardware
 from oases_jax.planner.layout import Layout, tensor_group
-from oases_jax.planner.prices import Hardware
 
 # A scanned layer stack stores each layer's saved activations into stacked buffers: XLA
 # initialises them, writes each layer's slice, and transposes them for the backward loop.

@@ -14,15 +14,15 @@ from collections.abc import Sequence
 
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.models.config import ModelConfig
-from oases_jax.planner.layer_work import (
+from oases_jax.planner.cost.layer_work import (
     SCAN_PASSES,
     SCHEDULE_PASSES,
     WEIGHT_SLICE_PASSES,
     LayerWork,
     elem_bytes,
 )
+from oases_jax.planner.cost.prices import Hardware
 from oases_jax.planner.layout import Layout, col_group, row_group
-from oases_jax.planner.prices import Hardware
 from oases_jax.streams import Op
 
 SCHEDULE = "primepar"
@@ -73,7 +73,7 @@ def projections(cfg: ModelConfig) -> dict[str, tuple[tuple[int, int], tuple[int,
 class Square:
     """Costs of one primepar layer: `LayerModel.layer_ops`, `saved_bytes` and `temp_bytes`
     hand primepar strategies here. `lm` is the layer's work (`LayerWork`, such as a
-    `planner.layer_cost.LayerModel`)."""
+    `planner.cost.layer_cost.LayerModel`)."""
 
     def __init__(self, lm: LayerWork):
         self.lm, self.cfg, self.layout, self.hw = lm, lm.cfg, lm.layout, lm.hw
@@ -223,7 +223,7 @@ class Square:
         check(self.layout, strategy)
         scan = slices = 0.0
         if self.cfg.scan_layers:  # stacking the saved activations and slicing the weights, as
-            # for the other schedules (`planner.layer_cost`)
+            # for the other schedules (`planner.cost.layer_cost`)
             scan = self.hw.mem_s(SCAN_PASSES * self.saved_bytes(strategy))
             slices = self.hw.mem_s(WEIGHT_SLICE_PASSES * self.lm.weight_bytes())
         # The schedule's own passes over its residual stream, T D e / q^2 (none calibrated yet).

@@ -1,7 +1,7 @@
 """The SPMD pipelines' stages and step (`gpipe_spmd`, `1f1b_spmd`: no per-stage control flow,
-`training.pipeline_spmd`), for the 3D search (`planner.pipeline_search`) and `planner.rank`:
-equal stages, the head as its own phase on every device, and 1F1B's lockstep ticks in closed
-form."""
+`training.pipeline_spmd`), for the 3D search (`planner.search.pipeline`) and
+`planner.verification.rank`: equal stages, the head as its own phase on every device, and 1F1B's
+lockstep ticks in closed form."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import dataclasses
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.models.config import ModelConfig
 from oases_jax.pipeline import registry as pipelines
-from oases_jax.planner.layer_work import elem_bytes, stream_bytes
+from oases_jax.planner.cost.layer_work import elem_bytes, stream_bytes
+from oases_jax.planner.cost.prices import Hardware
+from oases_jax.planner.cost.step_cost import head_cost
 from oases_jax.planner.layout import Layout
-from oases_jax.planner.prices import Hardware
-from oases_jax.planner.stage_partition import StageInputs, StagePlan, fixed
-from oases_jax.planner.step_cost import head_cost
+from oases_jax.planner.search.stage_partition import StageInputs, StagePlan, fixed
 
 SPMD = "gpipe_spmd"  # the default: GPipe's table in one scan
 

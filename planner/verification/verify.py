@@ -13,7 +13,7 @@ from oases_jax.errors import UserError
 from oases_jax.hardware import COMPILE_FACTS, ClusterSpec, compile_targets
 from oases_jax.models.config import ModelConfig
 from oases_jax.planner import plan as plans
-from oases_jax.planner.search import Candidate, SearchResult
+from oases_jax.planner.search.dense import Candidate, SearchResult
 from oases_jax.targets import Target, get_target
 
 CHOSEN_BY = "simulated_step_s"  # the opinion that ranks the verified plans that fit
@@ -67,7 +67,7 @@ class Verified:
 def scheduler_limit_bytes(memory: dict, device_memory: float) -> float:
     """XLA's GPU scheduling memory limit in the terms of a compiled peak: its non-aliased inputs
     and outputs io, plus the temporary memory XLA schedules within, (0.8 M - io) x 0.95
-    (`planner.prices.XLA_SCHEDULER_SHARE`)."""
+    (`planner.cost.prices.XLA_SCHEDULER_SHARE`)."""
     io = memory.get("argument", 0) + memory.get("output", 0) - memory.get("alias", 0)
     return io + (0.8 * device_memory - io) * 0.95
 

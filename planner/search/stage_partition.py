@@ -18,8 +18,8 @@ from fractions import Fraction
 import numpy as np
 
 from oases_jax.errors import UserError
-from oases_jax.planner.prices import SharedCores
-from oases_jax.planner.stage_sim import (
+from oases_jax.planner.cost.prices import SharedCores
+from oases_jax.planner.cost.stage_sim import (
     NO_ENDS,
     Ends,
     build,

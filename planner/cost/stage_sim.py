@@ -18,7 +18,7 @@ from oases_jax.pipeline import events
 from oases_jax.pipeline import registry as pipelines
 from oases_jax.pipeline.table import Schedule, place
 from oases_jax.pipeline.validate import inflight
-from oases_jax.planner.prices import SharedCores
+from oases_jax.planner.cost.prices import SharedCores
 
 Ends = tuple[float, float, float, float]
 NO_ENDS: Ends = (0.0, 0.0, 0.0, 0.0)  # (first_f, first_b, last_f, last_b): see `chunk_costs`

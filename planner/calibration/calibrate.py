@@ -18,7 +18,7 @@ from oases_jax.errors import UserError
 from oases_jax.hardware import detect
 from oases_jax.mesh import make_mesh
 from oases_jax.models.config import ModelConfig
-from oases_jax.planner.profile import COMM_KINDS, Profile
+from oases_jax.planner.calibration.profile import COMM_KINDS, Profile
 
 GROUPS = ("all", "one")
 

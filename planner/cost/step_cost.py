@@ -1,11 +1,11 @@
-"""One optimizer step: every layer's cost (`planner.layer_cost`), the resharding between
+"""One optimizer step: every layer's cost (`planner.cost.layer_cost`), the resharding between
 differing neighbours, the embedding, head and loss, the data-parallel gradient reduction, FSDP's
 gathers and the AdamW update, in seconds and bytes per device.
 
 The step-level terms (the gradients' reduction and what hides it, FSDP's clip, the update, the
 accumulation passes, one micro-batch's head) are composed once, by `step_terms`, for every step
-model: the dense one here, the 3D one (`planner.pipeline_search.price`) and the MoE one
-(`planner.moe_step`)."""
+model: the dense one here, the 3D one (`planner.search.pipeline.price`) and the MoE one
+(`planner.cost.moe_step`)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from collections.abc import Sequence
 
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.models.config import ModelConfig
-from oases_jax.planner.fsdp_chain import layer_exposed
-from oases_jax.planner.layer_cost import LayerCost, LayerModel
-from oases_jax.planner.layer_work import elem_bytes, layer_matrices
+from oases_jax.planner.cost.fsdp_chain import layer_exposed
+from oases_jax.planner.cost.layer_cost import LayerCost, LayerModel
+from oases_jax.planner.cost.layer_work import elem_bytes, layer_matrices
+from oases_jax.planner.cost.prices import Hardware
+from oases_jax.planner.cost.primepar_cost import head_extra
 from oases_jax.planner.layout import Layout, replica_group, tensor_group
-from oases_jax.planner.prices import Hardware
-from oases_jax.planner.primepar_cost import head_extra
 from oases_jax.registry import SCHEDULES
 
 # Passes over the logits of a micro-batch (compute dtype), forward and backward, counted in the
@@ -56,7 +56,7 @@ class StepTerms:
 def local_params(cfg: ModelConfig, layout: Layout, layers: int | None = None) -> float:
     """Parameters one device holds (what its gradient reduction, AdamW and accumulator passes
     move): `layers` blocks (default all; a pipeline stage's own) and the embedding/head, over
-    tensor and fsdp. An MoE model's experts split further (`planner.moe_step`).
+    tensor and fsdp. An MoE model's experts split further (`planner.cost.moe_step`).
 
       local = (layers P_block + P_emb) / (t f)"""
     blocks = cfg.param_count(embeddings=False) / cfg.n_layers
@@ -185,7 +185,7 @@ def head_cost(cfg: ModelConfig, layout: Layout, hw: Hardware) -> tuple[float, fl
     """(seconds, temp bytes) of the embedding, logits and loss for one micro-batch, forward and
     backward: 6 T D V / t FLOPs and `LOGIT_PASSES` passes over T V / t logits; with a
     vocabulary split over t devices plus `head_tensor_comm_s`; under primepar instead the
-    gathers and all-reduces of `planner.primepar_cost.head_extra`."""
+    gathers and all-reduces of `planner.cost.primepar_cost.head_extra`."""
     e = elem_bytes(cfg)
     tok = layout.rows * layout.seq_len
     v = cfg.padded_vocab / layout.tensor
@@ -286,7 +286,7 @@ def fsdp_comm_s(cfg: ModelConfig, layout: Layout, hw: Hardware,
     weight matrices move in the compute dtype (cast before the gather,
     `models.layers.compute_weights`), their gradients too, the rest (norms, biases) in fp32.
     What each layer waits for is replayed as XLA's scheduler orders its collectives
-    (`planner.fsdp_chain`): one gather in flight, none for the next layer, the weight
+    (`planner.cost.fsdp_chain`): one gather in flight, none for the next layer, the weight
     gradients last, each followed by its reduce-scatter. The embedding and head outside the
     loops: `embedding_fsdp_s`.
 

@@ -1,15 +1,15 @@
 """FSDP inside a pipeline's stages (`--rules fsdp`, and `fsdp_tp` where tensor > 1): what a
 layer's weight gathers and gradient reduction add to its forward and backward in the tick
-executor's branches, for the 3D search (`planner.pipeline_search`; docs/planner.md, "3D
+executor's branches, for the 3D search (`planner.search.pipeline`; docs/planner.md, "3D
 search")."""
 
 from __future__ import annotations
 
 from oases_jax.models.config import ModelConfig
-from oases_jax.planner.layer_work import elem_bytes, layer_matrices
+from oases_jax.planner.cost.layer_work import elem_bytes, layer_matrices
+from oases_jax.planner.cost.prices import Hardware
+from oases_jax.planner.cost.step_cost import fsdp_collectives
 from oases_jax.planner.layout import Layout
-from oases_jax.planner.prices import Hardware
-from oases_jax.planner.step_cost import fsdp_collectives
 
 # The layer strategies offered under fsdp_tp inside the stages: GSPMD's. Compiled for h100:16
 # (GPT-2 1.5B with 20 heads, bf16, xla attention, stage=2 x fsdp=4 x tensor=2, GPipe M=4), megatron

@@ -10,7 +10,7 @@ import os
 from collections.abc import Sequence
 
 from oases_jax.hardware import ClusterSpec, LinkSpec, Prices
-from oases_jax.planner.profile import Profile
+from oases_jax.planner.calibration.profile import Profile
 
 # XLA's GPU compiler schedules a program against (0.8 M - io) x 0.95 of a device's memory M,
 # io being the program's non-aliased inputs and outputs (`GetSchedulerMemoryLimit`: 80% of the
@@ -52,7 +52,7 @@ class SharedCores:
 @dataclasses.dataclass(frozen=True)
 class Hardware:
     """Prices for one cluster: datasheet numbers, overridden by a calibration profile where it
-    has them (`planner.profile.Profile`)."""
+    has them (`planner.calibration.profile.Profile`)."""
 
     cluster: ClusterSpec
     profile: Profile | None = None

@@ -19,10 +19,10 @@ from oases_jax.layer_plan import LayerSpec
 from oases_jax.mesh import parse_mesh
 from oases_jax.models.config import ModelConfig
 from oases_jax.pipeline.config import PipelineConfig
+from oases_jax.planner.cost.prices import Hardware
+from oases_jax.planner.cost.step_cost import step_cost
 from oases_jax.planner.layout import Layout
-from oases_jax.planner.prices import Hardware
-from oases_jax.planner.search import SCHEDULES
-from oases_jax.planner.step_cost import step_cost
+from oases_jax.planner.search.dense import SCHEDULES
 
 FSDP_RULES = ("fsdp", "fsdp_tp")
 
@@ -60,16 +60,16 @@ def predict_pipeline_step_s(cfg: ModelConfig, hw: Hardware, *, mesh: str, rules:
                             schedule: str, pipeline: PipelineConfig, microbatches: int,
                             global_batch: int, seq_len: int) -> float | None:
     """Predicted seconds of one step of a pipelined variant, priced as the 3D search prices its
-    plans (`planner.pipeline_search`): its stages as `pipeline` gives them (uniform by default),
+    plans (`planner.search.pipeline`): its stages as `pipeline` gives them (uniform by default),
     every layer recomputed under `remat=full`, under `none` the first floor(n_i r_i) layers of
     stage i by the stage-aware ratios (none without them); under Merak's schedule every stage
     but the last is recomputed whole whatever is asked, as the program runs it. None if not
     modelled (another remat policy, axes beyond stage x data x tensor, a schedule the stages do
     not run)."""
     from oases_jax.pipeline import registry as pipelines
-    from oases_jax.planner.pipeline_search import price, stage_inputs, transfer_s
-    from oases_jax.planner.spmd_stages import spmd_fixed, spmd_head_s, spmd_weight_pass_s
-    from oases_jax.planner.stage_partition import fixed
+    from oases_jax.planner.search.pipeline import price, stage_inputs, transfer_s
+    from oases_jax.planner.search.spmd_stages import spmd_fixed, spmd_head_s, spmd_weight_pass_s
+    from oases_jax.planner.search.stage_partition import fixed
     from oases_jax.training.pipeline_layout import PipelineSpec
 
     spec = parse_mesh(mesh)

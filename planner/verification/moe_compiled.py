@@ -37,7 +37,7 @@ from oases_jax.models.sharding import param_shardings
 from oases_jax.moe import MoESetup, use_moe
 from oases_jax.moe import cost as cost
 from oases_jax.moe import schedules as moe_schedules
-from oases_jax.planner.moe_cost import CLUSTERS, GRID, hardware
+from oases_jax.planner.cost.moe_cost import CLUSTERS, GRID, hardware
 from oases_jax.rules import get_rules
 from oases_jax.targets import get_target
 from oases_jax.tools.analysis.program import analyze_text

@@ -13,12 +13,11 @@ from oases_jax import registry
 from oases_jax.errors import UserError
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.models.config import ModelConfig
-from oases_jax.planner.layer_cost import LayerCost, LayerModel
-from oases_jax.planner.layout import Layout
-from oases_jax.planner.prices import Hardware
-from oases_jax.planner.primepar_cost import SCHEDULE as PRIMEPAR
-from oases_jax.planner.primepar_cost import SIDES, square_layouts
-from oases_jax.planner.step_cost import (
+from oases_jax.planner.cost.layer_cost import LayerCost, LayerModel
+from oases_jax.planner.cost.prices import Hardware
+from oases_jax.planner.cost.primepar_cost import SCHEDULE as PRIMEPAR
+from oases_jax.planner.cost.primepar_cost import SIDES, square_layouts
+from oases_jax.planner.cost.step_cost import (
     StepCost,
     gathered_layer_bytes,
     head_cost,
@@ -26,6 +25,7 @@ from oases_jax.planner.step_cost import (
     static_memory,
     step_cost,
 )
+from oases_jax.planner.layout import Layout
 
 SCHEDULES = registry.names(planned=True)  # the per-layer schedules the planner chooses from
 REMATS = ("none", "save_proj", "full")  # the remat policies the cost model prices
@@ -70,7 +70,7 @@ def layouts(cfg: ModelConfig, n_devices: int, global_batch: int, seq_len: int,
     heads, MLP width and vocabulary, the replicas either holding whole parameters or sharding
     them (fsdp over all replicas), and every power-of-two micro-batch count that divides the
     per-replica batch; with `primepar` among `schedules`, its square layouts too
-    (`planner.primepar_cost.square_layouts`), and with it alone only those."""
+    (`planner.cost.primepar_cost.square_layouts`), and with it alone only those."""
     out = []
     if PRIMEPAR in schedules:
         out += square_layouts(cfg, n_devices, global_batch, seq_len, max_microbatches)
@@ -242,7 +242,7 @@ def search(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int,
     n = n_devices or hw.cluster.n_devices
     if cfg.moe:  # its experts, dispatch and expert axis are not in this search's cost model
         raise ValueError("search() plans dense models; plan an MoE model with "
-                         "planner.moe_search.search_moe (planner.make_plan chooses)")
+                         "planner.search.moe.search_moe (planner.make_plan chooses)")
     if memory_fraction is not None and not 0 < memory_fraction <= 1:
         raise UserError(f"--memory-fraction {memory_fraction} must be in (0, 1]")
     if seq_len > cfg.max_seq_len:

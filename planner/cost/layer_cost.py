@@ -1,11 +1,11 @@
 """One layer's cost under one layout and strategy: the Megatron family's forward, backward and
 recomputation as op lists (`LayerModel.layer_ops`), in the order our implementation issues them,
 priced by the two-stream replay (`oases_jax.streams`), and the activations it keeps. Primepar's
-layers are handed to `planner.primepar_cost.Square`.
+layers are handed to `planner.cost.primepar_cost.Square`.
 
 Compute ops cost the roofline max(FLOPs / peak, bytes / HBM bandwidth) (or a calibration
 profile's fitted GEMM time), and collectives the alpha-beta model of
-`oases_jax.hardware.collective_time` (or the profile's fit): `planner.prices`.
+`oases_jax.hardware.collective_time` (or the profile's fit): `planner.cost.prices`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import dataclasses
 from oases_jax import registry
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.models.config import ModelConfig
-from oases_jax.planner.layer_work import (
+from oases_jax.planner.cost.layer_work import (
     SCAN_PASSES,
     SCHEDULE_PASSES,
     WEIGHT_SLICE_PASSES,
@@ -23,9 +23,9 @@ from oases_jax.planner.layer_work import (
     SubLayerWork,
     sequence_split,
 )
+from oases_jax.planner.cost.prices import Hardware
+from oases_jax.planner.cost.primepar_cost import Square
 from oases_jax.planner.layout import Layout
-from oases_jax.planner.prices import Hardware
-from oases_jax.planner.primepar_cost import Square
 from oases_jax.streams import Op, replay
 
 

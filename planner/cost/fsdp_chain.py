@@ -29,10 +29,10 @@ from __future__ import annotations
 
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.models.config import ModelConfig
-from oases_jax.planner.layer_cost import LayerModel, comm_pattern
-from oases_jax.planner.layer_work import elem_bytes, weight_matrices
+from oases_jax.planner.cost.layer_cost import LayerModel, comm_pattern
+from oases_jax.planner.cost.layer_work import elem_bytes, weight_matrices
+from oases_jax.planner.cost.prices import Hardware
 from oases_jax.planner.layout import Layout
-from oases_jax.planner.prices import Hardware
 from oases_jax.streams import Op, replay
 
 # The tensor collectives a sub-layer's compute waits for at once (`layer_cost.comm_pattern`).

@@ -1,7 +1,7 @@
 """The MoE search: every data x expert x tensor layout (the expert degree dividing the experts,
 data and expert in either order), micro-batch count, dense strategy and MoE schedule (ds_moe,
 parm_s1, parm_s2 with its chunk count; `local` without an expert axis), priced by
-`planner.moe_step`, the fastest that fits the memory budget ranked per layout.
+`planner.cost.moe_step`, the fastest that fits the memory budget ranked per layout.
 
 An MoE plan runs one dense strategy on every layer: the runtime scans (dense..., MoE) layer
 groups under one segment (`oases_jax.moe.stack.run_groups`), so a per-layer tensor-parallel plan
@@ -17,8 +17,7 @@ from oases_jax.errors import UserError
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.models.config import ModelConfig
 from oases_jax.moe.stack import scan_schedules
-from oases_jax.planner.layout import Layout, data_group, expert_group
-from oases_jax.planner.moe_step import (
+from oases_jax.planner.cost.moe_step import (
     EP_SCHEDULES,
     MoEChoice,
     MoEStep,
@@ -26,8 +25,9 @@ from oases_jax.planner.moe_step import (
     moe_choices,
     moe_step_cost,
 )
-from oases_jax.planner.prices import Hardware
-from oases_jax.planner.search import REMATS, SCHEDULES, SearchResult, divisors, no_fit
+from oases_jax.planner.cost.prices import Hardware
+from oases_jax.planner.layout import Layout, data_group, expert_group
+from oases_jax.planner.search.dense import REMATS, SCHEDULES, SearchResult, divisors, no_fit
 
 # The dense schedules MoE layer groups run under: the planned ones that run in a plain scan.
 DENSE_SCHEDULES = tuple(s for s in SCHEDULES if s in scan_schedules())

@@ -34,7 +34,7 @@ SOURCES = ("profile", "xla")
 COMM_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 # The source checkout (or, installed, the `oases_jax` package directory): the committed profiles
 # are in its `planner/profiles/`, shipped as package data of `oases_jax.planner`.
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def default_profile_path(device: str, n_devices: int) -> pathlib.Path:

@@ -1,5 +1,5 @@
 """One optimizer step of an MoE model on a data x expert x tensor layout: the dense layers and
-the MoE layers' attention priced as the dense planner prices them (`planner.layer_cost`), each
+the MoE layers' attention priced as the dense planner prices them (`planner.cost.layer_cost`), each
 MoE feed-forward by the MoE cost model (`oases_jax.moe.cost`) priced by the planner's one
 `Hardware` (datasheet, calibration profile or XLA's fits) on the links its expert and tensor
 groups cross, the experts' parameters and
@@ -13,11 +13,11 @@ from oases_jax.layer_plan import LayerSpec
 from oases_jax.models.config import ModelConfig
 from oases_jax.moe import cost as cost
 from oases_jax.moe import schedules as moe_schedules
-from oases_jax.planner.layer_cost import LayerCost, LayerModel
-from oases_jax.planner.layer_work import SubLayerWork, elem_bytes, sequence_split
+from oases_jax.planner.cost.layer_cost import LayerCost, LayerModel
+from oases_jax.planner.cost.layer_work import SubLayerWork, elem_bytes, sequence_split
+from oases_jax.planner.cost.prices import Hardware
+from oases_jax.planner.cost.step_cost import StepCost, local_params, step_terms
 from oases_jax.planner.layout import Layout, data_group, expert_group, replica_group, tensor_group
-from oases_jax.planner.prices import Hardware
-from oases_jax.planner.step_cost import StepCost, local_params, step_terms
 
 # What an expert axis may run: the Parm schedules; without one, `local` (S1 with N_EP = 1).
 EP_SCHEDULES = ("ds_moe", "parm_s1", "parm_s2")

@@ -11,16 +11,16 @@ from oases_jax.layer_plan import LayerSpec
 from oases_jax.models.config import ModelConfig
 from oases_jax.pipeline import registry as pipelines
 from oases_jax.planner import plan as plans
+from oases_jax.planner.cost.prices import Hardware
 from oases_jax.planner.layout import Layout
-from oases_jax.planner.pipeline_search import (
+from oases_jax.planner.search.pipeline import (
     PipelineCandidate,
     price,
     stage_inputs,
     transfer_s,
 )
-from oases_jax.planner.prices import Hardware
-from oases_jax.planner.rank import spearman
-from oases_jax.planner.stage_partition import partition
+from oases_jax.planner.search.stage_partition import partition
+from oases_jax.planner.verification.rank import spearman
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
