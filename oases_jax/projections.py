@@ -207,23 +207,47 @@ class LocalRing(Projection):
                                      self.axis, bidirectional)
 
 
-class LocalAllReduce(Projection):
-    """Megatron inside a layer-wide shard_map: local partial sums and explicit all-reduces over
-    `axis`, with the hooks the sub-batch executor uses to keep one sub-batch's all-reduce beside
-    another's compute. Holds per-trace state: build one per traced layer."""
+class _LocalOrdered(Projection):
+    """Megatron's projections inside a layer-wide shard_map, with explicit collectives over
+    `axis` and the hooks the sub-batch executor uses to keep one sub-batch's collectives beside
+    another's compute, forward and backward. A subclass says how the column projections'
+    input enters (`_enter`: its transpose is the backward's dX collective) and how the row
+    projection's partial sums leave (`_reduce`). Holds per-trace state: build one per traced
+    layer."""
+
+    enters_with_collective = False  # `_enter` gathers: the input's collective starts a step
 
     def __init__(self, axis: str = "tensor"):
         self.axis = axis
         self._partials: list[jax.Array] = []  # row partials produced since the last step
         self._anchor: jax.Array | None = None  # the output of the last executed step
         self._tied: tuple | None = None  # (the last step's output, as `column` tied it)
+        self._last_y: jax.Array | None = None  # the last row projection's collective result
+
+    def _enter(self, x_BLD) -> jax.Array:
+        raise NotImplementedError
+
+    def _reduce(self, partial) -> jax.Array:
+        raise NotImplementedError
+
+    def zero_partial(self, x_sub: jax.Array) -> jax.Array:
+        """A zero row partial for a sub-batch whose residual is `x_sub`, shaped and varying
+        over `axis` like a real one (check_vma): an overlapped stack's first pending step."""
+        shape = self._partial_shape(x_sub.shape)
+        axes = tuple(sorted(compat.varying_axes(x_sub) | {self.axis}))
+        return jax.lax.pcast(jnp.zeros(shape, x_sub.dtype), axes, to="varying")
+
+    def _partial_shape(self, shape) -> tuple[int, ...]:
+        return tuple(shape)
 
     def column(self, x_BLD, weights, names) -> list[jax.Array]:
-        """The column GEMMs on x made varying over `axis` explicitly: that cast's transpose is
-        the backward's dX all-reduce, and its input (the dX partial) is tied to the previous
-        step's output (`step_order.tie_backward`): the previous step's backward starts only
-        once this step's dX partial is computed, so that all-reduce runs beside it."""
-        xv = jax.lax.pcast(x_BLD, (self.axis,), to="varying")
+        """The column GEMMs on x as `_enter` gives it, tied to the previous step's output
+        (`step_order.tie_backward`): in the backward the previous step's work starts only once
+        this step's dX partial (the cotangent of what `_enter` returned) is computed, so this
+        step's dX collective runs beside it."""
+        xv = self._enter(x_BLD)
+        if self.enters_with_collective:
+            xv = self._after_partials(xv)
         if self._anchor is not None:
             untied = self._tied[0] if self._tied else self._anchor
             self._anchor, xv = step_order.tie_backward(self._anchor, xv)
@@ -237,27 +261,35 @@ class LocalAllReduce(Projection):
         return x
 
     def row(self, h, w, names) -> jax.Array:
+        if self.enters_with_collective and self._last_y is not None:
+            h = step_order.pin((self._last_y, h))[1]
         partial = einsum_row(h, w)
         self._partials.append(partial)
-        y = jax.lax.psum(partial, self.axis)
+        y = self._reduce(partial)
+        self._last_y = y
         if self._anchor is None:
             return y
-        # Use the all-reduce's result only after the previous step's output: XLA would otherwise
-        # fuse the residual adds of two sub-batches into one multi-output fusion (they share
-        # the bias), which waits for both all-reduces and so serialises the second behind the
-        # first.
+        # Use the collective's result only after the previous step's output: XLA would
+        # otherwise fuse the residual adds of two sub-batches into one multi-output fusion
+        # (they share the bias), which waits for both collectives and so serialises the second
+        # behind the first.
         return step_order.pin((self._anchor, y))[1]
 
     def complete(self, partial) -> jax.Array:
-        """The all-reduce of a `row_partial`. Not tied to the last step's output: an overlapped
+        """The collective of a `row_partial`. Not tied to the last step's output: an overlapped
         stack completes it while other sub-batches' steps run, and a tie to one of them would
-        serialise that step's own all-reduce behind it."""
-        return jax.lax.psum(partial, self.axis)
+        serialise that step's own collective behind it."""
+        return self._reduce(partial)
 
     def before_step(self, x):
         """Make `x` (the next step's input) available only once the partials produced so far
         are computed: XLA may then not hoist the next sub-batch's compute above the previous
-        one's projection, so the previous all-reduce keeps compute to hide behind."""
+        one's projection, so the previous collective keeps compute to hide behind. Where the
+        input enters through a collective, the pin is on what it gathered instead (`column`),
+        so that collective may run beside the previous step's compute."""
+        return x if self.enters_with_collective else self._after_partials(x)
+
+    def _after_partials(self, x):
         partials, self._partials = self._partials, []
         if not partials:
             return x
@@ -266,8 +298,39 @@ class LocalAllReduce(Projection):
     def after_step(self, x) -> None:
         self._anchor, self._tied = x, None
 
-    def forget_partials(self) -> None:
-        self._partials = []
+
+class LocalAllReduce(_LocalOrdered):
+    """Megatron (Oases' sub-batches): the column input made varying over `axis` explicitly
+    (that cast's transpose is the backward's dX all-reduce), the row partials all-reduced."""
+
+    def _enter(self, x_BLD) -> jax.Array:
+        return jax.lax.pcast(x_BLD, (self.axis,), to="varying")
+
+    def _reduce(self, partial) -> jax.Array:
+        return jax.lax.psum(partial, self.axis)
+
+
+class LocalSeqOrdered(_LocalOrdered):
+    """Megatron-SP (`oases_sp`'s sub-batches): the sequence-sharded input all-gathered over
+    `axis` before the column projections (the backward reduce-scatters dX), the row partials
+    reduce-scattered back onto the sequence (the backward all-gathers dY)."""
+
+    gathers_in_column = True  # the gathered input is what `save_proj` keeps (as `LocalSeq`)
+    enters_with_collective = True
+
+    def __init__(self, axis: str = "tensor", size: int = 1):
+        super().__init__(axis)
+        self.size = size  # devices on `axis`
+
+    def _enter(self, x_BLD) -> jax.Array:
+        return jax.lax.all_gather(x_BLD, self.axis, axis=1, tiled=True)
+
+    def _partial_shape(self, shape) -> tuple[int, ...]:
+        b, length, *rest = shape  # the partial holds the whole sequence
+        return (b, length * self.size, *rest)
+
+    def _reduce(self, partial) -> jax.Array:
+        return jax.lax.psum_scatter(partial, self.axis, scatter_dimension=1, tiled=True)
 
 
 class PrimePar(Projection):
@@ -329,6 +392,8 @@ def strategy_for(spec: ScheduleSpec, rules: ShardingRules, mesh: Mesh, *, manual
         kind = spec.manual_projection
         if kind == "manual":
             return LocalAllReduce(axis)
+        if kind == "seq_manual":
+            return LocalSeqOrdered(axis, mesh.shape.get(axis, 1))
         if kind == "ring":
             return LocalRing(axis, bidirectional)
         raise ValueError(f"schedule {spec.name} has no manual projection")

@@ -114,6 +114,15 @@ SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType({s.name: s for s in (
                      xla_gpu_all_reduce_combine_threshold_bytes=0,
                      xla_gpu_all_gather_combine_threshold_bytes=0,
                      xla_gpu_reduce_scatter_combine_threshold_bytes=0, **_NO_DOT_MERGER)),
+    # Oases' order on Megatron-SP's layout: the norms and residual adds on 1/t of the sequence,
+    # each sub-batch's all-gather and reduce-scatter beside another's compute.
+    ScheduleSpec(name="oases_sp", summary="sub-batches on the sequence-parallel layout: each "
+                 "sub-batch's all-gather and reduce-scatter hide behind another's compute",
+                 sequence_parallel=True, sub_batches=True, overlapped_stack=True,
+                 projection="seq_parallel", manual_projection="seq_manual", planned=False,
+                 gpu_options=_opts(
+                     xla_gpu_all_gather_combine_threshold_bytes=0,
+                     xla_gpu_reduce_scatter_combine_threshold_bytes=0, **_NO_DOT_MERGER)),
     # Three in flight: a bidirectional backward ring step moves four halves (two of the block,
     # two of the partial sum); with 2, two of them had no GEMM on `small` (share 0.80).
     ScheduleSpec(name="oases_cm", summary="Oases sub-batches whose projections are rings",

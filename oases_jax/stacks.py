@@ -27,7 +27,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from oases_jax import compat, projections, registry, remat, step_order
@@ -279,14 +278,14 @@ def _run_overlapped(seg: Segment, fns: LayerFns, stacked, x_BLD, scan: bool):
         return carry, None
 
     def local(stacked, x):
-        with suspend_rules(), projections.use(seg.projection(manual=True)):
+        with suspend_rules(), projections.use(seg.projection(manual=True)) as proj:
             xs = step_order.split(order, x)
             if scan:
                 # Layer 0 gets an all-zero pending step (its all-reduce adds nothing), so the
                 # carry keeps one structure and one scan runs every layer: no peeled first
                 # layer, no sliced copy of the stacked parameters.
                 x_last = xs[order.steps[-1].sub_batch]
-                zero = fns.zero_pending(zero_partial(x_last, seg.axis),
+                zero = fns.zero_pending(proj.zero_partial(x_last),
                                         _gather_shards(fns, _at(stacked, 0), seg))
                 carry, _ = jax.lax.scan(seg.wrap(layer, True), (xs, zero), stacked)
             else:
@@ -299,11 +298,6 @@ def _run_overlapped(seg: Segment, fns: LayerFns, stacked, x_BLD, scan: bool):
     return jax.shard_map(local, mesh=compat.context_mesh(seg.mesh),
                          in_specs=(_local_specs(fns, _at(stacked, 0), seg, True), x_spec),
                          out_specs=x_spec)(stacked, x_BLD)
-
-
-def zero_partial(x_sub: jax.Array, axis: str = "tensor") -> jax.Array:
-    """A zero partial sum shaped like x_sub, varying over `axis` like a real one (check_vma)."""
-    return jax.lax.pcast(jnp.zeros_like(x_sub), (axis,), to="varying")
 
 
 RUNNERS: dict[str, Callable] = {"scan": _run_scan, "manual_layer": _run_manual_layers,

@@ -22,10 +22,11 @@ def test_every_record_is_consistent():
 
 def test_lists_derive_from_the_records():
     assert registry.names(sequence_parallel=True) == (
-        "megatron_sp", "collective_matmul", "oases_cm", "xla_auto")
+        "megatron_sp", "collective_matmul", "oases_sp", "oases_cm", "xla_auto")
     assert registry.names(rings=True) == ("collective_matmul", "oases_cm")
-    assert registry.names(sub_batches=True) == ("oases", "oases_cm")
+    assert registry.names(sub_batches=True) == ("oases", "oases_sp", "oases_cm")
     assert "xla_auto" not in registry.names(planned=True)
+    assert "oases_sp" not in registry.names(planned=True)  # the planner does not price it yet
 
 
 def test_runner_and_rules():
@@ -34,6 +35,8 @@ def test_runner_and_rules():
     assert oases.runner(1, 4) == "manual_layer"
     assert oases.runner(2, 1) == "scan"  # nothing to overlap without a tensor split
     assert registry.get("oases_cm").runner(2, 4) == "manual_layer"
+    assert registry.get("oases_sp").runner(2, 4) == "overlapped_stack"
+    assert registry.get("oases_sp").rules_for("tp") == "tp_sp"
     assert megatron.runner(2, 4) == "scan"
     assert registry.get("megatron_sp").rules_for("tp") == "tp_sp"
     assert megatron.rules_for("tp_sp") == "tp"

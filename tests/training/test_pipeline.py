@@ -39,13 +39,13 @@ def _reference(cfg, graphdef, params, tokens):
 
 
 def _pipelined(cfg, params, tokens, mesh_text, schedule, *, tp="megatron", poison=False,
-               rules="tp", plan=None, **pipeline):
+               rules="tp", plan=None, sub_batches=1, **pipeline):
     """The pipelined step's loss and gradients under `PipelineConfig(schedule, **pipeline)`."""
     mesh = make_mesh(mesh_text, jax.devices())
     rules = get_rules(rules)
     pipe = ps.pipeline_spec(cfg, PipelineConfig(schedule=schedule, **pipeline),
                             stages=mesh.shape["stage"], microbatches=tokens.shape[0])
-    parallel = Parallel(mesh, rules, LayerSpec(schedule=tp), plan)
+    parallel = Parallel(mesh, rules, LayerSpec(schedule=tp, sub_batches=sub_batches), plan)
     groups = accumulation_groups(rules, mesh)
     staged = jax.device_put(ps.to_stages(params, pipe),
                             ps.stage_shardings(ps.to_stages(params, pipe), rules, mesh))
@@ -160,20 +160,21 @@ def test_oases_inside_the_stages(model, schedule):
                              tp="oases"))
 
 
-@pytest.mark.parametrize(("mesh", "schedule"), [("data=2,stage=2,tensor=2", "1f1b"),
-                                                pytest.param("stage=2,tensor=4", "merak",
-                                                             marks=pytest.mark.slow)])
-def test_megatron_sp_inside_the_stages(model, mesh, schedule):
+@pytest.mark.parametrize(("mesh", "schedule", "tp"), [
+    ("data=2,stage=2,tensor=2", "1f1b", "megatron_sp"),
+    pytest.param("stage=2,tensor=4", "merak", "megatron_sp", marks=pytest.mark.slow),
+    ("data=2,stage=2,tensor=2", "1f1b", "oases_sp")])
+def test_megatron_sp_inside_the_stages(model, mesh, schedule, tp):
     """Sequence parallelism inside the stages (its own rule set, the residual stream sharded
     over `tensor` by tokens), learned positions included: no collective-permute inside the
     tick's switch, where it deadlocked (the token shift and position rows are taken outside
-    the loop), and the same loss and gradients."""
+    the loop), and the same loss and gradients; `oases_sp`'s sub-batches too."""
     cfg, graphdef, params = model
     assert cfg.learned_positions
-    tokens = _tokens(cfg, 3)
+    tokens = _tokens(cfg, 3 if tp == "megatron_sp" else 4)
     _assert_equal(_reference(cfg, graphdef, params, tokens),
-                  _pipelined(cfg, params, tokens, mesh, schedule, tp="megatron_sp",
-                             rules="tp_sp"))
+                  _pipelined(cfg, params, tokens, mesh, schedule, tp=tp, rules="tp_sp",
+                             sub_batches=2 if tp == "oases_sp" else 1))
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", pytest.param("interleaved",

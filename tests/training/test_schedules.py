@@ -204,20 +204,25 @@ def _stack_loss_and_grads(cfg, schedule, mesh, plan=None, rules="tp"):
         return jax.jit(jax.value_and_grad(loss))(params, tokens)
 
 
-@pytest.mark.parametrize("remat, scan, plan", [
-    ("none", True, None), ("save_proj", True, None), ("full", False, None),
-    ("none", True, ("oases", "oases", "megatron")), ("none", True, ("megatron", "oases", "oases")),
+@pytest.mark.parametrize("schedule, remat, scan, plan", [
+    ("oases", "none", True, None), ("oases", "save_proj", True, None),
+    ("oases", "full", False, None), ("oases_sp", "none", True, None),
+    ("oases_sp", "save_proj", True, None), ("oases_sp", "full", False, None),
+    ("oases", "none", True, ("oases", "oases", "megatron")),
+    ("oases", "none", True, ("megatron", "oases", "oases")),
+    ("oases_sp", "none", True, ("oases_sp", "megatron", "oases")),
 ])
-def test_overlapped_oases_stack_matches_megatron(remat, scan, plan):
-    """`oases` runs a stack of layers overlapped across layers (`oases_jax.stacks`):
-    three layers, scanned or unrolled, under remat, and as segments of a per-layer plan, give
-    megatron's loss and gradients."""
+def test_overlapped_oases_stack_matches_megatron(schedule, remat, scan, plan):
+    """`oases` and `oases_sp` run a stack of layers overlapped across layers
+    (`oases_jax.stacks`): three layers, scanned or unrolled, under remat, and as segments of a
+    per-layer plan, give megatron's loss and gradients."""
     cfg = get_preset("tiny").replace(n_layers=3, remat=remat, scan_layers=scan)
     mesh = make_mesh("data=2,tensor=4")
-    layers = plan and [LayerSpec(schedule=s, sub_batches=2 if s == "oases" else 1, remat=remat)
-                       for s in plan]
+    layers = plan and [LayerSpec(schedule=s, sub_batches=2 if registry.get(s).sub_batches
+                                 else 1, remat=remat) for s in plan]
     ref_loss, ref_grads = _stack_loss_and_grads(cfg, "megatron", mesh)
-    loss, grads = _stack_loss_and_grads(cfg, "megatron" if plan else "oases", mesh, layers)
+    loss, grads = _stack_loss_and_grads(cfg, "megatron" if plan else schedule, mesh, layers,
+                                        rules="tp_sp" if schedule == "oases_sp" else "tp")
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
