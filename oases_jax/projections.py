@@ -262,6 +262,8 @@ class _LocalOrdered(Projection):
 
     def row(self, h, w, names) -> jax.Array:
         if self.enters_with_collective and self._last_y is not None:
+            # The previous step's reduce-scatter ends before this step's row GEMM: XLA then
+            # issues it beside this step's compute, not after it (where it left it exposed).
             h = step_order.pin((self._last_y, h))[1]
         partial = einsum_row(h, w)
         self._partials.append(partial)
