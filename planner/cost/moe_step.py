@@ -14,9 +14,14 @@ from oases_jax.models.config import ModelConfig
 from oases_jax.moe import cost as cost
 from oases_jax.moe import schedules as moe_schedules
 from oases_jax.planner.cost.layer_cost import LayerCost, LayerModel
-from oases_jax.planner.cost.layer_work import SubLayerWork, elem_bytes, sequence_split
+from oases_jax.planner.cost.layer_work import (
+    SubLayerWork,
+    elem_bytes,
+    layer_matrices,
+    sequence_split,
+)
 from oases_jax.planner.cost.prices import Hardware
-from oases_jax.planner.cost.step_cost import StepCost, local_params, step_terms
+from oases_jax.planner.cost.step_cost import StepCost, local_params, static_memory, step_terms
 from oases_jax.planner.layout import Layout, data_group, expert_group, replica_group, tensor_group
 
 # What an expert axis may run: the Parm schedules; without one, `local` (S1 with N_EP = 1).
@@ -168,22 +173,23 @@ class AttentionModel(LayerModel):
 
 
 def moe_static_memory(cfg: ModelConfig, layout: Layout) -> dict[str, float]:
-    """Parameters, gradients and AdamW moments per device (fp32 each), the experts' split over
-    expert x tensor, everything else over tensor (as `step_cost.static_memory`):
-      params_local = (P - P_exp) / t + P_mat / (ep t) + P_bout / ep
-    P_exp: all experts' parameters; P_mat their matrices and input biases; P_bout their output
-    biases [E, D] (split over expert only). Plus the compute-dtype copy of the blocks' weights
-    and the gradient accumulator as for dense models."""
-    local_dense, local_experts = _local_params(cfg, layout)
-    local = local_dense + local_experts
-    mem = {"params": 4 * local, "grads": 4 * local, "optimizer": 8 * local}
-    e = elem_bytes(cfg)
-    if e < 4:
-        emb = cfg.param_count() - cfg.param_count(embeddings=False)
-        mem["compute_weights"] = e * (local - emb / layout.tensor)
-    if layout.microbatches > 1:
-        mem["grad_accumulator"] = 4 * local
-    return mem
+    """`step_cost.static_memory` of a device holding an MoE model's share (`moe_params`)."""
+    return static_memory(cfg, layout, *moe_params(cfg, layout))
+
+
+def moe_params(cfg: ModelConfig, layout: Layout) -> tuple[float, float]:
+    """(local, matrices): the parameters one device holds, the experts' split over expert x
+    tensor and everything else as a dense model holds it (`_local_params`), and of them those
+    `models.layers.compute_weights` casts to the compute dtype: every layer's attention
+    matrices and the dense layers' MLP matrices over tensor x fsdp, and all the experts' weights
+    (their stacked biases are matrices too):
+      local    = (P - P_exp) / (t f) + P_mat / (ep t) + P_bout / ep
+      matrices = (L A + (L - L_moe) M) / (t f) + P_mat / (ep t) + P_bout / ep"""
+    dense, experts = _local_params(cfg, layout)
+    attn, mlp = layer_matrices(cfg)
+    n_dense = cfg.n_layers - cfg.n_moe_layers
+    mats = (cfg.n_layers * attn + n_dense * mlp) / (layout.tensor * layout.fsdp)
+    return dense + experts, mats + experts
 
 
 def _local_params(cfg: ModelConfig, layout: Layout) -> tuple[float, float]:
@@ -239,9 +245,10 @@ def moe_step_cost(cfg: ModelConfig, layout: Layout, dense: LayerSpec, choice: Mo
     layers = n_moe * (attn.step_s + ffn.step_s) + (n_dense * lc.step_s if lc else 0.0)
     compute = n_moe * (attn.compute_s + ffn.compute_s) + (n_dense * lc.compute_s if lc else 0.0)
     comm = n_moe * (attn.comm_s + ffn.comm_s) + (n_dense * lc.comm_s if lc else 0.0)
-    static = moe_static_memory(cfg, layout)
-    local = static["params"] / 4
-    terms = step_terms(cfg, layout, hw, local=local, reduce_s=grad_reduce_s(cfg, layout, hw))
+    local, matrices = moe_params(cfg, layout)
+    static = static_memory(cfg, layout, local, matrices)
+    terms = step_terms(cfg, layout, hw, local=local, matrices=matrices,
+                       reduce_s=grad_reduce_s(cfg, layout, hw))
     head_s, head_temp, reduce = terms.head_s, terms.head_temp_bytes, terms.reduce_s
     step = m * (layers + head_s) + terms.after_loop_s
     compute_all = m * (compute + head_s) + terms.update_s + terms.accumulate_s

@@ -66,12 +66,14 @@ def local_params(cfg: ModelConfig, layout: Layout, layers: int | None = None) ->
 
 
 def step_terms(cfg: ModelConfig, layout: Layout, hw: Hardware, *, local: float,
-               reduce_s: float, exposed_reduce_s: float | None = None) -> StepTerms:
-    """The step-level terms of a step whose devices hold `local` parameters and whose
-    gradients' reduction takes `reduce_s` (`exposed_reduce_s` of it waited for; default all):
+               reduce_s: float, exposed_reduce_s: float | None = None,
+               matrices: float | None = None) -> StepTerms:
+    """The step-level terms of a step whose devices hold `local` parameters (`matrices` of
+    them weight matrices, as `update_s` defaults) and whose gradients' reduction takes
+    `reduce_s` (`exposed_reduce_s` of it waited for; default all):
 
         clip       = clip_norm_s under fsdp, else 0
-        update     = update_s(local)
+        update     = update_s(local, matrices)
         accumulate = M x 12 local B at HBM bandwidth (M > 1; read sum and gradient, write sum)
         head       = head_cost (one micro-batch)"""
     m = layout.microbatches
@@ -80,7 +82,7 @@ def step_terms(cfg: ModelConfig, layout: Layout, hw: Hardware, *, local: float,
         reduce_s=reduce_s,
         exposed_reduce_s=reduce_s if exposed_reduce_s is None else exposed_reduce_s,
         clip_s=clip_norm_s(cfg, layout, hw) if layout.fsdp > 1 else 0.0,
-        update_s=update_s(cfg, local, hw),
+        update_s=update_s(cfg, local, hw, matrices),
         accumulate_s=hw.mem_s(3 * 4 * local) * m if m > 1 else 0.0,
         head_s=head_s, head_temp_bytes=head_temp)
 
@@ -113,28 +115,31 @@ def resharding_s(a: LayerSpec, b: LayerSpec, cfg: ModelConfig, layout: Layout,
     return hw.comm_s("all-gather", nbytes, g) + hw.comm_s("reduce-scatter", nbytes, g)
 
 
-def static_memory(cfg: ModelConfig, layout: Layout) -> dict[str, float]:
-    """Parameters, gradients and AdamW moments per device (fp32 each), sharded over tensor
-    (the block matrices and the vocabulary) and fsdp; plus a gradient accumulator with more
-    than one micro-batch; under a narrower compute dtype (e bytes), the blocks' weights cast to
-    it (XLA casts the stacked layers once per step, outside the layer loop), and the weight
-    matrices' gradients in it (`matrix_share`: their gradients reach the fp32 parameters
-    through the one cast, so the stacked gradient is written in e bytes).
+def static_memory(cfg: ModelConfig, layout: Layout, local: float | None = None,
+                  matrices: float | None = None) -> dict[str, float]:
+    """Parameters, gradients and AdamW moments per device (fp32 each) of a device holding
+    `local` parameters (default `local_params`: the blocks and the vocabulary over tensor and
+    fsdp; an MoE model's experts split further, `planner.cost.moe_step`), `matrices` of them
+    weight matrices (default `matrix_share` of them); plus a gradient accumulator with more than
+    one micro-batch. Under a narrower compute dtype (e bytes) the weight matrices' gradients are
+    written in it (they reach the fp32 parameters through the one cast,
+    `models.layers.compute_weights`), and the blocks' weights are cast to it once per step,
+    outside the layer loop: one copy lives from the forward to the backward; under fsdp the cast
+    copy of the local shard, each layer gathered just before it runs (two in flight):
 
-      params_local = (L * P_block + V D) / (t * f)   (norms and biases counted as sharded)
+      grads           = 4 local - (4 - e) matrices
+      compute_weights = e (local - P_emb / (t f)) (1 + 2 f / L if f > 1)
     """
-    blocks = cfg.param_count(embeddings=False)
-    local = local_params(cfg, layout)
+    local = local_params(cfg, layout) if local is None else local
+    matrices = matrix_share(cfg) * local if matrices is None else matrices
     mem = {"params": 4 * local, "grads": 4 * local, "optimizer": 8 * local}
     e = elem_bytes(cfg)
     if e < 4:
-        mem["grads"] -= (4 - e) * matrix_share(cfg) * local
-        # XLA hoists the layers' casts to the compute dtype out of the layer loop: one copy of
-        # every block's weights lives from the forward to the backward; under fsdp the cast
-        # copy of the local shard, each layer gathered just before it runs (two in flight).
-        mem["compute_weights"] = e * blocks / layout.tensor
+        mem["grads"] -= (4 - e) * matrices
+        emb = cfg.param_count() - cfg.param_count(embeddings=False)
+        mem["compute_weights"] = e * (local - emb / (layout.tensor * layout.fsdp))
         if layout.fsdp > 1:
-            mem["compute_weights"] *= (1 + 2 * layout.fsdp / cfg.n_layers) / layout.fsdp
+            mem["compute_weights"] *= 1 + 2 * layout.fsdp / cfg.n_layers
     if layout.microbatches > 1:
         mem["grad_accumulator"] = 4 * local
     return mem
@@ -166,18 +171,21 @@ def matrix_share(cfg: ModelConfig) -> float:
     return cfg.n_layers * sum(layer_matrices(cfg)) / cfg.param_count()
 
 
-def update_s(cfg: ModelConfig, local_params: float, hw: Hardware) -> float:
+def update_s(cfg: ModelConfig, local_params: float, hw: Hardware,
+             matrices: float | None = None) -> float:
     """The once-per-step memory passes over the parameters, at HBM bandwidth: AdamW's
     OPTIMIZER_PASSES fp32 passes (4 B each per parameter); under a narrower compute dtype (e
-    bytes), for the weight matrices (`matrix_share`): the cast to e bytes (read 4, write e), the
-    gradient read by AdamW in e bytes instead of 4, and the global-norm clip's read of it:
+    bytes), for the weight matrices (`matrices` of the local parameters, default
+    `matrix_share` of them): the cast to e bytes (read 4, write e), the gradient read by AdamW
+    in e bytes instead of 4, and the global-norm clip's read of it:
 
         bytes = 28 P + (4 + e - (4 - e) + e) P_mat       (P_mat = 0 when e = 4)
     """
     nbytes = OPTIMIZER_PASSES * 4 * local_params
     e = elem_bytes(cfg)
     if e < 4:
-        nbytes += (4 + e - (4 - e) + e) * matrix_share(cfg) * local_params
+        mats = matrix_share(cfg) * local_params if matrices is None else matrices
+        nbytes += (4 + e - (4 - e) + e) * mats
     return hw.mem_s(nbytes)
 
 
