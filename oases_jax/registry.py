@@ -119,7 +119,7 @@ SCHEDULES: Mapping[str, ScheduleSpec] = MappingProxyType({s.name: s for s in (
     ScheduleSpec(name="oases_sp", summary="sub-batches on the sequence-parallel layout: each "
                  "sub-batch's all-gather and reduce-scatter hide behind another's compute",
                  sequence_parallel=True, sub_batches=True, overlapped_stack=True,
-                 projection="seq_parallel", manual_projection="seq_manual", planned=False,
+                 projection="seq_parallel", manual_projection="seq_manual",
                  gpu_options=_opts(
                      xla_gpu_all_gather_combine_threshold_bytes=0,
                      xla_gpu_reduce_scatter_combine_threshold_bytes=0, **_NO_DOT_MERGER)),

@@ -52,6 +52,9 @@ def comm_pattern(schedule: str) -> str:
       ring            every projection a ppermute ring (`rings`)
       gather_scatter  all-gather before the column projection, reduce-scatter after the row
                       one (`sequence_parallel`)
+      seq_deferred    gather_scatter on sub-batches: each step's reduce-scatter left running
+                      beside the next step's compute, waited for before its row projection
+                      (`sequence_parallel` and `sub_batches`)
       deferred        an all-reduce after the row projection that the same sub-batch's next
                       step waits for (`sub_batches`)
       all_reduce      an all-reduce after the row projection (Megatron)
@@ -62,7 +65,7 @@ def comm_pattern(schedule: str) -> str:
     if spec.rings:
         return "ring"
     if spec.sequence_parallel:
-        return "gather_scatter"
+        return "seq_deferred" if spec.sub_batches else "gather_scatter"
     return "deferred" if spec.sub_batches else "all_reduce"
 
 
@@ -112,10 +115,11 @@ class LayerModel(LayerWork):
         fwd, bwd = [], []
         order = [(op, j) for op in ("attn", "mlp") for j in range(k)]
         for idx, (name, j) in enumerate(order):
-            fwd += self._fwd(pattern, work[name], f"{name}{j}", prev=self._prev(order, idx, "f"))
+            fwd += self._fwd(pattern, work[name], f"{name}{j}", prev=self._prev(order, idx, "f"),
+                             last=f"{order[idx - 1][0]}{order[idx - 1][1]}" if idx else None)
         rorder = order[::-1]
-        if pattern == "deferred":
-            bwd += self._bwd_tied(work, k)
+        if pattern in ("deferred", "seq_deferred"):
+            bwd += self._bwd_tied(work, k, seq=pattern == "seq_deferred")
         else:
             for idx, (name, j) in enumerate(rorder):
                 bwd += self._bwd(pattern, work[name], f"b{name}{j}",
@@ -169,7 +173,9 @@ class LayerModel(LayerWork):
                     ops.append(("done", f"{key}.{i}.{r}"))
         return ops
 
-    def _fwd(self, pattern, w: SubLayerWork, key, prev) -> list[Op]:
+    def _fwd(self, pattern, w: SubLayerWork, key, prev, last=None) -> list[Op]:
+        """One step's forward; `prev`: the same sub-batch's previous step, `last`: the step
+        before this one (any sub-batch)."""
         a, t = w.col_bytes, self.layout.tensor
         wait = [("done", prev)] if prev else []
         if pattern == "none":
@@ -182,6 +188,11 @@ class LayerModel(LayerWork):
         if pattern == "gather_scatter":
             return [("c", w.pre), ("start", key + "g", self._ag(a)), ("done", key + "g"),
                     ("c", w.col + w.core + w.row), ("start", key, self._rs(a)), ("done", key)]
+        if pattern == "seq_deferred":  # `projections.LocalSeqOrdered`
+            done_last = [("done", last)] if last else []
+            return wait + [("c", w.pre), ("start", key + "g", self._ag(a)), ("done", key + "g"),
+                           ("c", w.col + w.core)] + done_last \
+                + [("c", w.row), ("start", key, self._rs(a))]
         # Rings: all-gather-matmul, the core, matmul-reduce-scatter.
         ops = wait + [("c", w.pre)]
         ops += self._ring(key + "g", w.col / t, a / t)
@@ -210,24 +221,37 @@ class LayerModel(LayerWork):
         ops += [("c", 2 * w.pre)]
         return ops
 
-    def _bwd_tied(self, work, k) -> list[Op]:
+    def _bwd_tied(self, work, k, seq: bool = False) -> list[Op]:
         """Oases' backward as the compiled program runs it: the forward's steps reversed
         (mlp(k-1) .. mlp(0), attn(k-1) .. attn(0)), each step's dX all-reduce issued once its dX
         partial is computed and covered by its own column dW GEMM and the next step's backward
         up to its dX (`step_order.tie_backward` starts the next step only after this one's dX
         partial), the norm's backward after the all-reduce. Before the tie, XLA ran every
-        sub-batch's work up to its dX and then the k all-reduces back to back."""
+        sub-batch's work up to its dX and then the k all-reduces back to back.
+
+        `seq` (oases_sp): the dX collective is a reduce-scatter, and each step first
+        all-gathers its output's gradient dY, issued as soon as dY exists: at once for the MLP
+        steps (the layer's output gradient), after the same sub-batch's MLP norm backward for
+        the attention steps."""
         ops: list[Op] = []
         prev = None
+        dx = self._rs if seq else self._ar
+        if seq:
+            ops += [("start", f"gmlp{j}", self._ag(work["mlp"].col_bytes))
+                    for j in reversed(range(k))]
         for name in ("mlp", "attn"):
             w = work[name]
             for j in reversed(range(k)):
+                ops += [("done", f"g{name}{j}")] if seq else []
                 ops.append(("c", 2 * w.row + w.core_bwd + w.col))
                 if prev:
                     ops += [("done", prev[0]), ("c", 2 * prev[1].pre)]
+                    if seq and prev[2] == "mlp":
+                        ops.append(("start", f"gattn{prev[3]}",
+                                    self._ag(work["attn"].col_bytes)))
                 key = f"b{name}{j}"
-                ops += [("start", key, self._ar(w.col_bytes)), ("c", w.col)]
-                prev = (key, w)
+                ops += [("start", key, dx(w.col_bytes)), ("c", w.col)]
+                prev = (key, w, name, j)
         return ops + [("done", prev[0]), ("c", 2 * prev[1].pre)]
 
     def _recompute(self, strategy: LayerSpec, pattern, work, k) -> list[Op]:
@@ -239,7 +263,8 @@ class LayerModel(LayerWork):
             for idx, (name, j) in enumerate(order):
                 ops += self._fwd(pattern, work[name], f"r{name}{j}",
                                  prev=("r" + self._prev(order, idx, "f"))
-                                 if self._prev(order, idx, "f") else None)
+                                 if self._prev(order, idx, "f") else None,
+                                 last=f"r{order[idx - 1][0]}{order[idx - 1][1]}" if idx else None)
             return ops
         # save_proj: compute-only, no collective.
         total = 0.0

@@ -24,9 +24,12 @@ SCAN_PASSES = 4
 # and the ring schedules' chunk slicing, accumulation and concatenation. Calibrated from the
 # compiled fwd+bwd of one `gpt2-1.5b` layer on h100:8, tensor=8 (docs/planner.md); "none" is a
 # layer without a tensor split. Every planned schedule needs an entry (tests/planner); primepar's
-# is not calibrated yet.
+# is not calibrated yet. oases_sp's is megatron_sp's plus its split's extra compute in the
+# median of the three one-layer programs of `benchmarks/overlap_table.py` (+0.4, +0.6 and +8.6
+# passes: GPT-2 1.5B flash at tensor=4, Llama-2 7B at tensor=8, GPT-2 1.5B materialised at 8).
 SCHEDULE_PASSES = {"none": 0.0, "megatron": 4.0, "oases": 22.0, "megatron_sp": 22.0,
-                   "collective_matmul": 74.0, "oases_cm": 115.0, "primepar": 0.0}
+                   "oases_sp": 23.0, "collective_matmul": 74.0, "oases_cm": 115.0,
+                   "primepar": 0.0}
 # HBM passes of the MLP's activation over its hidden [T, F] (e bytes each), (forward, backward),
 # by gated (SwiGLU) or not (GELU). Counted in the compiled bf16 steps of GPT-2 1.5B and Llama-2
 # 7B on h100:1 (docs/planner.md, "One device: the passes outside the GEMMs"): the forward reads

@@ -412,3 +412,37 @@ def test_fsdp_overlapped_layers_keep_their_gathered_weights():
     cost = step_cost(cfg, fsdp, [none] * cfg.n_layers, hw)
     assert cost.memory["gathered_weights"] == cfg.n_layers * per_layer
     assert "gathered_weights" not in step_cost(cfg, fsdp, [proj] * cfg.n_layers, hw).memory
+
+
+def test_oases_sp_ops_by_hand():
+    """oases_sp (`seq_deferred`) on 2 sub-batches: per sub-layer and sub-batch one all-gather and
+    one reduce-scatter of half the stream each way (megatron_sp's bytes, twice as many
+    collectives); forward, each step's reduce-scatter is waited for only before the next step's
+    row GEMM; backward, the MLP steps' dY gathers are issued at once and each attention step's
+    once its sub-batch's MLP norm backward is done, and every dX reduce-scatter is covered by
+    its own dW GEMM. The same compute as megatron_sp, less of the communication exposed."""
+    cfg = get_preset("gpt2-1.5b").replace(dtype="bfloat16", n_heads=32, head_dim=50)
+    hw = Hardware.of(get_cluster("h100:8"))
+    lm = LayerModel(cfg, Layout(tensor=8, global_batch=8, seq_len=1024), hw)
+    ops = lm.layer_ops(LayerSpec(schedule="oases_sp", sub_batches=2))
+    starts = [op[1] for op in ops["fwd"] if op[0] == "start"]
+    assert starts == ["attn0g", "attn0", "attn1g", "attn1", "mlp0g", "mlp0", "mlp1g", "mlp1"]
+    fwd = [op for op in ops["fwd"] if op[0] != "c"]
+    # attn1 waits for its own gather, then for attn0's reduce-scatter before its row GEMM.
+    i = fwd.index(("done", "attn1g"))
+    assert fwd[i + 1] == ("done", "attn0") and fwd[i + 2][:2] == ("start", "attn1")
+    bwd = [op[:2] for op in ops["bwd"] if op[0] != "c"]
+    assert bwd[:2] == [("start", "gmlp1"), ("start", "gmlp0")]
+    assert bwd.index(("start", "gattn1")) == bwd.index(("done", "bmlp1")) + 1
+    assert bwd.index(("start", "gattn0")) == bwd.index(("done", "bmlp0")) + 1
+    half = 8 * 1024 * 1600 * 2 / 2
+    link = get_cluster("h100:8").levels[0][1]
+    one = collective_time("all-gather", half, 8, link) + collective_time(
+        "reduce-scatter", half, 8, link)
+    osp = lm.time(LayerSpec(schedule="oases_sp", sub_batches=2))
+    assert osp.comm_s == pytest.approx(2 * 2 * 2 * one)  # fwd + bwd, 2 sub-layers, 2 halves
+    sp = lm.time(LayerSpec(schedule="megatron_sp"))
+    # One more schedule pass over the stream; half-batch GEMMs read their weights twice.
+    passes = hw.mem_s(8 * 1024 * 1600 * 2)
+    assert sp.compute_s + passes < osp.compute_s < (sp.compute_s + passes) * 1.001
+    assert osp.step_s - osp.compute_s < sp.step_s - sp.compute_s
