@@ -52,9 +52,9 @@ def comm_pattern(schedule: str) -> str:
       ring            every projection a ppermute ring (`rings`)
       gather_scatter  all-gather before the column projection, reduce-scatter after the row
                       one (`sequence_parallel`)
-      seq_deferred    gather_scatter on sub-batches: each step's reduce-scatter left running
-                      beside the next step's compute, waited for before its row projection
-                      (`sequence_parallel` and `sub_batches`)
+      seq_deferred    gather_scatter on sub-batches: a sub-layer's k all-gathers issued
+                      together, each step's reduce-scatter left running beside the next step's
+                      compute (`sequence_parallel` and `sub_batches`)
       deferred        an all-reduce after the row projection that the same sub-batch's next
                       step waits for (`sub_batches`)
       all_reduce      an all-reduce after the row projection (Megatron)
@@ -114,9 +114,10 @@ class LayerModel(LayerWork):
         outer = 0.0 if ring else extra
         fwd, bwd = [], []
         order = [(op, j) for op in ("attn", "mlp") for j in range(k)]
-        for idx, (name, j) in enumerate(order):
-            fwd += self._fwd(pattern, work[name], f"{name}{j}", prev=self._prev(order, idx, "f"),
-                             last=f"{order[idx - 1][0]}{order[idx - 1][1]}" if idx else None)
+        if pattern == "seq_deferred":
+            fwd += self._fwd_seq(work, k)
+        for idx, (name, j) in enumerate(order if pattern != "seq_deferred" else ()):
+            fwd += self._fwd(pattern, work[name], f"{name}{j}", prev=self._prev(order, idx, "f"))
         rorder = order[::-1]
         if pattern in ("deferred", "seq_deferred"):
             bwd += self._bwd_tied(work, k, seq=pattern == "seq_deferred")
@@ -173,9 +174,7 @@ class LayerModel(LayerWork):
                     ops.append(("done", f"{key}.{i}.{r}"))
         return ops
 
-    def _fwd(self, pattern, w: SubLayerWork, key, prev, last=None) -> list[Op]:
-        """One step's forward; `prev`: the same sub-batch's previous step, `last`: the step
-        before this one (any sub-batch)."""
+    def _fwd(self, pattern, w: SubLayerWork, key, prev) -> list[Op]:
         a, t = w.col_bytes, self.layout.tensor
         wait = [("done", prev)] if prev else []
         if pattern == "none":
@@ -188,16 +187,30 @@ class LayerModel(LayerWork):
         if pattern == "gather_scatter":
             return [("c", w.pre), ("start", key + "g", self._ag(a)), ("done", key + "g"),
                     ("c", w.col + w.core + w.row), ("start", key, self._rs(a)), ("done", key)]
-        if pattern == "seq_deferred":  # `projections.LocalSeqOrdered`
-            done_last = [("done", last)] if last else []
-            return wait + [("c", w.pre), ("start", key + "g", self._ag(a)), ("done", key + "g"),
-                           ("c", w.col + w.core)] + done_last \
-                + [("c", w.row), ("start", key, self._rs(a))]
         # Rings: all-gather-matmul, the core, matmul-reduce-scatter.
         ops = wait + [("c", w.pre)]
         ops += self._ring(key + "g", w.col / t, a / t)
         ops += [("c", w.core)]
         ops += self._ring(key + "r", w.row / t, a / t)
+        return ops
+
+    def _fwd_seq(self, work, k, tag: str = "") -> list[Op]:
+        """oases_sp's forward as the compiled program runs it (`projections.LocalSeqOrdered`):
+        per sub-layer, once the previous sub-layer's last reduce-scatter is done, the k norms and
+        the k all-gathers issued together (every sub-batch's input is ready); then per
+        sub-batch its column GEMMs and core once its gather is done, the previous step's
+        reduce-scatter waited for before its row GEMM, its own left running."""
+        ops: list[Op] = []
+        last = None
+        for name in ("attn", "mlp"):
+            w = work[name]
+            ops += ([("done", last)] if last else []) + [("c", k * w.pre)]
+            ops += [("start", f"{tag}{name}{j}g", self._ag(w.col_bytes)) for j in range(k)]
+            for j in range(k):
+                ops += [("done", f"{tag}{name}{j}g"), ("c", w.col + w.core)]
+                ops += ([("done", last)] if last else []) + [("c", w.row)]
+                last = f"{tag}{name}{j}"
+                ops.append(("start", last, self._rs(w.col_bytes)))
         return ops
 
     def _bwd(self, pattern, w: SubLayerWork, key, prev) -> list[Op]:
@@ -258,13 +271,14 @@ class LayerModel(LayerWork):
         if strategy.remat == "none":
             return []
         if strategy.remat == "full":
+            if pattern == "seq_deferred":
+                return self._fwd_seq(work, k, tag="r")
             order = [(op, j) for op in ("attn", "mlp") for j in range(k)]
             ops = []
             for idx, (name, j) in enumerate(order):
                 ops += self._fwd(pattern, work[name], f"r{name}{j}",
                                  prev=("r" + self._prev(order, idx, "f"))
-                                 if self._prev(order, idx, "f") else None,
-                                 last=f"r{order[idx - 1][0]}{order[idx - 1][1]}" if idx else None)
+                                 if self._prev(order, idx, "f") else None)
             return ops
         # save_proj: compute-only, no collective.
         total = 0.0

@@ -417,8 +417,8 @@ def test_fsdp_overlapped_layers_keep_their_gathered_weights():
 def test_oases_sp_ops_by_hand():
     """oases_sp (`seq_deferred`) on 2 sub-batches: per sub-layer and sub-batch one all-gather and
     one reduce-scatter of half the stream each way (megatron_sp's bytes, twice as many
-    collectives); forward, each step's reduce-scatter is waited for only before the next step's
-    row GEMM; backward, the MLP steps' dY gathers are issued at once and each attention step's
+    collectives); forward, a sub-layer's gathers are issued together and each step's
+    reduce-scatter is waited for only before the next step's row GEMM; backward, the MLP steps' dY gathers are issued at once and each attention step's
     once its sub-batch's MLP norm backward is done, and every dX reduce-scatter is covered by
     its own dW GEMM. The same compute as megatron_sp, less of the communication exposed."""
     cfg = get_preset("gpt2-1.5b").replace(dtype="bfloat16", n_heads=32, head_dim=50)
@@ -426,11 +426,14 @@ def test_oases_sp_ops_by_hand():
     lm = LayerModel(cfg, Layout(tensor=8, global_batch=8, seq_len=1024), hw)
     ops = lm.layer_ops(LayerSpec(schedule="oases_sp", sub_batches=2))
     starts = [op[1] for op in ops["fwd"] if op[0] == "start"]
-    assert starts == ["attn0g", "attn0", "attn1g", "attn1", "mlp0g", "mlp0", "mlp1g", "mlp1"]
+    assert starts == ["attn0g", "attn1g", "attn0", "attn1", "mlp0g", "mlp1g", "mlp0", "mlp1"]
     fwd = [op for op in ops["fwd"] if op[0] != "c"]
-    # attn1 waits for its own gather, then for attn0's reduce-scatter before its row GEMM.
+    # attn1 waits for its own gather, then for attn0's reduce-scatter before its row GEMM;
+    # the MLP's norms wait for the attention's last reduce-scatter.
     i = fwd.index(("done", "attn1g"))
     assert fwd[i + 1] == ("done", "attn0") and fwd[i + 2][:2] == ("start", "attn1")
+    keys = [op[:2] for op in fwd]
+    assert keys[keys.index(("start", "mlp0g")) - 1] == ("done", "attn1")
     bwd = [op[:2] for op in ops["bwd"] if op[0] != "c"]
     assert bwd[:2] == [("start", "gmlp1"), ("start", "gmlp0")]
     assert bwd.index(("start", "gattn1")) == bwd.index(("done", "bmlp1")) + 1
