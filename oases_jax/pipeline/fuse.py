@@ -66,47 +66,62 @@ def cuts(actions: Sequence[Sequence[Action]], chunks: int,
     it reads), each after what it reads (`table._order`, which refuses lists that deadlock).
     `sends`: the most activations (and gradients) a stage sends in one tick. Also returns the
     placement's cost: its lockstep step plus PER_TICK a tick, in forwards of a whole stage."""
-    S = len(actions)
-    n = tuple(len(a) for a in actions)
-    # Integer costs (Fractions are slow in the search): a chunk's forward is 8, a whole
-    # stage's 8 * chunks.
-    cost = [[UNIT[a.kind] * 8 for a in acts] for acts in actions]
-    per_tick = int(PER_TICK * 8 * chunks)
-    remote: list[list[tuple[tuple[int, int], ...]]] = [[()] * k for k in n]
-    readers: list[list[list[tuple[int, int]]]] = [[[] for _ in range(k)] for k in n]
-    for s, i, deps in order:
-        remote[s][i] = deps
-        for p, k in deps:
-            readers[p][k].append((s, i))
-    # tail[s][i]: the longest chain of work that must follow action i of stage s (the stage's
-    # next action, or a reader on another device, and so on): the bound A* searches with.
-    tail = [[0] * k for k in n]
-    for s, i, _ in reversed(order):
-        after = [(s, i + 1)] if i + 1 < n[s] else []
-        tail[s][i] = max((cost[q][k] + tail[q][k] for q, k in after + readers[s][i]),
-                         default=0)
-    cap = lanes(actions)
+    search = _Placement(actions, chunks, order, sends)
+    path = search.path()
+    return path, Fraction(search.step(path), 8 * chunks)
 
-    def runs(state: tuple[int, ...], s: int) -> list[int]:
+
+class _Placement:
+    """`cuts`'s search over one set of lists: a state is how many actions each stage has done
+    when a tick starts. Costs are integers (Fractions are slow in the search): a chunk's
+    forward is 8, a whole stage's 8 * chunks."""
+
+    def __init__(self, actions: Sequence[Sequence[Action]], chunks: int,
+                 order: Sequence[tuple[int, int, tuple[tuple[int, int], ...]]], sends: int):
+        self.actions, self.sends = actions, sends
+        self.S = len(actions)
+        n = self.n = tuple(len(a) for a in actions)
+        cost = self.cost = [[UNIT[a.kind] * 8 for a in acts] for acts in actions]
+        self.per_tick = int(PER_TICK * 8 * chunks)
+        # remote[s][i]: the actions on other devices that action i of stage s reads.
+        self.remote: list[list[tuple[tuple[int, int], ...]]] = [[()] * k for k in n]
+        readers: list[list[list[tuple[int, int]]]] = [[[] for _ in range(k)] for k in n]
+        for s, i, deps in order:
+            self.remote[s][i] = deps
+            for p, k in deps:
+                readers[p][k].append((s, i))
+        # tail[s][i]: the longest chain of work that must follow action i of stage s (the
+        # stage's next action, or a reader on another device, and so on): the bound A* searches
+        # with.
+        tail = self.tail = [[0] * k for k in n]
+        for s, i, _ in reversed(order):
+            after = [(s, i + 1)] if i + 1 < n[s] else []
+            tail[s][i] = max((cost[q][k] + tail[q][k] for q, k in after + readers[s][i]),
+                             default=0)
+        self.cap = lanes(actions)
+
+    def runs(self, state: tuple[int, ...], s: int) -> list[int]:
         """Cumulative costs of stage s's possible runs this tick (index = run length)."""
+        n, remote, cost = self.n, self.remote, self.cost
         out, i, total, sent = [0], state[s], 0, {"act": 0, "grad": 0}
-        while i < n[s] and len(out) <= cap:
+        while i < n[s] and len(out) <= self.cap:
             if any(state[p] <= k for p, k in remote[s][i]):
                 break
-            for x in actions[s][i].sends:
+            for x in self.actions[s][i].sends:
                 sent[x.kind] += 1
-                if sent[x.kind] > sends:
+                if sent[x.kind] > self.sends:
                     return out
             total += cost[s][i]
             out.append(total)
             i += 1
         return out
 
-    def bound(state: tuple[int, ...]) -> int:
+    def bound(self, state: tuple[int, ...]) -> int:
         """No placement from `state` is shorter than any stage's next action, the chain of
         work behind it, and what that action still waits for on other devices."""
+        n, remote, cost, tail = self.n, self.remote, self.cost, self.tail
         out = 0
-        for s in range(S):
+        for s in range(self.S):
             i = state[s]
             if i < n[s]:
                 wait = max((sum(cost[p][state[p]:k + 1]) for p, k in remote[s][i]
@@ -114,62 +129,69 @@ def cuts(actions: Sequence[Sequence[Action]], chunks: int,
                 out = max(out, wait + cost[s][i] + tail[s][i])
         return out
 
-    def successors(state: tuple[int, ...]):
-        options = [runs(state, s) for s in range(S)]
+    def successors(self, state: tuple[int, ...]):
+        """(cost, next state) of each candidate tick length D: every stage's longest run that
+        fits D."""
+        options = [self.runs(state, s) for s in range(self.S)]
         for D in sorted({x for run in options for x in run[1:]}):
-            yield D + per_tick, tuple(state[s] + max(k for k, x in enumerate(run) if x <= D)
-                                      for s, run in enumerate(options))
+            yield D + self.per_tick, tuple(state[s] + max(k for k, x in enumerate(run) if x <= D)
+                                           for s, run in enumerate(options))
 
-    def exact() -> dict | None:
+    def exact(self) -> dict | None:
         """A*, or None past BUDGET expanded states."""
-        start = (0,) * S
+        start = (0,) * self.S
         best, back = {start: 0}, {}
         # Among equal priorities the deepest state first: the ties of a periodic steady state
         # are not all expanded.
-        heap = [(bound(start), 0, 0, start)]
+        heap = [(self.bound(start), 0, 0, start)]
         pushed = expanded = 0
         while heap:
             f, _, _, state = heapq.heappop(heap)
             g = best[state]
-            if f > g + bound(state):
+            if f > g + self.bound(state):
                 continue  # a stale entry
-            if state == n:
+            if state == self.n:
                 return back
             expanded += 1
             if expanded > BUDGET:
                 return None
-            for cost_, nxt in successors(state):
+            for cost_, nxt in self.successors(state):
                 ng = g + cost_
                 if ng < best.get(nxt, ng + 1):
                     best[nxt], back[nxt] = ng, state
                     pushed += 1
-                    heapq.heappush(heap, (ng + bound(nxt), -ng, pushed, nxt))
+                    heapq.heappush(heap, (ng + self.bound(nxt), -ng, pushed, nxt))
         raise ValueError("the action lists deadlock")  # `table._order` refuses them first
 
-    def greedy() -> list[tuple[int, ...]]:
+    def greedy(self) -> list[tuple[int, ...]]:
         """Tick by tick, every stage's longest run of at most one action of each kind."""
-        state, path = (0,) * S, [(0,) * S]
-        while state != n:
+        state, path = (0,) * self.S, [(0,) * self.S]
+        while state != self.n:
             nxt = []
-            for s in range(S):
-                kinds, run = set(), runs(state, s)
+            for s in range(self.S):
+                kinds, run = set(), self.runs(state, s)
                 k = 0
-                while k + 1 < len(run) and _GROUPS[actions[s][state[s] + k].kind] not in kinds:
-                    kinds.add(_GROUPS[actions[s][state[s] + k].kind])
+                while k + 1 < len(run) and _GROUPS[self.actions[s][state[s] + k].kind] not in kinds:
+                    kinds.add(_GROUPS[self.actions[s][state[s] + k].kind])
                     k += 1
                 nxt.append(state[s] + k)
             state = tuple(nxt)
             path.append(state)
         return path
 
-    back = exact() if S <= EXACT_STAGES and sum(n) <= EXACT else None
-    if back is None:
-        path = greedy()
-    else:
-        path = [n]
+    def path(self) -> list[tuple[int, ...]]:
+        """The tick boundaries: A*'s where the lists are small enough and it ends within
+        BUDGET, else the greedy placement's."""
+        back = self.exact() if self.S <= EXACT_STAGES and sum(self.n) <= EXACT else None
+        if back is None:
+            return self.greedy()
+        path = [self.n]
         while any(path[-1]):
             path.append(back[path[-1]])
         path.reverse()
-    total = sum(max(sum(cost[s][a[s]:b[s]]) for s in range(S)) + per_tick
-                for a, b in itertools.pairwise(path))
-    return path, Fraction(total, 8 * chunks)
+        return path
+
+    def step(self, path: list[tuple[int, ...]]) -> int:
+        """The lockstep step of `path` plus `per_tick` a tick, in integer costs."""
+        return sum(max(sum(self.cost[s][a[s]:b[s]]) for s in range(self.S)) + self.per_tick
+                   for a, b in itertools.pairwise(path))

@@ -6,12 +6,13 @@ without devices."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 
 from oases_jax.errors import UserError
 from oases_jax.pipeline import registry
-from oases_jax.pipeline.actions import vstage
+from oases_jax.pipeline.actions import Action, vstage
 from oases_jax.pipeline.table import Schedule, TickTable
 
 # Columns of a plan row (one per tick and stage). HEAD_MB and HEAD_STORE (split head only): the
@@ -118,103 +119,137 @@ def plan(schedule: Schedule, backward_ticks: int | tuple[int, ...] = 1,
         raise UserError(f"the {schedule.name} schedule splits the backward into B and W, which "
                         f"the executor does not run yet: use "
                         f"{', '.join(registry.names(executor='ticks'))}")
-    table = schedule.ticks(backward_ticks, fuse, head)
-    L = table.lanes
-    S, V = schedule.stages, schedule.virtual
-    recomputed = schedule.recomputed()
-    branches: list[tuple[str, int]] = [("IDLE", -1)]
-    index: dict[tuple[str, int], int] = {}
+    lowering = _Lowering(schedule, schedule.ticks(backward_ticks, fuse, head), head)
+    L = lowering.table.lanes
+    for t, row in enumerate(lowering.table.ticks):
+        lowering.assign(t, row)
+        # Slots read this tick are free before this tick's arrivals are stored.
+        lowering.release(t, row)
+        lowering.store_arrivals(t)
+        if head and t % L == L - 1:
+            lowering.store_heads(t)
+    return lowering.finish()
 
-    def branch(kind: str, j: int) -> int:
-        if (kind, j) not in index:
-            index[(kind, j)] = len(branches)
-            branches.append((kind, j))
-        return index[(kind, j)]
 
-    T = len(table.ticks)
-    rows = np.zeros((T, S, 10), np.int32)
-    rows[..., HEAD_MB] = -1
-    res = [_Slots() for _ in range(V)]
-    stash = [_Slots() for _ in range(V)]
-    act = [_Slots() for _ in range(S)]
-    grad = [_Slots() for _ in range(S)]
-    held_res: dict[tuple[int, int], int] = {}
-    held_stash: dict[tuple[int, int], int] = {}
-    held_act: dict[tuple[int, int], int] = {}  # (mb, receiving virtual stage) -> slot
-    held_grad: dict[tuple[int, int], int] = {}
-    stored = np.zeros((T, S), bool), np.zeros((T, S), bool)  # rows that store an arrival
-    for t, row in enumerate(table.ticks):
+class _Lowering:
+    """`plan`'s state as it walks the table tick by tick: the branches met so far, the rows,
+    the slot pools (residuals and stashed inputs per virtual stage, receive buffers per device)
+    and the slot each live value holds, keyed by (mb, virtual stage)."""
+
+    def __init__(self, schedule: Schedule, table: TickTable, head: bool):
+        self.schedule, self.table, self.head = schedule, table, head
+        S, V = self.S, self.V = schedule.stages, schedule.virtual
+        self.recomputed = schedule.recomputed()
+        self.branches: list[tuple[str, int]] = [("IDLE", -1)]
+        self.index: dict[tuple[str, int], int] = {}
+        T = len(table.ticks)
+        self.rows = np.zeros((T, S, 10), np.int32)
+        self.rows[..., HEAD_MB] = -1
+        self.res = [_Slots() for _ in range(V)]
+        self.stash = [_Slots() for _ in range(V)]
+        self.act = [_Slots() for _ in range(S)]
+        self.grad = [_Slots() for _ in range(S)]
+        self.held_res: dict[tuple[int, int], int] = {}
+        self.held_stash: dict[tuple[int, int], int] = {}
+        self.held_act: dict[tuple[int, int], int] = {}  # (mb, receiving virtual stage) -> slot
+        self.held_grad: dict[tuple[int, int], int] = {}
+        # rows that store an arrival (activations, gradients)
+        self.stored = np.zeros((T, S), bool), np.zeros((T, S), bool)
+
+    def branch(self, kind: str, j: int) -> int:
+        """The index of branch (kind, virtual stage j), added on first use."""
+        if (kind, j) not in self.index:
+            self.index[(kind, j)] = len(self.branches)
+            self.branches.append((kind, j))
+        return self.index[(kind, j)]
+
+    def assign(self, t: int, row: Sequence[Action]) -> None:
+        """Row t's branches and the slots its actions read and write."""
+        S, V, table = self.S, self.V, self.table
         for s, a in enumerate(row):
-            r = rows[t, s]
+            r = self.rows[t, s]
             if a.kind == "IDLE":
                 continue
             j = vstage(s, a, S)
             key = (a.mb, j)
             r[MB] = a.mb
             if a.kind in ("F", "PF"):
-                stashes = key in recomputed
-                r[BRANCH] = branch("FS" if stashes else "F", j)
-                pool, held = (stash, held_stash) if stashes else (res, held_res)
+                stashes = key in self.recomputed
+                r[BRANCH] = self.branch("FS" if stashes else "F", j)
+                pool, held = (self.stash, self.held_stash) if stashes \
+                    else (self.res, self.held_res)
                 held[key] = r[SLOT_OUT] = pool[j].take()
                 if j > 0:
-                    r[ACT_READ] = held_act.pop(key)
+                    r[ACT_READ] = self.held_act.pop(key)
             elif a.kind in ("R", "RrG"):
-                r[BRANCH] = branch("R", j)
-                r[SLOT_IN] = held_stash.pop(key)
-                held_res[key] = r[SLOT_OUT] = res[j].take()
+                r[BRANCH] = self.branch("R", j)
+                r[SLOT_IN] = self.held_stash.pop(key)
+                self.held_res[key] = r[SLOT_OUT] = self.res[j].take()
             elif a.kind == "B":
                 part, k = table.part(t, s), table.span(j)
-                r[BRANCH] = branch("B" if k == 1 else f"B{part}", j)
-                r[SLOT_IN] = held_res[key]
-                if part == 0 and (j + 1 < V or head):
-                    r[GRAD_READ] = held_grad.pop(key)
+                r[BRANCH] = self.branch("B" if k == 1 else f"B{part}", j)
+                r[SLOT_IN] = self.held_res[key]
+                if part == 0 and (j + 1 < V or self.head):
+                    r[GRAD_READ] = self.held_grad.pop(key)
             else:
                 raise UserError(f"the executor has no {a.kind} action (schedule "
-                                f"{schedule.name})")
-        # Slots read this tick are free before this tick's arrivals are stored.
+                                f"{self.schedule.name})")
+
+    def release(self, t: int, row: Sequence[Action]) -> None:
+        """Free the slots row t's actions read last."""
+        S, V, table = self.S, self.V, self.table
         for s, a in enumerate(row):
             if a.kind == "IDLE":
                 continue
             j = vstage(s, a, S)
-            r = rows[t, s]
+            r = self.rows[t, s]
             if a.kind in ("F", "PF") and j > 0:
-                act[s].give(int(r[ACT_READ]))
+                self.act[s].give(int(r[ACT_READ]))
             if a.kind in ("R", "RrG"):
-                stash[j].give(int(r[SLOT_IN]))
+                self.stash[j].give(int(r[SLOT_IN]))
             if a.kind == "B":
                 part, k = table.part(t, s), table.span(j)
                 if part == k - 1:
-                    res[j].give(int(held_res.pop((a.mb, j))))
-                if part == 0 and (j + 1 < V or head):
-                    grad[s].give(int(r[GRAD_READ]))
-        # The k-th arrival of a kind on a device after tick row t (the tick's last lane) is
-        # stored at the slot in row t-k's column (a device receives from one neighbour, in
-        # the order that neighbour's lanes sent).
+                    self.res[j].give(int(self.held_res.pop((a.mb, j))))
+                if part == 0 and (j + 1 < V or self.head):
+                    self.grad[s].give(int(r[GRAD_READ]))
+
+    def store_arrivals(self, t: int) -> None:
+        """The k-th arrival of a kind on a device after tick row t (the tick's last lane) is
+        stored at the slot in row t-k's column (a device receives from one neighbour, in the
+        order that neighbour's lanes sent)."""
         arrived: dict[tuple[str, int], int] = {}
-        for x in table.transfers[t]:
-            d = x.dst % S
+        for x in self.table.transfers[t]:
+            d = x.dst % self.S
             k = arrived[(x.kind, d)] = arrived.get((x.kind, d), -1) + 1
-            stored[x.kind != "act"][t - k, d] = True
-            slots, held, col = ((act, held_act, ACT_STORE) if x.kind == "act"
-                                else (grad, held_grad, GRAD_STORE))
-            held[(x.mb, x.dst)] = rows[t - k, d, col] = slots[d].take()
-        # The heads after this tick (at its last lane's row), in lane order: each output
-        # gradient waits in the last stage's receive buffer (its own column: an interleaved
-        # device may also receive a gradient this tick).
-        if head and t % L == L - 1:
-            d = (V - 1) % S
-            finals = [a for lane in table.ticks[t - L + 1:t + 1] for a in [lane[d]]
-                      if a.kind in ("F", "PF") and vstage(d, a, S) == V - 1]
-            for k, a in enumerate(finals):
-                rows[t - k, :, HEAD_MB] = a.mb
-                held_grad[(a.mb, V - 1)] = rows[t - k, d, HEAD_STORE] = grad[d].take()
-    act_slots = max(a.used for a in act)
-    grad_slots = max(g.used for g in grad)
-    # Rows with no arrival store into a scratch slot past the real ones.
-    rows[..., ACT_STORE] = np.where(stored[0], rows[..., ACT_STORE], act_slots)
-    rows[..., GRAD_STORE] = np.where(stored[1], rows[..., GRAD_STORE], grad_slots)
-    heads = rows[:, :1, HEAD_MB] >= 0  # rows that run a head after their tick
-    rows[..., HEAD_STORE] = np.where(heads & (np.arange(S) == (V - 1) % S),
-                                     rows[..., HEAD_STORE], grad_slots)
-    return Plan(schedule, tuple(branches), rows, tuple(r.used for r in res),
-                tuple(s.used for s in stash), act_slots, grad_slots, table, head)
+            self.stored[x.kind != "act"][t - k, d] = True
+            slots, held, col = ((self.act, self.held_act, ACT_STORE) if x.kind == "act"
+                                else (self.grad, self.held_grad, GRAD_STORE))
+            held[(x.mb, x.dst)] = self.rows[t - k, d, col] = slots[d].take()
+
+    def store_heads(self, t: int) -> None:
+        """The heads after tick row t (its last lane's row), in lane order: each output
+        gradient waits in the last stage's receive buffer (its own column: an interleaved
+        device may also receive a gradient this tick)."""
+        S, V, L = self.S, self.V, self.table.lanes
+        d = (V - 1) % S
+        finals = [a for lane in self.table.ticks[t - L + 1:t + 1] for a in [lane[d]]
+                  if a.kind in ("F", "PF") and vstage(d, a, S) == V - 1]
+        for k, a in enumerate(finals):
+            self.rows[t - k, :, HEAD_MB] = a.mb
+            self.held_grad[(a.mb, V - 1)] = self.rows[t - k, d, HEAD_STORE] = self.grad[d].take()
+
+    def finish(self) -> Plan:
+        """The plan, once every tick is lowered."""
+        rows, S, V = self.rows, self.S, self.V
+        act_slots = max(a.used for a in self.act)
+        grad_slots = max(g.used for g in self.grad)
+        # Rows with no arrival store into a scratch slot past the real ones.
+        rows[..., ACT_STORE] = np.where(self.stored[0], rows[..., ACT_STORE], act_slots)
+        rows[..., GRAD_STORE] = np.where(self.stored[1], rows[..., GRAD_STORE], grad_slots)
+        heads = rows[:, :1, HEAD_MB] >= 0  # rows that run a head after their tick
+        rows[..., HEAD_STORE] = np.where(heads & (np.arange(S) == (V - 1) % S),
+                                         rows[..., HEAD_STORE], grad_slots)
+        return Plan(self.schedule, tuple(self.branches), rows, tuple(r.used for r in self.res),
+                    tuple(s.used for s in self.stash), act_slots, grad_slots, self.table,
+                    self.head)

@@ -27,6 +27,9 @@ two streams' contention adds is FSDP's.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
+
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.models.config import ModelConfig
 from oases_jax.planner.cost.layer_cost import LayerModel, comm_pattern
@@ -44,105 +47,144 @@ def layer_exposed(cfg: ModelConfig, layout: Layout, hw: Hardware,
     """(forward, backward, collectives) seconds of one layer's FSDP traffic for one micro-batch:
     what the forward and the backward (recomputation included) wait for beyond the same layer
     without FSDP, and the collectives' total time."""
-    t, e = layout.tensor, elem_bytes(cfg)
-    group = [i * t for i in range(layout.fsdp)]
-    attn, mlp = weight_matrices(cfg)
-    vectors = cfg.param_count(embeddings=False) / cfg.n_layers \
-        - sum(p for _, p in attn + mlp)
-    lm = LayerModel(cfg, layout, hw)
-    work = lm.sublayers(layout.rows, strategy)
-    a, m = work["attn"], work["mlp"]
-    pattern = comm_pattern(strategy.schedule) if t > 1 else "none"
-    tp_f = tp_b = 0.0
-    if pattern != "none":  # the layer model's tensor collectives, half per sub-layer
-        ops = lm.layer_ops(strategy)
-        tp_f = replay(ops["fwd"])[2] / 2
-        tp_b = replay(ops["recompute"] + ops["bwd"])[2] / 2
+    chain = _Chain.build(cfg, layout, hw, strategy)
+    (f1, b1), (f0, b0) = chain.directions(True), chain.directions(False)
+    total = 2 * sum(chain.gathers.values()) + sum(chain.scatters.values())
+    return max(f1 - f0, 0.0), max(b1 - b0, 0.0), total
 
-    def share(total: float, mats: list[tuple[str, int]]) -> list[float]:
-        n = sum(p for _, p in mats)
-        return [total * p / n for _, p in mats]
 
-    # Forward compute that needs each matrix (the pre-norm and the core ride with the matrix
-    # before/after them).
-    fwd_work = dict(zip([n for n, _ in attn[:3]], share(a.col, attn[:3]), strict=True))
-    fwd_work["o"] = a.row
-    cols = mlp[:-1]
-    fwd_work.update(zip([n for n, _ in cols], share(m.col, cols), strict=True))
-    fwd_work[mlp[-1][0]] = m.row
-    before = {attn[0][0]: a.pre, "o": a.core, cols[0][0]: m.pre, mlp[-1][0]: m.core}
-    order = [n for n, _ in attn + mlp]
-    bwd_order = [n for n, _ in mlp[::-1] + attn[::-1]]
-    params = dict(attn + mlp)
-    # Between the matrices in the backward: the activation's backward after the down
-    # projection's, the MLP's norm after its first matrix, attention's core after the output
-    # projection's.
-    between = {mlp[-1][0]: m.core_bwd, mlp[0][0]: 2 * m.pre, attn[-1][0]: a.core_bwd}
-    remat = strategy.remat != "none"
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Chain:
+    """One layer's loop iteration as the ops XLA's scheduler runs it, per weight matrix (by
+    name): the compute that needs it, its FSDP gather and gradient reduce-scatter, and the
+    sub-layers' tensor collectives."""
 
-    def gather_s(name: str, p: int) -> float:
-        extra = vectors * 4 / 2 if name in (attn[0][0], mlp[0][0]) else 0.0
-        return hw.comm_s("all-gather", (p * e + extra) / t, group)
+    order: tuple[str, ...]  # the matrices in forward order
+    bwd_order: tuple[str, ...]  # in the order the backward uses them
+    fwd_work: dict[str, float]  # forward compute that needs each matrix
+    before: dict[str, float]  # forward compute before a matrix's own (pre-norm, core)
+    between: dict[str, float]  # backward compute after a matrix's input gradient
+    gathers: dict[str, float]  # seconds of each matrix's all-gather
+    scatters: dict[str, float]  # seconds of each matrix's gradient reduce-scatter
+    pattern: str  # `layer_cost.comm_pattern` of the tensor collectives ("none" without)
+    tp_f: float  # a sub-layer's tensor collectives, forward
+    tp_b: float  # and backward
+    remat: bool
+    redo: float  # the recomputed forward's compute (as the layer model counts it)
+    mlp_first: str  # the MLP's first matrix: its input gradient ends the MLP's backward
+    norm_bwd: float  # attention's norm backward, before the weight gradients
 
-    def tensor(key: str, seconds: float, pending: list[str]) -> list[Op]:
-        """A sub-layer's tensor collectives: waited for at once, or at the next one's end."""
-        if seconds <= 0:
-            return []
-        if pattern in BLOCKING:
-            return [("start", key, seconds), ("done", key)]
-        out = [("done", k) for k in pending] + [("start", key, seconds)]
-        pending[:] = [key]
-        return out
+    @classmethod
+    def build(cls, cfg: ModelConfig, layout: Layout, hw: Hardware,
+              strategy: LayerSpec) -> _Chain:
+        """The chain of one layer of `cfg` under `layout` and `strategy` on `hw`."""
+        t, e = layout.tensor, elem_bytes(cfg)
+        group = [i * t for i in range(layout.fsdp)]
+        attn, mlp = weight_matrices(cfg)
+        vectors = cfg.param_count(embeddings=False) / cfg.n_layers \
+            - sum(p for _, p in attn + mlp)
+        lm = LayerModel(cfg, layout, hw)
+        work = lm.sublayers(layout.rows, strategy)
+        a, m = work["attn"], work["mlp"]
+        pattern = comm_pattern(strategy.schedule) if t > 1 else "none"
+        tp_f = tp_b = 0.0
+        if pattern != "none":  # the layer model's tensor collectives, half per sub-layer
+            ops = lm.layer_ops(strategy)
+            tp_f = replay(ops["fwd"])[2] / 2
+            tp_b = replay(ops["recompute"] + ops["bwd"])[2] / 2
+        # Forward compute that needs each matrix (the pre-norm and the core ride with the
+        # matrix before/after them).
+        fwd_work = dict(zip([n for n, _ in attn[:3]], _share(a.col, attn[:3]), strict=True))
+        fwd_work["o"] = a.row
+        cols = mlp[:-1]
+        fwd_work.update(zip([n for n, _ in cols], _share(m.col, cols), strict=True))
+        fwd_work[mlp[-1][0]] = m.row
+        # Each sub-layer's first gather also carries half the layer's vectors, at 4 bytes.
+        extra = {attn[0][0]: vectors * 4 / 2, mlp[0][0]: vectors * 4 / 2}
+        redo = sum(w.pre + w.core + w.col + w.row for w in (a, m)) \
+            if strategy.remat == "full" else sum(w.pre + w.core for w in (a, m))
+        return cls(
+            order=tuple(n for n, _ in attn + mlp),
+            bwd_order=tuple(n for n, _ in mlp[::-1] + attn[::-1]),
+            fwd_work=fwd_work,
+            before={attn[0][0]: a.pre, "o": a.core, cols[0][0]: m.pre, mlp[-1][0]: m.core},
+            # Between the matrices in the backward: the activation's backward after the down
+            # projection's, the MLP's norm after its first matrix, attention's core after the
+            # output projection's.
+            between={mlp[-1][0]: m.core_bwd, mlp[0][0]: 2 * m.pre, attn[-1][0]: a.core_bwd},
+            gathers={n: hw.comm_s("all-gather", (p * e + extra.get(n, 0.0)) / t, group)
+                     for n, p in attn + mlp},
+            scatters={n: hw.comm_s("reduce-scatter", p * e / t, group) for n, p in attn + mlp},
+            pattern=pattern, tp_f=tp_f, tp_b=tp_b, remat=strategy.remat != "none", redo=redo,
+            mlp_first=mlp[0][0], norm_bwd=2 * a.pre)
 
-    def directions(fsdp: bool) -> tuple[float, float]:
-        gathers = {n: gather_s(n, p) if fsdp else 0.0 for n, p in attn + mlp}
-        last, pending = order[-1], []
-        # Forward: each gather issued once the one before it is done; the last only before
-        # its own use.
+    def directions(self, fsdp: bool) -> tuple[float, float]:
+        """(forward, backward) seconds of the iteration, with FSDP's collectives or without."""
+        gathers = {n: s if fsdp else 0.0 for n, s in self.gathers.items()}
+        scatters = {n: s if fsdp else 0.0 for n, s in self.scatters.items()}
+        return self.forward(gathers), self.backward(gathers, scatters)
+
+    def forward(self, gathers: dict[str, float]) -> float:
+        """Each gather issued once the one before it is done; the last only before its own
+        use."""
+        order, last, pending = self.order, self.order[-1], []
         ops: list[Op] = [("start", order[0], gathers[order[0]])]
         for i, n in enumerate(order):
-            ops += [("c", before.get(n, 0.0))]
+            ops += [("c", self.before.get(n, 0.0))]
             if n == last:
                 ops += [("start", n, gathers[n])]
             ops += [("done", n)]
             if i + 1 < len(order) - 1:
                 ops += [("start", order[i + 1], gathers[order[i + 1]])]
-            ops += [("c", fwd_work[n])]
+            ops += [("c", self.fwd_work[n])]
             if n in ("o", last):
-                ops += tensor(f"t{n}", tp_f, pending)
-        fwd = replay(ops + [("sync",)])[0]
+                ops += _tensor(self.pattern, f"t{n}", self.tp_f, pending)
+        return replay(ops + [("sync",)])[0]
 
-        # Backward: dX (needing the weights) first, under remat after the recomputation that
-        # waits for the gathers in forward order; then each dW and its reduce-scatter.
-        use, pending = (order if remat else bwd_order), []
-        ops = [("start", use[0], gathers[use[0]])]
-
-        def wait_then_next(i: int) -> list[Op]:
-            nxt = [("start", use[i + 1], gathers[use[i + 1]])] if i + 1 < len(use) else []
-            return [("done", use[i])] + nxt
-
-        if remat:  # the recomputed forward (its compute as the layer model counts it)
-            redo = sum(w.pre + w.core + w.col + w.row for w in (a, m)) \
-                if strategy.remat == "full" else sum(w.pre + w.core for w in (a, m))
-            total = sum(fwd_work.values())
-            for i, n in enumerate(order):
-                ops += wait_then_next(i) + [("c", redo * fwd_work[n] / total)]
-        for i, n in enumerate(bwd_order):
-            if not remat:
-                ops += wait_then_next(i)
-            ops += [("c", fwd_work[n]), ("c", between.get(n, 0.0))]
-            if n in (mlp[0][0], bwd_order[-1]):  # a sub-layer's input gradient is complete
-                ops += tensor(f"t{n}", tp_b, pending)
-        ops += [("c", 2 * a.pre)]
+    def backward(self, gathers: dict[str, float], scatters: dict[str, float]) -> float:
+        """dX (needing the weights) first, under remat after the recomputation that waits for
+        the gathers in forward order; then each dW and its reduce-scatter."""
+        use, pending = (self.order if self.remat else self.bwd_order), []
+        ops: list[Op] = [("start", use[0], gathers[use[0]])]
+        if self.remat:  # the recomputed forward (its compute as the layer model counts it)
+            total = sum(self.fwd_work.values())
+            for i, n in enumerate(self.order):
+                ops += _wait_then_next(use, gathers, i) \
+                    + [("c", self.redo * self.fwd_work[n] / total)]
+        for i, n in enumerate(self.bwd_order):
+            if not self.remat:
+                ops += _wait_then_next(use, gathers, i)
+            ops += [("c", self.fwd_work[n]), ("c", self.between.get(n, 0.0))]
+            # a sub-layer's input gradient is complete
+            if n in (self.mlp_first, self.bwd_order[-1]):
+                ops += _tensor(self.pattern, f"t{n}", self.tp_b, pending)
+        ops += [("c", self.norm_bwd)]
         prev = None
-        for n in bwd_order:
-            ops += [("c", fwd_work[n])] + ([("done", prev)] if prev else [])
+        for n in self.bwd_order:
+            ops += [("c", self.fwd_work[n])] + ([("done", prev)] if prev else [])
             prev = "rs" + n
-            rs = hw.comm_s("reduce-scatter", params[n] * e / t, group) if fsdp else 0.0
-            ops += [("start", prev, rs)]
-        return fwd, replay(ops + [("sync",)])[0]
+            ops += [("start", prev, scatters[n])]
+        return replay(ops + [("sync",)])[0]
 
-    (f1, b1), (f0, b0) = directions(True), directions(False)
-    total = 2 * sum(gather_s(n, p) for n, p in attn + mlp) \
-        + sum(hw.comm_s("reduce-scatter", p * e / t, group) for p in params.values())
-    return max(f1 - f0, 0.0), max(b1 - b0, 0.0), total
+
+def _share(total: float, mats: list[tuple[str, int]]) -> list[float]:
+    """`total` split over the matrices `mats` by their parameters."""
+    n = sum(p for _, p in mats)
+    return [total * p / n for _, p in mats]
+
+
+def _tensor(pattern: str, key: str, seconds: float, pending: list[str]) -> list[Op]:
+    """A sub-layer's tensor collectives: waited for at once, or at the next one's end."""
+    if seconds <= 0:
+        return []
+    if pattern in BLOCKING:
+        return [("start", key, seconds), ("done", key)]
+    out = [("done", k) for k in pending] + [("start", key, seconds)]
+    pending[:] = [key]
+    return out
+
+
+def _wait_then_next(use: Sequence[str], gathers: dict[str, float], i: int) -> list[Op]:
+    """Wait for the gather of matrix `use[i]`, then issue the next one's."""
+    nxt = [("start", use[i + 1], gathers[use[i + 1]])] if i + 1 < len(use) else []
+    return [("done", use[i])] + nxt
