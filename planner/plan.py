@@ -264,10 +264,11 @@ def from_json(d: object, where: str = "plan") -> Plan:
 def report_3d(cands: list[PipelineCandidate], megatron: list[PipelineCandidate],
               best_2d_s: float, search_s: float, top: int) -> str:
     """`plan.py --pipeline`'s lines: the ranked 3D plans, Megatron-LM's plan, the best 2D plan."""
+    width = max([len("plan"), *(len(c.summary()) for c in cands[:top])])  # whole, never cut
     lines = [f"3D plans (data x stage x tensor), searched in {search_s:.2f} s:",
-             f"{'#':>3}  {'plan':<86} {'step ms':>10} {'peak GiB':>9}"]
+             f"{'#':>3}  {'plan':<{width}} {'step ms':>10} {'peak GiB':>9}"]
     for i, c in enumerate(cands[:top]):
-        lines.append(f"{i + 1:3d}  {c.summary()[:86]:<86} {c.step_s * 1e3:10.2f} "
+        lines.append(f"{i + 1:3d}  {c.summary():<{width}} {c.step_s * 1e3:10.2f} "
                      f"{c.peak_memory_bytes / 2**30:9.2f}")
     if megatron:
         m = megatron[0]

@@ -68,11 +68,12 @@ def ranked_table(result, top: int) -> str:
     degree: the step's MoE feed-forwards, the communication they expose, and the gradient
     reduction (dense gradients over data x expert, the experts' over data)."""
     moe = hasattr(result.best, "moe")
-    width = 70 if moe else 62
+    shown = result.ranked[:top]
+    width = max([len("plan"), *(len(c.summary()) for c in shown)])  # whole, never cut
     head = f"{'#':>3}  {'plan':<{width}} {'step ms':>10} {'exposed':>10} {'peak GiB':>9}"
     rows = [head + (f" {'MoE ms':>9} {'MoE comm':>9} {'reduce':>9}" if moe else "")]
-    for i, c in enumerate(result.ranked[:top]):
-        row = (f"{i + 1:3d}  {c.summary()[:width]:<{width}} {_ms(c.cost.step_s)} "
+    for i, c in enumerate(shown):
+        row = (f"{i + 1:3d}  {c.summary():<{width}} {_ms(c.cost.step_s)} "
                f"{_ms(c.cost.exposed_comm_s)} {c.cost.peak_memory_bytes / 2**30:9.2f}")
         if moe:
             row += (f" {c.step.moe_s * 1e3:9.2f} {c.step.moe_comm_s * 1e3:9.2f} "
@@ -166,8 +167,7 @@ def compare_table(args, cluster, profiles: dict, schedules) -> str:
         configs = [(n.strip(), get_preset(n.strip())) for n in names]
     else:
         configs = [(args.model, model_from_flags(args))]
-    rows = [f"{'model':<18} {'source':<9} {'chosen plan':<56} {'ms':>9} {'exposed':>8} "
-            f"{'megatron plan':<44} {'ms':>9} {'speedup':>7}"]
+    cells = []  # (model, source, chosen, ms, exposed, megatron plan, ms, speedup) or an error
     for name, cfg in configs:
         for source, profile in profiles.items():
             try:
@@ -177,14 +177,27 @@ def compare_table(args, cluster, profiles: dict, schedules) -> str:
                                  memory_fraction=args.memory_fraction, profile=profile,
                                  cost_source=source, schedules=schedules)
             except UserError as e:
-                rows.append(f"{name:<18} {source:<9} infeasible: {e}")
+                cells.append((name, source, f"infeasible: {e}"))
                 continue
             b, m = r.best, r.baselines.get("megatron")
-            m_ms = m.cost.step_s * 1e3 if m else float("nan")
-            speedup = m.cost.step_s / b.cost.step_s if m else float("nan")
-            rows.append(f"{name:<18} {source:<9} {b.summary()[:56]:<56} "
-                        f"{b.cost.step_s * 1e3:9.2f} {b.cost.exposed_comm_s * 1e3:8.2f} "
-                        f"{(m.summary() if m else '-')[:44]:<44} {m_ms:9.2f} {speedup:7.2f}")
+            cells.append((name, source, b.summary(), b.cost.step_s * 1e3,
+                          b.cost.exposed_comm_s * 1e3, m.summary() if m else "-",
+                          m.cost.step_s * 1e3 if m else float("nan"),
+                          m.cost.step_s / b.cost.step_s if m else float("nan")))
+    # Plan descriptions whole, never cut: each column as wide as its longest.
+    wide = [c for c in cells if len(c) > 3]
+    w_model = max([len("model"), *(len(c[0]) for c in cells)])
+    w_chosen = max([len("chosen plan"), *(len(c[2]) for c in wide)])
+    w_mega = max([len("megatron plan"), *(len(c[5]) for c in wide)])
+    rows = [f"{'model':<{w_model}} {'source':<9} {'chosen plan':<{w_chosen}} {'ms':>9} "
+            f"{'exposed':>8} {'megatron plan':<{w_mega}} {'ms':>9} {'speedup':>7}"]
+    for c in cells:
+        if len(c) == 3:
+            rows.append(f"{c[0]:<{w_model}} {c[1]:<9} {c[2]}")
+            continue
+        name, source, chosen, ms, exposed, mega, m_ms, speedup = c
+        rows.append(f"{name:<{w_model}} {source:<9} {chosen:<{w_chosen}} {ms:9.2f} "
+                    f"{exposed:8.2f} {mega:<{w_mega}} {m_ms:9.2f} {speedup:7.2f}")
     return "\n".join(rows)
 
 

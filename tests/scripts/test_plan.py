@@ -53,3 +53,25 @@ def test_verify_errors_are_one_line(tmp_path, args, message):
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1 and message in lines[0], r.stderr
     assert not out.exists()
+
+
+def test_tables_print_each_plan_whole():
+    """The ranked and compare tables size their plan column to the longest description: a
+    mixed-remat plan (over 56 characters) is printed whole, not cut."""
+    from oases_jax.hardware import get_cluster
+    from oases_jax.models.presets import get_preset
+    from oases_jax.planner import make_plan
+
+    cfg = get_preset("oases-h2048-l24")
+    _, r = make_plan(cfg, model="oases-h2048-l24", cluster=get_cluster("3090-pcie-32"),
+                     global_batch=64, seq_len=1024)
+    best, mega = r.best.summary(), r.baselines["megatron"].summary()
+    assert len(best) > 56
+    out = run_script("plan.py", "--cluster", "3090-pcie-32", "--global-batch", "64",
+                     "--compare", "oases-h2048-l24", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert best in out.stdout and mega in out.stdout
+    ranked = run_script("plan.py", "--model", "oases-h2048-l24", "--cluster", "3090-pcie-32",
+                        "--global-batch", "64", "--seq-len", "1024", timeout=300)
+    assert ranked.returncode == 0, ranked.stderr[-3000:]
+    assert best in ranked.stdout
