@@ -6,6 +6,8 @@ Every flag is documented in docs/cli.md.
 
 from __future__ import annotations
 
+import sys
+
 from oases_jax import provenance
 from oases_jax.cli import Parser, run_main
 from oases_jax.training.flags import add_model_flags, model_from_flags
@@ -354,6 +356,17 @@ def agreement(verified) -> str:
             f"{max(ratios):.2f}; ranking agreement (Spearman) {spearman(pred, sim):.2f}")
 
 
+def warn_float32(name: str, cfg, cluster) -> None:
+    """A one-line note on stderr when a float32 model is planned for a device whose bfloat16
+    peak is at least twice its float32 one (a preset's dtype is what the plan prices)."""
+    peaks = cluster.device_spec.peak_flops
+    fp32, bf16 = peaks.get("float32"), peaks.get("bfloat16")
+    if cfg.dtype == "float32" and fp32 and bf16 and bf16 >= 2 * fp32:
+        print(f"note: {name} is planned in float32 (its dtype); {cluster.device_spec.name} "
+              f"computes bfloat16 {bf16 / fp32:.0f}x faster: add --model-set dtype=bfloat16 to "
+              "plan that", file=sys.stderr)
+
+
 def main() -> int:
     args = parse_args()
     check_args(args)
@@ -377,6 +390,7 @@ def main() -> int:
         return 0
     cfg = model_from_flags(args)
     seq_len = args.seq_len or cfg.max_seq_len
+    warn_float32(args.model, cfg, cluster)
     if args.verify:
         setup_verify(cluster)
     schedules = SCHEDULES

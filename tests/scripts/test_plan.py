@@ -75,3 +75,13 @@ def test_tables_print_each_plan_whole():
                         "--global-batch", "64", "--seq-len", "1024", timeout=300)
     assert ranked.returncode == 0, ranked.stderr[-3000:]
     assert best in ranked.stdout
+
+
+def test_a_float32_plan_for_a_bfloat16_device_says_so():
+    args = ("--model", "llama2-7b", "--cluster", "h100-8", "--global-batch", "8", "--seq-len",
+            "2048", "--top", "1")
+    r = run_script("plan.py", *args, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "llama2-7b is planned in float32" in r.stderr and "--model-set dtype=bfloat16" in r.stderr
+    r = run_script("plan.py", *args, "--model-set", "dtype=bfloat16", timeout=300)
+    assert r.returncode == 0 and "float32" not in r.stderr
