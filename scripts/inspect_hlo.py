@@ -7,6 +7,7 @@ Every flag is documented in docs/cli.md.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -66,6 +67,14 @@ def parse_args(argv=None):
     p.add_argument("--timeline-source", choices=("sim", "xla"), default="sim",
                    help="whose timeline --timeline draws: our simulator's or XLA's estimate "
                         "(GPU targets)")
+    p.add_argument("--schedule-costs", choices=("xla", "simulated"), default="xla",
+                   help="whose costs XLA's GPU scheduler orders the program by: its own, or "
+                        "our simulator's (compile, price, compile again; GPU targets)")
+    p.add_argument("--schedule-profile", metavar="FILE",
+                   help="compile with this scheduling profile (from --write-schedule-profile)")
+    p.add_argument("--write-schedule-profile", metavar="OUT",
+                   help="write our simulator's costs of the program as a scheduling profile, "
+                        "for train.py --schedule-profile (one program)")
     p.add_argument("--compare", metavar="A,B,...", help="schedules side by side")
     p.add_argument("--diff", metavar="A,B", help="two schedules (or report .json files) compared")
     add_runtime_flags(p)
@@ -83,9 +92,11 @@ def check_args(args) -> None:
                              ("--sub-batches", args.sub_batches, MAX_GLOBAL_BATCH)):
         if value is not None and not 1 <= value <= cap:
             raise UserError(f"{flag} {value} must be in 1..{cap:,}")
-    for flag, value in (("--json", args.json), ("--timeline", args.timeline)):
+    for flag, value in (("--json", args.json), ("--timeline", args.timeline),
+                        ("--write-schedule-profile", args.write_schedule_profile)):
         if value:
             output_file(value, flag)
+    check_schedule_flags(args)
     if args.diff is not None and len(args.diff.split(",")) != 2:
         raise UserError(f"--diff {args.diff!r} needs two entries, e.g. megatron,xla_auto")
     if args.op_trace is not None:
@@ -102,6 +113,27 @@ def check_args(args) -> None:
                         f"of allocations to print; 0: none)")
 
 
+def check_schedule_flags(args) -> None:
+    """--schedule-costs, --schedule-profile and --write-schedule-profile: GPU targets only, a
+    profile that exists, one program where one is written."""
+    from oases_jax.errors import UserError
+    from oases_jax.files import regular_file
+
+    if (args.schedule_costs == "simulated" or args.schedule_profile) and args.target == "local":
+        raise UserError("--schedule-costs simulated / --schedule-profile order the program for "
+                        "XLA's GPU scheduler: give a GPU --target (e.g. h100:8)")
+    if args.schedule_profile:
+        regular_file(args.schedule_profile, "--schedule-profile",
+                     "write one with inspect_hlo.py --write-schedule-profile OUT")
+        if args.schedule_costs == "simulated":
+            raise UserError("--schedule-profile FILE and --schedule-costs simulated both set "
+                            "the scheduler's costs: give one")
+    if args.write_schedule_profile and (args.compare or args.diff
+                                        or (args.pipeline and "," in args.pipeline)):
+        raise UserError(f"--write-schedule-profile {args.write_schedule_profile} is the profile "
+                        f"of one program: drop --compare/--diff or give one --pipeline schedule")
+
+
 def main() -> int:
     args = parse_args()
     check_args(args)
@@ -114,9 +146,7 @@ def main() -> int:
     from oases_jax.errors import UserError
     from oases_jax.targets import get_target
     from oases_jax.tools import report
-    from oases_jax.tools.inspection import inspect_isolated, inspect_program, may_abort
     from oases_jax.training.config import ParallelConfig
-    from oases_jax.training.program import CompileSpec
 
     if args.model is None and not args.plan:
         args.model = "small"
@@ -133,30 +163,70 @@ def main() -> int:
         if getattr(args, key) is None:
             setattr(args, key, value)
     seq_len = plan.seq_len if plan else args.seq_len or min(model.max_seq_len, 1024)
-
-    def timeline_path(schedule: str, first: bool) -> str | None:
-        if not args.timeline:
-            return None
-        path = pathlib.Path(args.timeline)
-        return args.timeline if first else str(path.with_stem(f"{path.stem}-{schedule}"))
-
     pipelines = args.pipeline.split(",") if args.pipeline else [None]
     if len(pipelines) > 1 and (args.compare or args.diff):
         raise UserError(f"--pipeline {args.pipeline} compares pipeline schedules; drop "
                         f"--compare/--diff (or give one pipeline schedule)")
+    job = _Job(args, model, target, plan, seq_len)
+    if args.diff:
+        names = args.diff.split(",")
+        files = {n: report.load_report(n) for n in names if n.endswith(".json")}  # before compiling
+        print(report.diff(*[files[n] if n in files else job.inspect(n) for n in names]))
+        return 0
+    if len(pipelines) > 1:  # pipeline schedules side by side, each compiled in turn
+        for p in pipelines:  # every one checked before the first compile
+            ParallelConfig(mesh=args.mesh, rules=args.rules, schedule=args.schedule,
+                           **layout_kwargs(args, p))
+        reports = [job.inspect(args.schedule, i == 0, p) for i, p in enumerate(pipelines)]
+    else:
+        schedules = args.compare.split(",") if args.compare else [args.schedule]
+        reports = [job.inspect(s, i == 0) for i, s in enumerate(schedules)]
+    print_reports(args, reports, pipelines)
+    if args.json:
+        made = provenance.record()
+        for r in reports:
+            r.update(made)
+        write_atomic(args.json, json.dumps(reports[0] if len(reports) == 1 else reports, indent=1))
+    return 0
 
-    def inspect(schedule: str, first: bool = True, pipeline: str | None = None) -> dict:
+
+@dataclasses.dataclass(frozen=True)
+class _Job:
+    """What every compile of one invocation shares: the flags, the model, the target, the plan
+    (`--plan`, else None) and the sequence length."""
+
+    args: argparse.Namespace
+    model: object
+    target: object
+    plan: object
+    seq_len: int
+
+    def timeline_path(self, schedule: str, first: bool) -> str | None:
+        if not self.args.timeline:
+            return None
+        path = pathlib.Path(self.args.timeline)
+        return self.args.timeline if first else str(path.with_stem(f"{path.stem}-{schedule}"))
+
+    def spec(self, schedule: str, pipeline: str | None):
+        from oases_jax.training.config import ParallelConfig
+        from oases_jax.training.program import CompileSpec
+
+        args = self.args
+        if self.plan:
+            return self.plan.compile_spec(self.model)
+        parallel = ParallelConfig(mesh=args.mesh, rules=args.rules, schedule=schedule,
+                                  sub_batches=args.sub_batches, **layout_kwargs(args, pipeline))
+        return CompileSpec(model=self.model, batch_size=args.batch_size, seq_len=self.seq_len,
+                           layer=args.layer, microbatches=args.microbatches, parallel=parallel)
+
+    def inspect(self, schedule: str, first: bool = True, pipeline: str | None = None) -> dict:
         """The report of one schedule (and its timeline PNG when asked)."""
-        if plan:
-            spec = plan.compile_spec(model)
-        else:
-            parallel = ParallelConfig(mesh=args.mesh, rules=args.rules, schedule=schedule,
-                                      sub_batches=args.sub_batches,
-                                      **layout_kwargs(args, pipeline))
-            spec = CompileSpec(model=model, batch_size=args.batch_size, seq_len=seq_len,
-                               layer=args.layer, microbatches=args.microbatches,
-                               parallel=parallel)
-        png = timeline_path(pipeline or schedule, first)
+        from oases_jax.tools import report
+        from oases_jax.tools.inspection import inspect_isolated, inspect_program, may_abort
+
+        args, target = self.args, self.target
+        spec = self.spec(schedule, pipeline)
+        png = self.timeline_path(pipeline or schedule, first)
         xla_png = png if args.timeline_source == "xla" else None
         # A pipelined step's picture is one row per stage, tick by tick (`pipeline_plot`): the
         # two-stream replay takes each tick's conditional by its first branch. The SPMD
@@ -168,7 +238,10 @@ def main() -> int:
         if target.is_gpu_aot and may_abort(spec):
             r = inspect_isolated(spec, args.target, None if xla_png else png)
         else:
-            ins = inspect_program(spec, target, memory_report=args.memory_report > 0)
+            ins = inspect_program(spec, target, memory_report=args.memory_report > 0,
+                                  schedule_costs=args.schedule_costs,
+                                  schedule_profile=args.schedule_profile,
+                                  write_profile=args.write_schedule_profile)
             r = ins.report()
             if args.op_trace:
                 from oases_jax.tools.op_times import traced
@@ -181,24 +254,17 @@ def main() -> int:
             report.draw_timeline(None, r, xla_png, source="xla")
         if stage_png and "error" not in r:
             draw_stages(r, stage_png)
-        if plan:
+        if self.plan:
             r["plan"] = args.plan
-            r["planner_predicted_step_s"] = plan.raw.get("predicted_step_s")
+            r["planner_predicted_step_s"] = self.plan.raw.get("predicted_step_s")
         return r
 
-    if args.diff:
-        names = args.diff.split(",")
-        files = {n: report.load_report(n) for n in names if n.endswith(".json")}  # before compiling
-        print(report.diff(*[files[n] if n in files else inspect(n) for n in names]))
-        return 0
-    if len(pipelines) > 1:  # pipeline schedules side by side, each compiled in turn
-        for p in pipelines:  # every one checked before the first compile
-            ParallelConfig(mesh=args.mesh, rules=args.rules, schedule=args.schedule,
-                           **layout_kwargs(args, p))
-        reports = [inspect(args.schedule, i == 0, p) for i, p in enumerate(pipelines)]
-    else:
-        schedules = args.compare.split(",") if args.compare else [args.schedule]
-        reports = [inspect(s, i == 0) for i, s in enumerate(schedules)]
+
+def print_reports(args, reports: list[dict], pipelines: list) -> None:
+    """Each report's summary (with the fusions, op times and memory report asked for), then the
+    table setting them side by side."""
+    from oases_jax.tools import report
+
     for r in reports:
         print(report.summary(r), end="\n\n")
         if args.fusions and r.get("fusions"):
@@ -221,12 +287,6 @@ def main() -> int:
         print(schedules_table(reports))
     elif len(reports) > 1:
         print(report.compare_table(reports))
-    if args.json:
-        made = provenance.record()
-        for r in reports:
-            r.update(made)
-        write_atomic(args.json, json.dumps(reports[0] if len(reports) == 1 else reports, indent=1))
-    return 0
 
 
 def draw_stages(r: dict, path: str) -> None:

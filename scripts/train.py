@@ -31,6 +31,9 @@ def parse_args(argv=None):
     add_layout_flags(g)
     g.add_argument("--plan", help="a plan JSON from scripts/plan.py, or `auto` to plan for the "
                    "local devices (sets mesh, rules, micro-batches and each layer's strategy)")
+    g.add_argument("--schedule-profile", metavar="FILE",
+                   help="compile the step with this scheduling profile (from inspect_hlo.py "
+                        "--write-schedule-profile): XLA's GPU scheduler orders it by its costs")
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=int, default=200, help="total optimizer steps of the run")
     g.add_argument("--batch-size", type=int, default=16, help="global batch (sequences)")
@@ -106,6 +109,7 @@ def build_config(args):
         stop_after=args.stop_after,
         peak_tflops=args.peak_tflops,
         progress=not args.no_progress,
+        schedule_profile=args.schedule_profile,
     )
     check_paths(args, cfg)
     return cfg
@@ -115,9 +119,12 @@ def check_paths(args, cfg) -> None:
     """The run's output and data paths, before anything compiles: a file where a directory
     belongs (or the reverse), and data that is missing, empty, a FIFO or a device, are one line
     now rather than a traceback after the compile."""
-    from oases_jax.files import output_dir, output_file
+    from oases_jax.files import output_dir, output_file, regular_file
     from oases_jax.training.data import data_files
 
+    if args.schedule_profile:
+        regular_file(args.schedule_profile, "--schedule-profile",
+                     "write one with inspect_hlo.py --write-schedule-profile OUT")
     if args.out_dir:
         output_dir(args.out_dir, "--out-dir")
     output_dir(cfg.ckpt.dir, "--ckpt-dir" if args.ckpt_dir else "--out-dir")

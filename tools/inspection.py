@@ -23,7 +23,7 @@ from oases_jax.tools.analysis.program import Analysis, Program, analyze
 from oases_jax.tools.analysis.simulate import SimResult, simulate
 from oases_jax.tools.analysis.xla_compile import compile_with_estimate
 from oases_jax.tools.analysis.xla_estimate import XlaEstimate
-from oases_jax.training.program import CompileSpec, lower
+from oases_jax.training.program import CompileSpec, lower, schedule_profile_options
 
 MEMORY_REPORT_TOP = 50  # allocations a report's JSON keeps
 
@@ -42,6 +42,8 @@ class Inspection:
     pipeline: dict | None = None  # a pipelined program's tick-by-tick time (`pipeline_time`)
     # XLA's memory-usage report of the same compile (`inspect_program(memory_report=True)`)
     memory_report: memory_reports.MemoryReport | None = None
+    schedule_costs: str = "xla"  # whose costs ordered it: "xla", "simulated", "profile"
+    xla_scheduled_step_s: float | None = None  # under "simulated": the program XLA ordered
 
     def report(self) -> dict:
         a, sim, par = self.analysis, self.sim, self.spec.parallel
@@ -86,6 +88,8 @@ class Inspection:
                 "collectives")},
             "compile_s": self.compile_s,
             "compiler_options": self.options,
+            "schedule_costs": self.schedule_costs,
+            "xla_scheduled_step_s": self.xla_scheduled_step_s,
             "xla_estimate": self.xla.to_json() if self.xla else None,
             "moe_schedule": par.moe_schedule if self.spec.model.moe else None,
             "moe_chunks": par.moe_chunks if self.spec.model.moe else None,
@@ -132,34 +136,71 @@ def may_abort(spec: CompileSpec) -> bool:
     return any(registry.get(s).may_abort for s in spec.parallel.schedules)
 
 
-def inspect_program(spec: CompileSpec, target: Target, *,
-                    memory_report: bool = False) -> Inspection:
+SCHEDULE_COSTS = ("xla", "simulated")  # whose costs XLA's GPU scheduler orders the program by
+
+
+def inspect_program(spec: CompileSpec, target: Target, *, memory_report: bool = False,
+                    schedule_costs: str = "xla", schedule_profile: str | None = None,
+                    write_profile: str | None = None) -> Inspection:
     """Compile `spec` for `target` through the compile path training uses
     (`training.program.lower`), and analyse and simulate the compiled program. `memory_report`:
-    the same compile also dumps XLA's memory-usage report (`Inspection.memory_report`)."""
+    the same compile also dumps XLA's memory-usage report (`Inspection.memory_report`).
+
+    XLA's GPU scheduler orders the program by its own cost model (`schedule_costs="xla"`), by a
+    profile file (`schedule_profile`, `tools.analysis.schedule_profile`), or by our simulator's
+    costs (`"simulated"`: compile, price every instruction, compile again with that profile;
+    the report keeps the first program's simulated step as `xla_scheduled_step_s`).
+    `write_profile`: where the profile of our costs goes (the one the second compile read
+    under "simulated", else the inspected program's), for `train.py --schedule-profile`."""
+    if schedule_costs not in SCHEDULE_COSTS:
+        raise ValueError(f"schedule_costs {schedule_costs!r}: one of {SCHEDULE_COSTS}")
+    if schedule_costs == "simulated":
+        if schedule_profile:
+            raise ValueError("schedule_costs='simulated' writes its own profile")
+        first = inspect_program(spec, target)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = write_profile or str(pathlib.Path(tmp) / "schedule_profile.pbtxt")
+            _write_profile(first, path)
+            ins = inspect_program(spec, target, memory_report=memory_report,
+                                  schedule_profile=path)
+        ins.schedule_costs, ins.xla_scheduled_step_s = "simulated", first.sim.step_s
+        return ins
     mesh = make_mesh(spec.parallel.mesh, target.devices)
     t0 = time.perf_counter()
     prog = lower(spec, mesh)
+    options = {**prog.options, **schedule_profile_options(schedule_profile)}
     xla, reports = None, []
     extra = memory_reports.DUMP_OPTIONS if memory_report else {}
     if target.is_gpu_aot:  # the same compile also dumps XLA's schedule and its time estimates
         compiled, xla = compile_with_estimate(
-            prog.lowered, {**prog.options, **extra}, device=target.cluster.device_spec,
+            prog.lowered, {**options, **extra}, device=target.cluster.device_spec,
             on_dump=(lambda where: reports.append(memory_reports.read(where)))
             if memory_report else None)
     elif memory_report:
-        with memory_reports.memory_dump() as (options, where):
-            compiled = prog.compile(options)
+        with memory_reports.memory_dump() as (dump, where):
+            compiled = prog.compile({**options, **dump})
             reports.append(memory_reports.read(where))
     else:
-        compiled = prog.compile()
+        compiled = prog.compile(options)
     compile_s = time.perf_counter() - t0
     analysis, program = analyze(compiled, mesh)
     sim = simulate(program, target.cluster)
-    return Inspection(spec, target, analysis, program, sim, compile_s, prog.resolved_mesh, xla,
-                      options=prog.options,
-                      pipeline=_pipeline(spec, mesh, program, target, analysis.peak_memory_bytes),
-                      memory_report=reports[0] if reports else None)
+    ins = Inspection(spec, target, analysis, program, sim, compile_s, prog.resolved_mesh, xla,
+                     options=options,
+                     pipeline=_pipeline(spec, mesh, program, target, analysis.peak_memory_bytes),
+                     memory_report=reports[0] if reports else None)
+    if schedule_profile:
+        ins.schedule_costs = "profile"
+    if write_profile:
+        _write_profile(ins, write_profile)
+    return ins
+
+
+def _write_profile(ins: Inspection, path: str) -> None:
+    from oases_jax.cli import write_atomic
+    from oases_jax.tools.analysis.schedule_profile import instruction_costs, profile_text
+
+    write_atomic(path, profile_text(instruction_costs(ins.program, ins.target.cluster)))
 
 
 def _pipeline(spec: CompileSpec, mesh, program: Program, target: Target,

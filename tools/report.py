@@ -56,6 +56,7 @@ def summary(r: dict) -> str:
         f"simulated on {r['cluster']}: step {_fmt_s(r['simulated_step_s'])}, compute "
         f"{_fmt_s(r['compute_s'])}, comm {_fmt_s(r['comm_s'])}, exposed comm "
         f"{_fmt_s(r['exposed_comm_s'])}",
+        *schedule_costs_lines(r),
         *hidden_lines(r),
         *pipeline_lines(r),
         *planner_lines(r),
@@ -201,6 +202,17 @@ def planner_lines(r: dict) -> list[str]:
         return []
     return [f"planner predicted: step {_fmt_s(p)}  (simulated / predicted "
             f"{r['simulated_step_s'] / p:.2f}x)"]
+
+
+def schedule_costs_lines(r: dict) -> list[str]:
+    """Whose costs XLA's scheduler ordered the program by, when not its own."""
+    costs = r.get("schedule_costs", "xla")
+    if costs == "xla":
+        return []
+    first = r.get("xla_scheduled_step_s")
+    was = f" (ordered by XLA's own costs: step {_fmt_s(first).strip()})" if first else ""
+    return [f"ordered by {'our simulated costs' if costs == 'simulated' else 'a profile'}{was}; "
+            "XLA's estimate below prices that schedule with the same costs, not its own"]
 
 
 def _xla(r: dict) -> dict | None:

@@ -258,6 +258,9 @@ class TrainConfig:
     stop_after: int | None = None  # end this run after this many steps (checkpointed)
     peak_tflops: float | None = None  # per device, for MFU on devices not in the table
     progress: bool = True
+    # A scheduling profile the train step compiles with (`inspect_hlo.py
+    # --write-schedule-profile`): XLA's GPU scheduler orders the step by its costs.
+    schedule_profile: str | None = None
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "microbatches", "seq_len", "log_every", "eval_every"):

@@ -27,7 +27,7 @@ from oases_jax.training.config import TrainConfig
 from oases_jax.training.data import BatchSampler, load_corpus
 from oases_jax.training.metrics import MetricsWriter, peak_flops_per_device, throughput
 from oases_jax.training.optim import lr_schedule, make_optimizer
-from oases_jax.training.program import CompileSpec, StepProgram, lower
+from oases_jax.training.program import CompileSpec, StepProgram, lower, schedule_profile_options
 from oases_jax.training.runlock import RunLock
 from oases_jax.training.state import new_state
 
@@ -140,10 +140,12 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
             if state is None:
                 model = init_sharded(cfg.model, rules, mesh, cfg.seed)
                 state = new_state(to_stored(nnx.state(model)), fns, cfg.seed)
-            step_fn = program.compile()  # with the XLA options its schedules need here
-            if jax.process_index() == 0 and cfg.progress and program.options:
-                print("XLA options: " + " ".join(
-                    f"{k}={v}" for k, v in sorted(program.options.items())))
+            # With the XLA options its schedules need here (and the scheduling profile asked for).
+            extra = schedule_profile_options(cfg.schedule_profile)
+            step_fn = program.compile(extra)
+            options = {**program.options, **extra}
+            if jax.process_index() == 0 and cfg.progress and options:
+                print("XLA options: " + " ".join(f"{k}={v}" for k, v in sorted(options.items())))
             return _run(cfg, state, fns, step_fn, train_batches, val_batches, ckpt,
                         corpus.describe())
         finally:

@@ -121,6 +121,17 @@ def check_moe(model: ModelConfig, par: ParallelConfig, mesh: Mesh) -> None:
                         f"MoE layers do not join yet; use one of {', '.join(scan_schedules())}")
 
 
+# The XLA option naming a scheduling profile (`ProfiledInstructionsProto`): XLA's GPU scheduler
+# then orders the program by the profile's costs (`tools.analysis.schedule_profile` writes one
+# from our simulator; `train.py --schedule-profile`).
+SCHEDULE_PROFILE_OPTION = "xla_gpu_pgle_profile_file_or_directory_path"
+
+
+def schedule_profile_options(path: str | None) -> dict:
+    """The compile options that order a program by the scheduling profile at `path` (none)."""
+    return {SCHEDULE_PROFILE_OPTION: str(path)} if path else {}
+
+
 @dataclasses.dataclass
 class StepProgram:
     """A lowered program and the options it compiles with. `fns` holds the train step's
