@@ -215,7 +215,6 @@ def spmd_pipeline_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel
     return over_stages(parallel, params, batch_MBL, groups, stage_grads)
 
 
-
 def spmd_1f1b_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,
                     params, batch_MBL, groups: int, *, poison: bool = False):
     """(mean loss, mean gradients) of M micro-batches under 1F1B with no per-stage control
@@ -230,120 +229,167 @@ def spmd_1f1b_grads(cfg: ModelConfig, pipe: PipelineSpec, parallel: Parallel,
     float32 in one buffer. Step time (S-1) F + M (F + head + F + B) + (S-1) (F + B): 1F1B's
     bubble with the whole stage recomputed. `poison` starts the received activation and
     gradient and the input slots as NaN: a correct step never reads them."""
-    S, M, fns, dt, head_key, shards, split, head_loss = _setup(cfg, pipe, parallel, groups)
-    K = min(M, 2 * S - 1)  # input slots: micro-batch m's F to its B spans 2(S-1-s)+1 ticks
-    f32 = jnp.float32
+    st = _setup(cfg, pipe, parallel, groups)
 
-    def send(x, up: bool):
+    def stage_grads(local, tokens_M2BL):
+        ticks = _Ticks.of(cfg, st, local, tokens_M2BL)
+        carry = ticks.run(ticks.init_carry(poison))
+        grads = ticks.grads(local, carry)
+        return jnp.where(ticks.last, carry["loss"], 0.0), grads
+
+    return over_stages(parallel, params, batch_MBL, groups, stage_grads)
+
+
+class _Ticks(NamedTuple):
+    """One device's values that every tick of `spmd_1f1b_grads` reads, made once per step
+    before the loops, and the ticks' three phases over the carry (a dict: the received
+    activation and gradient, the input slots, the float32 gradient buffers, the loss)."""
+
+    cfg: ModelConfig
+    st: _Setup
+    K: int  # input slots: micro-batch m's F to its B spans 2(S-1-s)+1 ticks
+    s: jax.Array  # this device's stage
+    last: jax.Array  # s == S - 1
+    wc: object  # the chunk's weights in the compute dtype
+    inputs: jax.Array  # every micro-batch's embedding, [M, B, L, D]
+    embed_vjp: object  # the embedding's backward, from the gradients of `inputs`
+    hp: dict  # the final norm and the head's vocabulary part
+    ids: jax.Array | None  # the part's vocabulary ids (`_head_part`)
+    tokens_M2BL: jax.Array
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, st: _Setup, local, tokens_M2BL) -> _Ticks:
+        s = jax.lax.axis_index(STAGE)
+        last = s == st.S - 1
+        blocks = jax.tree.map(lambda a: a[0], local["blocks"])  # this device's one chunk
+        wc = compute_weights(blocks, st.dt)  # cast once; its gradient accumulates in float32
+        inputs, embed_vjp = jax.vjp(lambda tables: _embed_all(cfg, tables, tokens_M2BL),
+                                    _embedding_tables(local))
+        # The head's vocabulary part, sliced once (its gradient accumulates over the ticks in
+        # float32 at the part's size and goes back into the table once, after the loops).
+        part, ids = _head_part(cfg, compute_weights(local[st.head_key], st.dt, lead=0), s,
+                               st.S, st.shards, st.split)
+        hp = {"norm_f": local["norm_f"], "part": part}
+        return cls(cfg, st, min(st.M, 2 * st.S - 1), s, last, wc, inputs, embed_vjp, hp, ids,
+                   tokens_M2BL)
+
+    def valid(self, m):
+        return (m >= 0) & (m < self.st.M)
+
+    def stage_fn(self, w, x):
+        return run_stack(self.st.fns, w, x, scan=self.cfg.scan_layers,
+                         remat_default=self.cfg.remat)
+
+    def send(self, x, up: bool):
+        S = self.st.S
         if S == 1:
             return x
         pairs = [(i, i + 1) for i in range(S - 1)] if up else [(i + 1, i) for i in range(S - 1)]
         return jax.lax.ppermute(x, STAGE, pairs)
 
-    def stage_grads(local, tokens_M2BL):
-        s = jax.lax.axis_index(STAGE)
-        last = s == S - 1
-        blocks = jax.tree.map(lambda a: a[0], local["blocks"])  # this device's one chunk
-        wc = compute_weights(blocks, dt)  # cast once; its gradient accumulates in float32
+    def init_carry(self, poison: bool) -> dict:
+        x0 = self.inputs[0]
+        fill = jnp.nan if poison else 0.0
+        return {
+            "recv_f": jnp.full_like(x0, fill), "recv_b": jnp.full_like(x0, fill),
+            "slots": jnp.full((self.K, *x0.shape), fill, x0.dtype),
+            "acc_w": jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), self.wc),
+            "acc_head": jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), self.hp),
+            "d_inputs": jnp.zeros_like(self.inputs), "loss": jnp.zeros((), jnp.float32),
+        }
 
-        def stage_fn(w, x):
-            return run_stack(fns, w, x, scan=cfg.scan_layers, remat_default=cfg.remat)
+    def forward(self, carry, t):
+        """The forward of micro-batch t-s, its input kept in its slot for the backward."""
+        s, M = self.s, self.st.M
+        m = t - s
+        x = jnp.where(s == 0, self.inputs[jnp.clip(m, 0, M - 1)], carry["recv_f"])
+        x = jnp.where(self.valid(m), x, jnp.zeros_like(x))
+        slot = jnp.mod(m, self.K)
+        carry["slots"] = _put(carry["slots"], slot, self.valid(m), x)
+        return carry, self.stage_fn(self.wc, x)
 
-        inputs, embed_vjp = jax.vjp(lambda tables: _embed_all(cfg, tables, tokens_M2BL),
-                                    _embedding_tables(local))
-        # The head's vocabulary part, sliced once (its gradient accumulates over the ticks in
-        # float32 at the part's size and goes back into the table once, after the loops).
-        part, ids = _head_part(cfg, compute_weights(local[head_key], dt, lead=0), s, S, shards,
-                               split)
-        hp = {"norm_f": local["norm_f"], "part": part}
+    def head(self, carry, t, y):
+        """The loss of micro-batch t-(S-1), which the last stage finished this tick, and the
+        gradient of its output: every stage's share of the vocabulary (split) or the last
+        stage's head alone."""
+        S, M, split, last = self.st.S, self.st.M, self.st.split, self.last
+        m = t - (S - 1)
+        h = jnp.where(last, y, jnp.zeros_like(y))
+        if split:
+            h = jax.lax.psum(h, STAGE)
+        labels = self.tokens_M2BL[jnp.clip(m, 0, M - 1), :, 1]
+        loss, head_vjp = jax.vjp(
+            lambda p, h: self.st.head_loss(p["norm_f"], p["part"], self.ids, h, labels),
+            self.hp, h)
+        seed = jnp.where(self.valid(m) & (last | split), 1.0, 0.0).astype(loss.dtype)
+        d_hp, d_h = head_vjp(seed)
+        if split:
+            d_h = jax.lax.psum(d_h, STAGE)
+        carry["acc_head"] = jax.tree.map(lambda a, d: a + d.astype(jnp.float32),
+                                         carry["acc_head"], d_hp)
+        carry["loss"] = carry["loss"] + jnp.where(self.valid(m) & last, loss, 0.0)
+        return carry, d_h
 
-        def valid(m):
-            return (m >= 0) & (m < M)
+    def backward(self, carry, t, d_h):
+        """The backward of micro-batch t-(2S-2-s), its forward recomputed from its slot;
+        `d_h` is the head's gradient (None where no head ran this tick)."""
+        s, M = self.s, self.st.M
+        m = t - (2 * self.st.S - 2 - s)
+        x = carry["slots"][jnp.mod(m, self.K)]
+        x = jnp.where(self.valid(m), x, jnp.zeros_like(x))
+        g = carry["recv_b"] if d_h is None else jnp.where(self.last, d_h, carry["recv_b"])
+        g = jnp.where(self.valid(m), g, jnp.zeros_like(g))
+        _, stage_vjp = jax.vjp(self.stage_fn, self.wc, x)
+        d_w, d_x = stage_vjp(g.astype(x.dtype))
+        carry["acc_w"] = jax.tree.map(lambda a, d: a + d.astype(jnp.float32), carry["acc_w"],
+                                      d_w)
+        keep = self.valid(m) & (s == 0)
+        mm = jnp.clip(m, 0, M - 1)
+        carry["d_inputs"] = _put(carry["d_inputs"], mm, keep, d_x)
+        carry["recv_b"] = self.send(d_x, up=False)
+        return carry
 
-        def forward(carry, t):
-            m = t - s
-            x = jnp.where(s == 0, inputs[jnp.clip(m, 0, M - 1)], carry["recv_f"])
-            x = jnp.where(valid(m), x, jnp.zeros_like(x))
-            slot = jnp.mod(m, K)
-            carry["slots"] = _put(carry["slots"], slot, valid(m), x)
-            return carry, stage_fn(wc, x)
-
-        def head(carry, t, y):
-            """The loss of micro-batch t-(S-1), which the last stage finished this tick, and
-            the gradient of its output: every stage's share of the vocabulary (split) or the
-            last stage's head alone."""
-            m = t - (S - 1)
-            h = jnp.where(last, y, jnp.zeros_like(y))
-            if split:
-                h = jax.lax.psum(h, STAGE)
-            labels = tokens_M2BL[jnp.clip(m, 0, M - 1), :, 1]
-            loss, head_vjp = jax.vjp(
-                lambda p, h: head_loss(p["norm_f"], p["part"], ids, h, labels), hp, h)
-            seed = jnp.where(valid(m) & (last | split), 1.0, 0.0).astype(loss.dtype)
-            d_hp, d_h = head_vjp(seed)
-            if split:
-                d_h = jax.lax.psum(d_h, STAGE)
-            carry["acc_head"] = jax.tree.map(lambda a, d: a + d.astype(f32), carry["acc_head"],
-                                             d_hp)
-            carry["loss"] = carry["loss"] + jnp.where(valid(m) & last, loss, 0.0)
-            return carry, d_h
-
-        def backward(carry, t, d_h):
-            m = t - (2 * S - 2 - s)
-            x = carry["slots"][jnp.mod(m, K)]
-            x = jnp.where(valid(m), x, jnp.zeros_like(x))
-            g = carry["recv_b"] if d_h is None else jnp.where(last, d_h, carry["recv_b"])
-            g = jnp.where(valid(m), g, jnp.zeros_like(g))
-            _, stage_vjp = jax.vjp(stage_fn, wc, x)
-            d_w, d_x = stage_vjp(g.astype(x.dtype))
-            carry["acc_w"] = jax.tree.map(lambda a, d: a + d.astype(f32), carry["acc_w"], d_w)
-            keep = valid(m) & (s == 0)
-            mm = jnp.clip(m, 0, M - 1)
-            carry["d_inputs"] = _put(carry["d_inputs"], mm, keep, d_x)
-            carry["recv_b"] = send(d_x, up=False)
-            return carry
+    def run(self, carry: dict) -> dict:
+        """The three loops: forwards only (warm), a forward, the head and a backward
+        (steady), backwards only (cool)."""
+        S, M = self.st.S, self.st.M
 
         def warm(carry, t):
-            carry, y = forward(carry, t)
-            carry["recv_f"] = send(y, up=True)
+            carry, y = self.forward(carry, t)
+            carry["recv_f"] = self.send(y, up=True)
             return carry, None
 
         def steady(carry, t):
-            carry, y = forward(carry, t)
-            carry, d_h = head(carry, t, y)
-            carry = backward(carry, t, d_h)
-            carry["recv_f"] = send(y, up=True)
+            carry, y = self.forward(carry, t)
+            carry, d_h = self.head(carry, t, y)
+            carry = self.backward(carry, t, d_h)
+            carry["recv_f"] = self.send(y, up=True)
             return carry, None
 
         def cool(carry, t):
-            return backward(carry, t, None), None
+            return self.backward(carry, t, None), None
 
-        x0 = inputs[0]
-        fill = jnp.nan if poison else 0.0
-        carry = {
-            "recv_f": jnp.full_like(x0, fill), "recv_b": jnp.full_like(x0, fill),
-            "slots": jnp.full((K, *x0.shape), fill, x0.dtype),
-            "acc_w": jax.tree.map(lambda a: jnp.zeros(a.shape, f32), wc),
-            "acc_head": jax.tree.map(lambda a: jnp.zeros(a.shape, f32), hp),
-            "d_inputs": jnp.zeros_like(inputs), "loss": jnp.zeros((), f32),
-        }
         for body, start, stop in ((warm, 0, S - 1), (steady, S - 1, M + S - 1),
                                   (cool, M + S - 1, M + 2 * S - 2)):
             if stop > start:
                 carry, _ = jax.lax.scan(body, carry, jnp.arange(start, stop))
+        return carry
+
+    def grads(self, local, carry: dict) -> dict:
+        """The gradients of `local` from the loops' buffers, in its dtypes."""
+        cfg, st = self.cfg, self.st
         # Stage 0's input gradients are the embedding's; elsewhere they are zeros.
-        (d_emb,) = embed_vjp(carry["d_inputs"])
+        (d_emb,) = self.embed_vjp(carry["d_inputs"])
         grads = {k: jax.tree.map(jnp.zeros_like, v) for k, v in local.items()}
         grads["blocks"] = jax.tree.map(lambda a, p: a.astype(p.dtype)[None], carry["acc_w"],
-                                       blocks)
+                                       local["blocks"])
         grads.update(d_emb)
         grads["norm_f"] = jax.tree.map(lambda a, p: a.astype(p.dtype),
                                        carry["acc_head"]["norm_f"], local["norm_f"])
         # The part's gradient back into the table: the transpose of the slice, in float32.
-        _, into_table = jax.vjp(lambda t: _head_part(cfg, t, s, S, shards, split)[0],
-                                local[head_key])
+        _, into_table = jax.vjp(
+            lambda t: _head_part(cfg, t, self.s, st.S, st.shards, st.split)[0],
+            local[st.head_key])
         (table,) = into_table(carry["acc_head"]["part"])
-        grads[head_key] = jax.tree.map(jnp.add, grads[head_key], table)
-        return jnp.where(last, carry["loss"], 0.0), grads
-
-    return over_stages(parallel, params, batch_MBL, groups, stage_grads)
+        grads[st.head_key] = jax.tree.map(jnp.add, grads[st.head_key], table)
+        return grads

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import types
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -133,35 +134,59 @@ def step_plan(cfg: ModelConfig, pipe: PipelineSpec) -> executor.Plan:
 
 def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruct
                   ) -> executor.StageProgram:
-    S = pipe.stages
+    """The transformer's program for the tick executor (`executor.StageProgram`): each part
+    of a virtual stage runs its share of the stage's layers (`backward_parts`); stage 0's
+    first part embeds the tokens first, and the last stage's last part ends in the final
+    norm, head and loss unless the head is split off (`split_head`)."""
     gd_blocks, gd_norm, _ = _graphdefs(cfg)
-    n_j, k_j, whole = pipe.virtual_layers(), pipe.recomputed(), pipe.whole()
-    parts = backward_parts(cfg, pipe)
-    dt = jnp.dtype(cfg.dtype)
-    head_key = "embed" if cfg.tied else "head"
+    tables = _StageTables(pipe.stages, pipe.virtual_layers(), pipe.recomputed(), pipe.whole(),
+                          backward_parts(cfg, pipe), pipe.starts(), cfg.learned_positions)
+    return executor.StageProgram(
+        forward=_forward(cfg, tables, gd_blocks, gd_norm), params=_params(tables),
+        add_grads=_add_grads(cfg, tables), act=act, parts=tuple(len(p) for p in tables.parts),
+        prepare=_prepare(cfg, act),
+        head=split_head(cfg, pipe, act.shape[1], HEAD_TABLE) if pipe.split_head else None)
 
-    starts = pipe.starts()
 
-    def layers(j, q):
+class _StageTables(NamedTuple):
+    """What `stage_program`'s parts run, per virtual stage j: its layer count, how many of
+    them (the first) it recomputes, whether its schedule recomputes it whole, its backward
+    parts (`backward_parts`) and its first layer in the model; and whether the embedding has
+    a `pos` table."""
+
+    S: int
+    n_j: tuple[int, ...]
+    k_j: tuple[int, ...]
+    whole: tuple[bool, ...]
+    parts: tuple[tuple[tuple[int, int], ...], ...]
+    starts: tuple[int, ...]
+    learned_positions: bool
+
+    def layers(self, j, q):
         """[lo, hi) of the stage's layers part q runs, and whether it ends with the head."""
-        first, end = parts[j][q]
-        return min(first, n_j[j]), min(end, n_j[j]), end > n_j[j]
+        first, end = self.parts[j][q]
+        return min(first, self.n_j[j]), min(end, self.n_j[j]), end > self.n_j[j]
 
-    def shared(j, q):
+    def shared(self, j, q):
         keys = []
         if j == 0 and q == 0:
-            keys += ["embed"] + (["pos"] if cfg.learned_positions else [])
-        if layers(j, q)[2]:
+            keys += ["embed"] + (["pos"] if self.learned_positions else [])
+        if self.layers(j, q)[2]:
             keys += ["norm_f", HEAD_TABLE]
         return tuple(dict.fromkeys(keys))
 
-    def ranges(j, q):
+    def ranges(self, j, q):
         """The part's layer ranges: (key, first, end) of its recomputed layers (below the
         stage's k) and of the rest, empty ones left out."""
-        lo, hi, _ = layers(j, q)
-        k = k_j[j]
+        lo, hi, _ = self.layers(j, q)
+        k = self.k_j[j]
         return tuple((key, a, b) for key, a, b in (("remat", lo, min(hi, k)),
                                                     ("keep", max(lo, k), hi)) if a < b)
+
+
+def _prepare(cfg: ModelConfig, act: jax.ShapeDtypeStruct):
+    dt = jnp.dtype(cfg.dtype)
+    head_key = "embed" if cfg.tied else "head"
 
     def prepare(local):
         """Once per step, outside the tick loop: each chunk's block weights in the compute
@@ -186,9 +211,12 @@ def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruc
             # into the table's first L rows.
             out["pos"] = jax.tree.map(lambda a: a[:act.shape[1]], out["pos"])
         return out
+    return prepare
 
+
+def _params(tables: _StageTables):
     def params(j, q):
-        c = j // S
+        c = j // tables.S
 
         def pick(prepared):
             # Block weights enter the VJP already sliced to each range and in the compute dtype:
@@ -199,16 +227,21 @@ def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruc
             return {"blocks": {key: jax.tree.map(lambda a, f=first, e=end: a[c][f:e],
                                                  prepared["blocks"],
                                                  is_leaf=lambda x: isinstance(x, tuple))
-                               for key, first, end in ranges(j, q)},
-                    "shared": {k: prepared[k] for k in shared(j, q)}}
+                               for key, first, end in tables.ranges(j, q)},
+                    "shared": {k: prepared[k] for k in tables.shared(j, q)}}
         return pick
+    return params
+
+
+def _add_grads(cfg: ModelConfig, tables: _StageTables):
+    head_key = "embed" if cfg.tied else "head"
 
     def add_grads(j, q):
-        c = j // S
+        c = j // tables.S
 
         def add(acc, g):
             acc = dict(acc)
-            for key, first, end in ranges(j, q):
+            for key, first, end in tables.ranges(j, q):
                 acc["blocks"] = jax.tree.map(
                     lambda a, b, f=first, e=end: a.at[c, f:e].add(b.astype(a.dtype)),
                     acc["blocks"], g["blocks"][key])
@@ -221,9 +254,14 @@ def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruc
                                       acc[k], v)
             return acc
         return add
+    return add_grads
+
+
+def _forward(cfg: ModelConfig, tables: _StageTables, gd_blocks, gd_norm):
+    head_key = "embed" if cfg.tied else "head"
 
     def forward(j, q):
-        with_head = layers(j, q)[2]
+        with_head = tables.layers(j, q)[2]
 
         def f(pj, x, pair_B2L):
             # [B, 2, L]: the inputs and the labels, shifted outside the tick loop (`shifted`).
@@ -236,9 +274,9 @@ def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruc
             fns = block_fns(gd_blocks)
             # Layers below k are recomputed in the backward (stage-aware remat); a stage the
             # schedule recomputes whole keeps every residual (its R is the recompute).
-            for key, first, end in ranges(j, q):
-                remat = "none" if whole[j] else "full" if key == "remat" else None
-                with _layer_plan(starts[j] + first, end - first, remat):
+            for key, first, end in tables.ranges(j, q):
+                remat = "none" if tables.whole[j] else "full" if key == "remat" else None
+                with _layer_plan(tables.starts[j] + first, end - first, remat):
                     x = run_stack(fns, pj["blocks"][key], x, scan=cfg.scan_layers,
                                   remat_default=remat or cfg.remat)
             if with_head:
@@ -248,11 +286,7 @@ def stage_program(cfg: ModelConfig, pipe: PipelineSpec, act: jax.ShapeDtypeStruc
                 return cross_entropy(logits, pair_B2L[:, 1], cfg.vocab_size)
             return x
         return f
-
-    return executor.StageProgram(forward=forward, params=params, add_grads=add_grads, act=act,
-                                 parts=tuple(len(p) for p in parts), prepare=prepare,
-                                 head=split_head(cfg, pipe, act.shape[1], HEAD_TABLE)
-                                 if pipe.split_head else None)
+    return forward
 
 
 @contextlib.contextmanager
