@@ -390,7 +390,6 @@ def main() -> int:
         return 0
     cfg = model_from_flags(args)
     seq_len = args.seq_len or cfg.max_seq_len
-    warn_float32(args.model, cfg, cluster)
     if args.verify:
         setup_verify(cluster)
     schedules = SCHEDULES
@@ -404,6 +403,7 @@ def main() -> int:
     compared = compare_profiles(args, cluster) if args.compare or args.compare_sources else {}
     t0 = time.perf_counter()
     plan, result = search_plan(args, cfg, cluster, profile, seq_len, schedules)
+    warn_float32(args.model, cfg, cluster)  # with a plan (a failure stays one line)
     print(f"{args.model} on {cluster.name} ({cluster.n_devices} x {cluster.device}), global "
           f"batch {args.global_batch} x {seq_len}, costs: {args.cost_source}; "
           f"{result.layouts_considered} layouts searched in {result.search_s:.2f} s "

@@ -14,6 +14,7 @@ from oases_jax.errors import UserError
 from oases_jax.layer_plan import LayerSpec
 from oases_jax.models.config import ModelConfig
 from oases_jax.planner.cost.layer_cost import LayerCost, LayerModel
+from oases_jax.planner.cost.layer_work import FITTED_SUB_BATCHES
 from oases_jax.planner.cost.prices import Hardware
 from oases_jax.planner.cost.primepar_cost import SCHEDULE as PRIMEPAR
 from oases_jax.planner.cost.primepar_cost import SIDES, square_layouts
@@ -98,7 +99,8 @@ def strategies(layout: Layout, schedules: Sequence[str] = SCHEDULES,
                remats: Sequence[str] = REMATS) -> list[LayerSpec]:
     """The per-layer choices valid on a layout: without tensor parallelism only the remat
     policy matters; sequence-parallel schedules need the sequence to split over the tensor axis
-    and no fsdp axis; sub-batch counts must divide the micro-batch rows. A primepar layout
+    and no fsdp axis; sub-batch counts must divide the micro-batch rows, and be counts the
+    schedule's calibration holds for (`layer_work.FITTED_SUB_BATCHES`). A primepar layout
     offers primepar alone (its parameters' sharding is its own), the others never offer it."""
     if layout.primepar:
         return [LayerSpec(schedule=PRIMEPAR, remat=r) for r in remats] \
@@ -112,8 +114,9 @@ def strategies(layout: Layout, schedules: Sequence[str] = SCHEDULES,
         spec = registry.get(sch)
         if spec.sequence_parallel and (layout.seq_len % layout.tensor or layout.fsdp > 1):
             continue
-        counts = [k for k in SUB_BATCH_COUNTS if layout.rows % k == 0] if spec.sub_batches \
-            else [1]
+        fitted = FITTED_SUB_BATCHES.get(sch, SUB_BATCH_COUNTS)
+        counts = [k for k in SUB_BATCH_COUNTS if layout.rows % k == 0 and k in fitted] \
+            if spec.sub_batches else [1]
         out += [LayerSpec(schedule=sch, sub_batches=k, remat=r) for k in counts for r in remats]
     return out
 

@@ -69,3 +69,14 @@ def test_plan_entries_written_before_layer_spec_still_load():
     with pytest.raises(UserError, match=r"layers\[1\].remat: unknown remat 'sometimes'") as e:
         plans.from_json(d)
     assert "\n" not in str(e.value)
+
+
+def test_sub_batch_counts_are_the_ones_each_schedule_was_fitted_at():
+    """oases_sp's passes were fitted at 2 sub-batches: the search offers it there only, while
+    oases keeps 2 and 4."""
+    from oases_jax.planner.search.dense import strategies
+
+    got = strategies(Layout(data=2, tensor=4, global_batch=16, seq_len=128),
+                     schedules=("oases", "oases_sp"), remats=("none",))
+    assert {(s.schedule, s.sub_batches) for s in got} == {
+        ("oases", 2), ("oases", 4), ("oases_sp", 2)}
