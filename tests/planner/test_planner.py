@@ -418,9 +418,10 @@ def test_oases_sp_ops_by_hand():
     """oases_sp (`seq_deferred`) on 2 sub-batches: per sub-layer and sub-batch one all-gather and
     one reduce-scatter of half the stream each way (megatron_sp's bytes, twice as many
     collectives); forward, a sub-layer's gathers are issued together and each step's
-    reduce-scatter is waited for only before the next step's row GEMM; backward, the MLP steps' dY gathers are issued at once and each attention step's
-    once its sub-batch's MLP norm backward is done, and every dX reduce-scatter is covered by
-    its own dW GEMM. The same compute as megatron_sp, less of the communication exposed."""
+    reduce-scatter is waited for only before the next step's row GEMM; backward, the MLP steps'
+    dY gathers are issued at once and each attention step's once its sub-batch's MLP norm
+    backward is done, and every dX reduce-scatter is covered by its own dW GEMM. The same
+    compute as megatron_sp, less of the communication exposed."""
     cfg = get_preset("gpt2-1.5b").replace(dtype="bfloat16", n_heads=32, head_dim=50)
     hw = Hardware.of(get_cluster("h100:8"))
     lm = LayerModel(cfg, Layout(tensor=8, global_batch=8, seq_len=1024), hw)

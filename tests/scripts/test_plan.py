@@ -82,6 +82,7 @@ def test_a_float32_plan_for_a_bfloat16_device_says_so():
             "2048", "--top", "1")
     r = run_script("plan.py", *args, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "llama2-7b is planned in float32" in r.stderr and "--model-set dtype=bfloat16" in r.stderr
+    assert "llama2-7b is planned in float32" in r.stderr
+    assert "--model-set dtype=bfloat16" in r.stderr
     r = run_script("plan.py", *args, "--model-set", "dtype=bfloat16", timeout=300)
     assert r.returncode == 0 and "float32" not in r.stderr
