@@ -26,7 +26,7 @@ def test_lists_derive_from_the_records():
     assert registry.names(rings=True) == ("collective_matmul", "oases_cm")
     assert registry.names(sub_batches=True) == ("oases", "oases_sp", "oases_cm")
     assert "xla_auto" not in registry.names(planned=True)
-    assert "oases_sp" in registry.names(planned=True)  # priced as `seq_deferred` op lists
+    assert "oases_sp" not in registry.names(planned=True)  # priced, not yet searched
 
 
 def test_runner_and_rules():
