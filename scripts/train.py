@@ -44,6 +44,11 @@ def parse_args(argv=None):
     g.add_argument("--weight-decay", type=float, default=0.1)
     g.add_argument("--clip-norm", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--loss-spike", type=float, default=10.0,
+                   help="a loss over this many times the median of the last 32 counts as "
+                        "divergence (exit 3); 0: only NaN/Inf (default 10)")
+    g.add_argument("--grad-norm-limit", type=float,
+                   help="a gradient norm over this counts as divergence (exit 3; default off)")
     g = p.add_argument_group("data, logging and checkpoints")
     g.add_argument("--data", default="stdlib", help="stdlib, a text file or dir, or a .bin")
     g.add_argument("--log-every", type=int, default=10)
@@ -64,7 +69,13 @@ def parse_args(argv=None):
 
 def build_config(args):
     from oases_jax.errors import UserError
-    from oases_jax.training import CheckpointConfig, OptimConfig, ParallelConfig, TrainConfig
+    from oases_jax.training import (
+        CheckpointConfig,
+        DivergenceConfig,
+        OptimConfig,
+        ParallelConfig,
+        TrainConfig,
+    )
 
     model = model_from_flags(args)
     import jax
@@ -96,6 +107,8 @@ def build_config(args):
             resume=args.resume,
             keep=args.keep,
         ),
+        divergence=DivergenceConfig(loss_spike=args.loss_spike,
+                                    grad_norm_limit=args.grad_norm_limit),
         data=args.data,
         steps=args.steps,
         batch_size=batch_size,
@@ -200,9 +213,10 @@ def _print_throughput(path: str) -> None:
 def cli() -> None:
     """The console entry point (`[project.scripts]` in pyproject.toml)."""
     from oases_jax.training import TrainingDiverged
-    from oases_jax.training.checkpoint import CheckpointWriteError
+    from oases_jax.training.checkpoint import CheckpointWriteError, NoIntactCheckpoint
 
-    run_main(main, extra_errors={TrainingDiverged: 3, CheckpointWriteError: 5})
+    run_main(main, extra_errors={TrainingDiverged: 3, CheckpointWriteError: 5,
+                                 NoIntactCheckpoint: 6})
 
 
 if __name__ == "__main__":

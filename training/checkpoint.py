@@ -5,6 +5,12 @@ when complete, so a save that is interrupted leaves the previous checkpoints unt
 unfinished directory of a killed run is removed when the next run opens the directory (under
 the run lock, so no live run is writing it); a save that fails (a full disk) removes its own and
 ends the run with one line.
+
+Each save also records digests of every array and of its metadata (`training.integrity`),
+checked on restore before a byte is used: a damaged step raises CheckpointDamaged, and
+`--resume` sets it aside and falls back to the previous one. Old checkpoints are rotated here,
+not by orbax, so that the newest checkpoint known to be good (`confirm`) outlives `keep`
+while a newer one is still suspect.
 """
 
 from __future__ import annotations
@@ -25,6 +31,15 @@ import orbax.checkpoint as ocp
 
 from oases_jax import multihost
 from oases_jax.errors import UserError
+from oases_jax.training.integrity import (
+    ARRAY_DIGESTS,
+    CheckpointDamaged,
+    array_digests,
+    mismatch,
+    sealed,
+    unreadable_entry,
+    unsealed,
+)
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
@@ -35,6 +50,10 @@ logging.getLogger("absl").setLevel(logging.WARNING)
 class CheckpointWriteError(RuntimeError):
     """A save could not be written (disk full, permissions); its partial files were removed
     and the earlier checkpoints are intact."""
+
+
+class NoIntactCheckpoint(RuntimeError):
+    """`--resume` found checkpoints, and every one was damaged (each set aside, none deleted)."""
 
 
 class _OrbaxErrors(logging.Filter):
@@ -124,13 +143,14 @@ class Checkpointer:
             raise UserError(f"--ckpt-dir {directory!r} is a file; pass a directory")
         self.path = path
         self.pending: int | None = None  # the step being written in the background
+        self.keep = keep
+        self.good_upto: int | None = None  # checkpoints up to this step trained on cleanly
         self._say_leftovers()
         multihost.on_lost(self.remove_unfinished)  # a lost process abandons the run's save
         _install_closed_loop_filter()
         self.manager = ocp.CheckpointManager(
             path,
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=create,
-                                                 cleanup_tmp_directories=True),
+            options=ocp.CheckpointManagerOptions(create=create, cleanup_tmp_directories=True),
         )
 
     def _say_leftovers(self) -> None:
@@ -147,18 +167,69 @@ class Checkpointer:
 
     def save(self, step: int, state: Any, meta: dict) -> None:
         """Start an (asynchronous) save; the previous save is finished first. A save that
-        fails raises CheckpointWriteError here or at the next save or `close`."""
+        fails raises CheckpointWriteError here or at the next save or `close`. The metadata
+        gains the digests of the arrays written and its own."""
+        stored = self.encode(state)
+        meta = sealed({**meta, ARRAY_DIGESTS: array_digests(stored)})
         with self._writing():
             self.manager.wait_until_finished()
+            self._rotate()
             self.pending = step
             self.manager.save(
                 step,
                 args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(self.encode(state)),
+                    state=ocp.args.StandardSave(stored),
                     meta=ocp.args.JsonSave(meta),
                 ),
                 force=True,
             )
+
+    def confirm(self, step: int) -> None:
+        """The checkpoints up to `step` hold weights a later step trained on cleanly (its loss
+        and gradient were sane), so the newest of them is kept by the rotation until a newer
+        one is confirmed too."""
+        self.good_upto = step if self.good_upto is None else max(self.good_upto, step)
+
+    def last_good(self) -> int | None:
+        """The newest complete checkpoint confirmed good (`confirm`), or None."""
+        good = [s for s in self.complete_steps()
+                if self.good_upto is not None and s <= self.good_upto]
+        return good[-1] if good else None
+
+    def _rotate(self) -> None:
+        """Delete complete checkpoints beyond the newest `keep`, except the newest confirmed
+        one (while the ones after it are unconfirmed). Call with no save in flight."""
+        steps, good = self.complete_steps(), self.last_good()
+        for step in steps[:-self.keep]:
+            if step != good:
+                self.manager.delete(step)
+
+    def finish(self) -> None:
+        """Wait for the save in flight (CheckpointWriteError if it failed)."""
+        with self._writing():
+            self.manager.wait_until_finished()
+
+    def set_aside(self, steps: list[int], why: str) -> list[str]:
+        """Rename checkpoint steps to `STEP.WHY` (orbax reads only numbered directories, so
+        resuming skips them and nothing is deleted); returns the new names. Process 0 renames;
+        every process then reloads the step list."""
+        self.finish()
+        names = []
+        for step in steps:
+            target = self.path / f"{step}.{why}"
+            n = 1
+            while target.exists():
+                n += 1
+                target = self.path / f"{step}.{why}{n}"
+            names.append(target.name)
+            if jax.process_index() == 0:
+                (self.path / str(step)).rename(target)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("oases_jax checkpoint set aside")
+        self.manager.reload()
+        return names
 
     @contextlib.contextmanager
     def _writing(self):
@@ -209,24 +280,41 @@ class Checkpointer:
         return sorted(int(p.name) for p in self.path.iterdir() if p.name.isdigit())
 
     def read_meta(self, step: int) -> dict:
+        """The metadata of `step`, checked against its digest (the digests stay in it, for
+        `restore`); CheckpointDamaged if a file under the step cannot be read safely, the
+        metadata is unreadable or does not match its digest."""
+        entry = unreadable_entry(self.path / str(step))
+        if entry:
+            raise CheckpointDamaged(step, entry)
         with self._reading(step):
             restored = self.manager.restore(
                 step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())
             )
-        return restored["meta"]
+        meta, damage = unsealed(restored["meta"])
+        if damage:
+            raise CheckpointDamaged(step, damage)
+        return meta
 
-    def restore(self, step: int, abstract_state: Any) -> Any:
-        """Restore `step` onto the shardings carried by `abstract_state` (ShapeDtypeStructs)."""
+    def restore(self, step: int, abstract_state: Any, meta: dict | None = None) -> Any:
+        """Restore `step` onto the shardings carried by `abstract_state` (ShapeDtypeStructs),
+        its arrays checked against the digests in `meta` (read here if not given) before they
+        are decoded: CheckpointDamaged on any difference. A checkpoint written before digests
+        existed is restored unchecked."""
+        meta = self.read_meta(step) if meta is None else meta
         with self._reading(step):
             restored = self.manager.restore(
                 step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
             )
+        if ARRAY_DIGESTS in meta:
+            damage = mismatch(meta[ARRAY_DIGESTS], array_digests(restored["state"]))
+            if damage:
+                raise CheckpointDamaged(step, damage)
         return self.decode(restored["state"])
 
     @contextlib.contextmanager
     def _reading(self, step: int):
-        """Any failure becomes one UserError naming the step (orbax raises many types for
-        damaged files).
+        """Any failure becomes one CheckpointDamaged naming the step (orbax raises many types
+        for damaged files).
 
         When one read fails, orbax abandons the others and closes its event loop while
         TensorStore still finishes them: until the process ends they report the same damage
@@ -240,23 +328,18 @@ class Checkpointer:
         try:
             yield
         except Exception as e:
-            raise self._corrupt(step, e) from None
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            reason = reason.split(" See full TensorStore details")[0][:160].rstrip(". ")
+            raise CheckpointDamaged(step, f"unreadable: {reason}") from None
         sys.unraisablehook = hook
         asyncio_log.removeFilter(_NEVER_RETRIEVED)
-
-    def _corrupt(self, step: int, e: Exception) -> UserError:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        reason = reason.split(" See full TensorStore details")[0][:160].rstrip(". ")
-        return UserError(
-            f"checkpoint step {step} in {self.path} is unreadable ({reason}); remove "
-            f"{self.path / str(step)} to resume from the previous step, or use a new --ckpt-dir"
-        )
 
     def close(self) -> None:
         """Finish the last save (CheckpointWriteError if it failed) and release orbax."""
         try:
             with self._writing():
                 self.manager.wait_until_finished()
+                self._rotate()
         finally:
             self.manager.close()
 

@@ -240,11 +240,33 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class DivergenceConfig:
+    """When a step counts as diverged (`training.loop._Guard`): always a NaN or infinite loss
+    or gradient norm; also a loss over `loss_spike` x the median of the last `spike_window`
+    losses (0: off), and a gradient norm over `grad_norm_limit` (None: off)."""
+
+    loss_spike: float = 10.0
+    spike_window: int = 32
+    grad_norm_limit: float | None = None
+
+    def __post_init__(self):
+        if self.loss_spike:
+            _finite("--loss-spike", self.loss_spike, low=1.0)
+        elif self.loss_spike != 0:
+            raise UserError(f"--loss-spike {self.loss_spike} must be 0 (off) or > 1")
+        if self.spike_window < 1:
+            raise UserError(f"spike_window {self.spike_window} must be >= 1")
+        if self.grad_norm_limit is not None:
+            _finite("--grad-norm-limit", self.grad_norm_limit)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     model: ModelConfig
     optim: OptimConfig = OptimConfig()
     parallel: ParallelConfig = ParallelConfig()
     ckpt: CheckpointConfig = CheckpointConfig()
+    divergence: DivergenceConfig = DivergenceConfig()
     data: str = "stdlib"
     steps: int = 200
     batch_size: int = 16  # global, per optimizer step

@@ -7,6 +7,7 @@ import dataclasses
 import math
 import pathlib
 import signal
+import sys
 import time
 
 import jax
@@ -22,9 +23,10 @@ from oases_jax.models.layout import layout_fns
 from oases_jax.models.sharding import init_sharded
 from oases_jax.rules import get_rules
 from oases_jax.training import pipeline_step
-from oases_jax.training.checkpoint import Checkpointer
-from oases_jax.training.config import TrainConfig
+from oases_jax.training.checkpoint import Checkpointer, NoIntactCheckpoint
+from oases_jax.training.config import DivergenceConfig, TrainConfig
 from oases_jax.training.data import BatchSampler, load_corpus
+from oases_jax.training.integrity import CheckpointDamaged
 from oases_jax.training.metrics import MetricsWriter, peak_flops_per_device, throughput
 from oases_jax.training.optim import lr_schedule, make_optimizer
 from oases_jax.training.program import CompileSpec, StepProgram, lower, schedule_profile_options
@@ -33,7 +35,37 @@ from oases_jax.training.state import new_state
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss became NaN or infinite; the last good checkpoint was kept."""
+    """The loss became NaN or infinite, spiked, or the gradient norm passed its bound; the
+    checkpoints holding the weights that produced it were set aside, the last good one kept."""
+
+
+class _Guard:
+    """Divergence, judged on each step's loss and gradient norm before its checkpoint: NaN or
+    infinity, a loss over `loss_spike` times the median of the last `spike_window` losses, or
+    a gradient norm over `grad_norm_limit`."""
+
+    MIN_HISTORY = 8  # losses seen before a spike is judged
+
+    def __init__(self, cfg: DivergenceConfig):
+        self.cfg = cfg
+        self.history: list[float] = []
+
+    def verdict(self, loss: float, grad_norm: float) -> str | None:
+        """Why this step diverged, in words, or None (and the loss joins the history)."""
+        cfg = self.cfg
+        if not math.isfinite(loss):
+            return f"loss became {loss}"
+        if not math.isfinite(grad_norm):
+            return f"gradient norm became {grad_norm}"
+        if cfg.grad_norm_limit is not None and grad_norm > cfg.grad_norm_limit:
+            return f"gradient norm {grad_norm:.4g} passed --grad-norm-limit {cfg.grad_norm_limit:g}"
+        if cfg.loss_spike and len(self.history) >= self.MIN_HISTORY:
+            median = float(np.median(self.history))
+            if median > 0 and loss > cfg.loss_spike * median:
+                return (f"loss {loss:.4g} spiked past --loss-spike {cfg.loss_spike:g} x the median "
+                        f"{median:.4g} of the last {len(self.history)} steps")
+        self.history = (self.history + [loss])[-cfg.spike_window:]
+        return None
 
 
 @dataclasses.dataclass
@@ -164,14 +196,38 @@ def _resumed_state(cfg: TrainConfig, ckpt: Checkpointer | None, restore_as):
             raise UserError(
                 f"--resume found no checkpoint in {cfg.ckpt.dir}; drop --resume to start fresh"
             )
-        _check_resumable(ckpt.read_meta(latest), cfg)
-        return ckpt.restore(latest, restore_as)
+        return _newest_intact(cfg, ckpt, restore_as)
     if latest is not None:
         raise UserError(
             f"--ckpt-dir {cfg.ckpt.dir} already holds checkpoints (latest step {latest}); pass "
             "--resume to continue, or choose an empty directory"
         )
     return None
+
+
+def _newest_intact(cfg: TrainConfig, ckpt: Checkpointer, restore_as):
+    """The state of the newest checkpoint whose files, metadata and arrays match their digests.
+    A damaged one is set aside (renamed `STEP.damaged`, nothing deleted) with one line, and the
+    one before it tried; NoIntactCheckpoint if none is left."""
+    steps, damaged = ckpt.complete_steps(), []
+    for i in range(len(steps) - 1, -1, -1):
+        step = steps[i]
+        try:
+            meta = ckpt.read_meta(step)
+            _check_resumable(meta, cfg)
+            return ckpt.restore(step, restore_as, meta)
+        except CheckpointDamaged as e:
+            name = ckpt.set_aside([step], "damaged")[0]
+            damaged.append(name)
+            then = f"falling back to step {steps[i - 1]}" if i else "no earlier checkpoint"
+            if jax.process_index() == 0:
+                print(f"checkpoint: step {step} in {ckpt.path} is damaged ({e.reason}); set "
+                      f"aside as {name}; {then}", file=sys.stderr, flush=True)
+    raise NoIntactCheckpoint(
+        f"--resume found no intact checkpoint in {cfg.ckpt.dir}: every one was damaged and set "
+        f"aside ({', '.join(damaged)}); start again with a new --ckpt-dir, or rename a set-aside "
+        "step back to its number to try it anyway"
+    )
 
 
 @contextlib.contextmanager
@@ -232,6 +288,7 @@ def _run(cfg, state, fns, step_fn, train_batches, val_batches, ckpt, corpus_desc
         dynamic_ncols=True,
     )
     last_saved = start
+    guard = _Guard(cfg.divergence)
     stopped = "done"
     window_t, window_tokens = None, 0
     with _StopSignal() as stop:
@@ -241,14 +298,14 @@ def _run(cfg, state, fns, step_fn, train_batches, val_batches, ckpt, corpus_desc
             state, m = step_fn(state, batch)
             step += 1
             loss = _scalar(m["loss"])
-            if not math.isfinite(loss):
+            grad_norm = _scalar(m["grad_norm"])
+            why = guard.verdict(loss, grad_norm)
+            if why:
                 bar.close()
                 writer.close()
-                kept = f"step {last_saved} in {cfg.ckpt.dir}" if ckpt and last_saved else "none"
-                raise TrainingDiverged(
-                    f"loss became {loss} at step {step}; stopped without saving (last good "
-                    f"checkpoint: {kept}); lower --lr or raise --warmup-steps"
-                )
+                raise TrainingDiverged(_diverged(cfg, ckpt, step, why))
+            if ckpt:
+                ckpt.confirm(step - 1)  # this step's loss came from the weights of step - 1
             losses[step] = loss
             now = time.perf_counter()
             if window_t is None:  # the first step includes compilation: start timing after it
@@ -260,7 +317,7 @@ def _run(cfg, state, fns, step_fn, train_batches, val_batches, ckpt, corpus_desc
                     "step": step,
                     "loss": loss,
                     "lr": float(lr_at(step - 1)),
-                    "grad_norm": _scalar(m["grad_norm"]),
+                    "grad_norm": grad_norm,
                     # MoE: cross entropy, router losses per MoE layer, dropped-choice fraction
                     **{k: _scalar(v) for k, v in m.items() if k not in ("loss", "grad_norm")},
                 }
@@ -300,6 +357,25 @@ def _run(cfg, state, fns, step_fn, train_batches, val_batches, ckpt, corpus_desc
     bar.close()
     writer.close()
     return TrainResult(losses=losses, val_losses=val_losses, final_step=step, stopped=stopped)
+
+
+def _diverged(cfg: TrainConfig, ckpt: Checkpointer | None, step: int, why: str) -> str:
+    """The one line of a divergence at `step`, after setting aside the checkpoints from step - 1
+    on: they hold the weights whose loss or gradient was bad (a checkpoint at k holds the
+    weights after step k's update, which step k + 1 computes from)."""
+    head = f"{why} at step {step}; stopped without saving it"
+    fix = "lower --lr or raise --warmup-steps"
+    if ckpt is None:
+        return f"{head}; {fix}"
+    ckpt.finish()
+    suspect = [k for k in ckpt.complete_steps() if k >= step - 1]
+    aside = ckpt.set_aside(suspect, "diverged") if suspect else []
+    moved = (f"; set aside checkpoint(s) {', '.join(aside)}, which hold the weights that "
+             "produced it") if aside else ""
+    good = ckpt.latest_step()
+    kept = (f"last good checkpoint: step {good} in {cfg.ckpt.dir}, where --resume continues"
+            if good is not None else "no good checkpoint was written before it")
+    return f"{head}{moved}; {kept}; {fix}"
 
 
 def _evaluate(fns, state, sampler: BatchSampler, n_batches: int) -> float:
