@@ -8,6 +8,7 @@ import math
 import os
 import pathlib
 import re
+import signal
 import sys
 import tempfile
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from oases_jax import multihost
 from oases_jax.errors import UserError
 
 EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process SIGINT ended
 
 
 class Parser(argparse.ArgumentParser):
@@ -29,22 +31,52 @@ def run_main(
     main: Callable[[], int | None], *, extra_errors: dict[type, int] | None = None
 ) -> None:
     """Run `main`; a UserError (or an `extra_errors` type) becomes one line on stderr and an exit
-    code, never a traceback."""
+    code, never a traceback. SIGINT ends the run with one line and EXIT_INTERRUPTED, except
+    inside a training loop, which installs its own handler (checkpoint, then stop)."""
     codes = {UserError: EXIT_USER_ERROR, **(extra_errors or {})}
+    prog = os.path.basename(sys.argv[0])
+    previous = _exit_on_sigint(prog)
     try:
         code = main() or 0
     except tuple(codes) as e:
-        prog = os.path.basename(sys.argv[0])
         print(f"{prog}: error: {e}", file=sys.stderr)
         code = next(code for cls, code in codes.items() if isinstance(e, cls))
+    except KeyboardInterrupt:  # a SIGINT that reached Python as an exception after all
+        print(_interrupted(prog), file=sys.stderr)
+        code = EXIT_INTERRUPTED
     except Exception:
         # In a multi-process run most such errors are a collective failing because another
         # process died: the watch then names it in one line and ends this process.
         multihost.await_verdict()
         multihost.leave(1)
         raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
     multihost.leave(code)  # the other processes of a multi-process run learn how this one ended
     sys.exit(code)
+
+
+def _interrupted(prog: str) -> str:
+    return (f"{prog}: interrupted (SIGINT) before it finished; nothing was written since the last "
+            "complete output")
+
+
+def _exit_on_sigint(prog: str):
+    """SIGINT outside a training loop (start-up, a compile, a search, a measurement) exits at
+    once with one line: raised as KeyboardInterrupt it would land anywhere, in a compile or in a
+    garbage-collection callback that swallows it. Nothing half-written is left: outputs are
+    written atomically and checkpoints only by the loop. Returns the handler replaced (None off
+    the main thread, where none can be set)."""
+
+    def handler(signum, frame):
+        os.write(2, (_interrupted(prog) + "\n").encode())
+        os._exit(EXIT_INTERRUPTED)
+
+    try:
+        return signal.signal(signal.SIGINT, handler)
+    except ValueError:
+        return None
 
 
 def add_runtime_flags(parser: argparse.ArgumentParser) -> None:

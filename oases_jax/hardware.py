@@ -7,6 +7,8 @@ and the compile targets."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import pathlib
 from typing import Annotated
 
 from pydantic import Field
@@ -15,9 +17,7 @@ from oases_jax.errors import UserError
 from oases_jax.files import read_json
 from oases_jax.schema import (
     MAX_DEVICES,
-    NonNegativeFloat,
     Pair,
-    PositiveFloat,
     Strict,
     Text,
     at_most,
@@ -171,6 +171,13 @@ class ClusterSpec:
         return device_spec(self.device)
 
     @property
+    def memory_per_device(self) -> float:
+        """Bytes of memory each device has to itself: its datasheet's, except on CPUs, whose
+        virtual devices share one host's memory (8 devices of a 24 GiB host: 3 GiB each)."""
+        mem = self.device_spec.memory_bytes
+        return mem / self.n_devices if self.device == "cpu" else mem
+
+    @property
     def devices_per_node(self) -> int:
         """Devices sharing the fastest level that is not the network (the first level)."""
         return self.levels[0][0] if len(self.levels) > 1 else self.n_devices
@@ -230,18 +237,27 @@ CLUSTER_FIX = ("write one with scripts/plan.py --cluster h100-32 --save-cluster 
                "(docs/inspection.md)")
 
 
+# The ranges a cluster file's numbers must lie in: wide enough for any machine that exists or is
+# planned (a 1 kB/s link, 10 PB/s of HBM, an exaflop chip), narrow enough that every price is a
+# finite number of seconds.
+Bandwidth = Annotated[float, Field(ge=1e3, le=1e16)]  # bytes/s
+Latency = Annotated[float, Field(ge=0.0, le=10.0)]  # seconds
+Flops = Annotated[float, Field(ge=1e6, le=1e19)]  # FLOP/s
+MemoryBytes = Annotated[float, Field(ge=2.0**20, le=2.0**50)]
+
+
 class LinkEntry(Strict):
     name: Text
-    bytes_per_s: PositiveFloat
-    latency_s: NonNegativeFloat
+    bytes_per_s: Bandwidth
+    latency_s: Latency
 
 
 class DeviceEntry(Strict):
     name: Text
     match: list[Text] = []
-    peak_flops: Annotated[dict[Text, PositiveFloat], Field(min_length=1)]
-    hbm_bytes_per_s: PositiveFloat
-    memory_bytes: PositiveFloat
+    peak_flops: Annotated[dict[Text, Flops], Field(min_length=1)]
+    hbm_bytes_per_s: Bandwidth
+    memory_bytes: MemoryBytes
     fused_attention: bool = False
 
 
@@ -275,8 +291,26 @@ _PCIE_HOST_STAGED = LinkSpec(name="pcie-host-staged", bytes_per_s=4.3e9, latency
 _NVLINK3 = LinkSpec(name="nvlink3", bytes_per_s=300e9, latency_s=3e-6)
 _HOST = LinkSpec(name="host-memory", bytes_per_s=5e9, latency_s=20e-6)
 
+
+
+def host_memory_bytes() -> float:
+    """This host's memory: its physical memory, or the cgroup's limit where that is lower (a
+    container)."""
+    total = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = pathlib.Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, float(text))
+    return total
+
+
+# CPU devices are virtual devices of one host: `memory_bytes` is the host's, shared by all of a
+# cluster's devices (`ClusterSpec.memory_per_device`).
 DEVICES["cpu"] = DeviceSpec(name="cpu", match=("cpu",), hbm_bytes_per_s=10e9,
-                            memory_bytes=24 * 2**30,
+                            memory_bytes=host_memory_bytes(),
                             peak_flops={"bfloat16": 20e9, "float32": 20e9})
 
 CLUSTERS: dict[str, ClusterSpec] = {

@@ -129,8 +129,8 @@ def build_config(args, n_devices: int):
     tokens = args.tokens if args.tokens is not None else base["tokens"]
     squares = args.square_sizes if args.square_sizes is not None else base["square_sizes"]
     shapes = []
+    model = get_preset(args.model).with_overrides(args.model_set)  # checked even if unused
     if base["projections"] or args.tokens is not None:
-        model = get_preset(args.model).with_overrides(args.model_set)
         shapes += projection_shapes(model, tokens, args.tensor)
     shapes += [(s, s, s) for s in squares]
     return CalibrationConfig(

@@ -50,6 +50,9 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, help="global batch (default 8)")
     p.add_argument("--seq-len", type=int, help="default: the model's max_seq_len, at most 1024")
     p.add_argument("--json", metavar="OUT", help="write the report as JSON")
+    p.add_argument("--allow-oversize", action="store_true",
+                   help="a program whose peak is over the target's device memory is reported "
+                        "with exit 0 (default: exit 7 after the report)")
     p.add_argument("--fusions", action="store_true",
                    help="also print the per-op account of the compute outside the GEMMs")
     p.add_argument("--memory-report", type=int, default=0, metavar="N",
@@ -117,14 +120,13 @@ def check_schedule_flags(args) -> None:
     """--schedule-costs, --schedule-profile and --write-schedule-profile: GPU targets only, a
     profile that exists, one program where one is written."""
     from oases_jax.errors import UserError
-    from oases_jax.files import regular_file
+    from oases_jax.training.program import check_schedule_profile
 
     if (args.schedule_costs == "simulated" or args.schedule_profile) and args.target == "local":
         raise UserError("--schedule-costs simulated / --schedule-profile order the program for "
                         "XLA's GPU scheduler: give a GPU --target (e.g. h100:8)")
     if args.schedule_profile:
-        regular_file(args.schedule_profile, "--schedule-profile",
-                     "write one with inspect_hlo.py --write-schedule-profile OUT")
+        check_schedule_profile(args.schedule_profile)
         if args.schedule_costs == "simulated":
             raise UserError("--schedule-profile FILE and --schedule-costs simulated both set "
                             "the scheduler's costs: give one")
@@ -187,7 +189,38 @@ def main() -> int:
         for r in reports:
             r.update(made)
         write_atomic(args.json, json.dumps(reports[0] if len(reports) == 1 else reports, indent=1))
-    return 0
+    return memory_verdict(reports, target, args.allow_oversize)
+
+
+EXIT_OVERSIZE = 7
+
+
+def memory_verdict(reports: list[dict], target, allow: bool) -> int:
+    """One line on stderr per program whose compiled peak is over the target's memory per
+    device (an error: exit EXIT_OVERSIZE, unless `allow`), or, on GPU targets, over the memory
+    XLA's GPU scheduler plans within (a note: its collectives were serialised)."""
+    from oases_jax.planner.verification.verify import scheduler_limit_bytes
+
+    memory, code = target.cluster.memory_per_device, 0
+    shared = " (its CPU devices share the host's memory)" if target.cluster.device == "cpu" else ""
+    for r in reports:
+        peak = r.get("peak_memory_bytes")
+        if "error" in r or peak is None:
+            continue
+        what = f"{r.get('schedule', 'the program')} on {r['target']}"
+        if peak > memory:
+            kind = "note" if allow else "error"
+            print(f"inspect_hlo.py: {kind}: {what} peaks at {peak / 2**20:,.0f} MiB per device, "
+                  f"over the {memory / 2**20:,.0f} MiB each device has{shared}: it does not fit; "
+                  "shard more (--rules fsdp, a larger tensor degree), recompute (--remat), or "
+                  "use a smaller --batch-size", file=sys.stderr)
+            code = 0 if allow else EXIT_OVERSIZE
+        elif target.is_gpu_aot and peak > scheduler_limit_bytes(r.get("memory") or {}, memory):
+            print(f"inspect_hlo.py: note: {what} peaks at {peak / 2**20:,.0f} MiB, above the "
+                  "memory XLA's GPU scheduler plans within (0.8 x device memory, less inputs "
+                  "and outputs, x 0.95): it fits, with its collectives serialised",
+                  file=sys.stderr)
+    return code
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,7 +34,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     p.add_argument("--remat", default="none", help="remat policy of every run")
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--seq-len", type=int,
+                   help="tokens per sequence (default 1024, or the model's max_seq_len if less)")
     p.add_argument("--json", metavar="OUT", help="write the rows as JSON (and OUT .txt: table)")
     g = p.add_argument_group("pipelined steps (--pipeline)")
     g.add_argument("--pipeline", metavar="A,B", help="pipeline schedules: per-stage memory of "
@@ -68,7 +69,15 @@ def main() -> int:
         return pipeline_main(args)
     args.models = args.models or ",".join(MODELS)
     args.targets = args.targets or ",".join(RUNS)
+    from oases_jax.errors import UserError
     from oases_jax.models.presets import get_preset
+
+    unknown = [t for t in args.targets.split(",") if t not in RUNS]
+    if unknown:  # before the first compile
+        raise UserError(f"--targets {unknown[0]!r} has no table of runs; choose among "
+                        f"{', '.join(RUNS)} (or pass --pipeline for any target)")
+    for name in args.models.split(","):
+        get_preset(name)
     from oases_jax.tools.inspection import inspect_isolated
     from oases_jax.training.config import ParallelConfig
     from oases_jax.training.program import CompileSpec
@@ -77,10 +86,11 @@ def main() -> int:
     for name in args.models.split(","):
         model = get_preset(name).with_overrides(list(MODELS.get(name, ())))
         model = model.replace(dtype=args.dtype, remat=args.remat)
+        seq_len = args.seq_len or min(model.max_seq_len, 1024)
         for target in args.targets.split(","):
             baseline = {}
             for schedule, mesh in RUNS[target]:
-                spec = CompileSpec(model=model, batch_size=args.batch_size, seq_len=args.seq_len,
+                spec = CompileSpec(model=model, batch_size=args.batch_size, seq_len=seq_len,
                                    parallel=ParallelConfig(mesh=mesh, schedule=schedule))
                 rep = inspect_isolated(spec, target, timeout_s=3000)
                 peak = rep.get("peak_memory_bytes")
@@ -96,7 +106,7 @@ def main() -> int:
     text = table(rows)
     print("\n" + text)
     if args.json:
-        meta = {**provenance.record(), "batch_size": args.batch_size, "seq_len": args.seq_len,
+        meta = {**provenance.record(), "batch_size": args.batch_size, "seq_len": seq_len,
                 "dtype": args.dtype, "remat": args.remat}
         write_atomic(args.json, json.dumps({**meta, "rows": rows}, indent=1))
         write_atomic(str(pathlib.Path(args.json).with_suffix(".txt")),
@@ -126,7 +136,8 @@ def pipeline_main(args) -> int:
             for schedule in args.pipeline.split(","):
                 for label, remat, ratios in variants:
                     spec = CompileSpec(model=model.replace(remat=remat),
-                                       batch_size=args.batch_size, seq_len=args.seq_len,
+                                       batch_size=args.batch_size,
+                                       seq_len=args.seq_len or min(model.max_seq_len, 1024),
                                        microbatches=args.microbatches,
                                        parallel=ParallelConfig(
                                            mesh=args.mesh, pipeline=PipelineConfig.from_flags(

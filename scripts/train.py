@@ -132,12 +132,12 @@ def check_paths(args, cfg) -> None:
     """The run's output and data paths, before anything compiles: a file where a directory
     belongs (or the reverse), and data that is missing, empty, a FIFO or a device, are one line
     now rather than a traceback after the compile."""
-    from oases_jax.files import output_dir, output_file, regular_file
+    from oases_jax.files import output_dir, output_file
     from oases_jax.training.data import data_files
+    from oases_jax.training.program import check_schedule_profile
 
     if args.schedule_profile:
-        regular_file(args.schedule_profile, "--schedule-profile",
-                     "write one with inspect_hlo.py --write-schedule-profile OUT")
+        check_schedule_profile(args.schedule_profile)
     if args.out_dir:
         output_dir(args.out_dir, "--out-dir")
     output_dir(cfg.ckpt.dir, "--ckpt-dir" if args.ckpt_dir else "--out-dir")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import pathlib
 from typing import Annotated
 
 from pydantic import ConfigDict, Field
@@ -361,6 +362,7 @@ def draw_timeline(events, r: dict, path: str, source: str = "sim") -> None:
         f"exposed comm {exposed * 1e3:.3f} ms"
     )
     fig.tight_layout()
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)  # as --json creates its own
     fig.savefig(path, dpi=110)
     plt.close(fig)
 

@@ -143,6 +143,7 @@ class Checkpointer:
             raise UserError(f"--ckpt-dir {directory!r} is a file; pass a directory")
         self.path = path
         self.pending: int | None = None  # the step being written in the background
+        self.closed = False
         self.keep = keep
         self.good_upto: int | None = None  # checkpoints up to this step trained on cleanly
         self._say_leftovers()
@@ -335,7 +336,10 @@ class Checkpointer:
         asyncio_log.removeFilter(_NEVER_RETRIEVED)
 
     def close(self) -> None:
-        """Finish the last save (CheckpointWriteError if it failed) and release orbax."""
+        """Finish the last save (CheckpointWriteError if it failed) and release orbax; once."""
+        if self.closed:
+            return
+        self.closed = True
         try:
             with self._writing():
                 self.manager.wait_until_finished()

@@ -178,11 +178,16 @@ def train(cfg: TrainConfig, devices: list[jax.Device] | None = None) -> TrainRes
             options = {**program.options, **extra}
             if jax.process_index() == 0 and cfg.progress and options:
                 print("XLA options: " + " ".join(f"{k}={v}" for k, v in sorted(options.items())))
-            return _run(cfg, state, fns, step_fn, train_batches, val_batches, ckpt,
-                        corpus.describe())
+            with _StopSignal() as stop:  # held through the last save's close
+                try:
+                    return _run(cfg, state, fns, step_fn, train_batches, val_batches, ckpt,
+                                corpus.describe(), stop)
+                finally:
+                    if ckpt is not None:
+                        ckpt.close()
         finally:
             if ckpt is not None:
-                ckpt.close()
+                ckpt.close()  # if the loop never started (closing twice does nothing)
 
 
 def _resumed_state(cfg: TrainConfig, ckpt: Checkpointer | None, restore_as):
@@ -264,7 +269,7 @@ def step_program(cfg: TrainConfig, mesh: Mesh) -> StepProgram:
     return lower(spec, mesh, tx=make_optimizer(cfg.optim, cfg.steps))
 
 
-def _run(cfg, state, fns, step_fn, train_batches, val_batches, ckpt, corpus_desc
+def _run(cfg, state, fns, step_fn, train_batches, val_batches, ckpt, corpus_desc, stop
          ) -> TrainResult:
     start = int(_scalar(state["step"]))
     end = cfg.steps if cfg.stop_after is None else min(cfg.steps, start + cfg.stop_after)
@@ -291,67 +296,66 @@ def _run(cfg, state, fns, step_fn, train_batches, val_batches, ckpt, corpus_desc
     guard = _Guard(cfg.divergence)
     stopped = "done"
     window_t, window_tokens = None, 0
-    with _StopSignal() as stop:
-        step = start
-        while step < end:
-            batch = train_batches.device_batch(step, fns.batch_sharding, cfg.microbatches)
-            state, m = step_fn(state, batch)
-            step += 1
-            loss = _scalar(m["loss"])
-            grad_norm = _scalar(m["grad_norm"])
-            why = guard.verdict(loss, grad_norm)
-            if why:
-                bar.close()
-                writer.close()
-                raise TrainingDiverged(_diverged(cfg, ckpt, step, why))
-            if ckpt:
-                ckpt.confirm(step - 1)  # this step's loss came from the weights of step - 1
-            losses[step] = loss
-            now = time.perf_counter()
-            if window_t is None:  # the first step includes compilation: start timing after it
-                window_t, window_tokens = now, 0
-            else:
-                window_tokens += cfg.tokens_per_step
-            if step % cfg.log_every == 0 or step == end:
-                record = {
-                    "step": step,
-                    "loss": loss,
-                    "lr": float(lr_at(step - 1)),
-                    "grad_norm": grad_norm,
-                    # MoE: cross entropy, router losses per MoE layer, dropped-choice fraction
-                    **{k: _scalar(v) for k, v in m.items() if k not in ("loss", "grad_norm")},
-                }
-                if window_tokens:
-                    record |= throughput(
-                        cfg.model,
-                        tokens=window_tokens,
-                        seconds=now - window_t,
-                        seq_len=cfg.seq_len,
-                        n_devices=n_dev,
-                        peak=peak,
-                    )
-                    window_t, window_tokens = now, 0
-                writer.write(record)
-                bar.set_postfix(
-                    loss=f"{loss:.4f}", tok_s=f"{record.get('tokens_per_s', 0):,.0f}", refresh=False
+    step = start
+    while step < end:
+        batch = train_batches.device_batch(step, fns.batch_sharding, cfg.microbatches)
+        state, m = step_fn(state, batch)
+        step += 1
+        loss = _scalar(m["loss"])
+        grad_norm = _scalar(m["grad_norm"])
+        why = guard.verdict(loss, grad_norm)
+        if why:
+            bar.close()
+            writer.close()
+            raise TrainingDiverged(_diverged(cfg, ckpt, step, why))
+        if ckpt:
+            ckpt.confirm(step - 1)  # this step's loss came from the weights of step - 1
+        losses[step] = loss
+        now = time.perf_counter()
+        if window_t is None:  # the first step includes compilation: start timing after it
+            window_t, window_tokens = now, 0
+        else:
+            window_tokens += cfg.tokens_per_step
+        if step % cfg.log_every == 0 or step == end:
+            record = {
+                "step": step,
+                "loss": loss,
+                "lr": float(lr_at(step - 1)),
+                "grad_norm": grad_norm,
+                # MoE: cross entropy, router losses per MoE layer, dropped-choice fraction
+                **{k: _scalar(v) for k, v in m.items() if k not in ("loss", "grad_norm")},
+            }
+            if window_tokens:
+                record |= throughput(
+                    cfg.model,
+                    tokens=window_tokens,
+                    seconds=now - window_t,
+                    seq_len=cfg.seq_len,
+                    n_devices=n_dev,
+                    peak=peak,
                 )
-            if cfg.eval_batches and (step % cfg.eval_every == 0 or step == cfg.steps):
-                val = _evaluate(fns, state, val_batches, cfg.eval_batches)
-                val_losses[step] = val
-                writer.write({"step": step, "val_loss": val})
-                bar.write(
-                    f"step {step}: train loss {loss:.4f}, val loss {val:.4f}"
-                ) if main else None
-                window_t = time.perf_counter()  # keep evaluation out of the throughput
-            bar.update(1)
-            if stop.received:
-                stopped = "signal"
-                break
-            if ckpt and (step % cfg.ckpt.every == 0 or step == end):
-                ckpt.save(step, state, _meta(cfg, step))
-                last_saved = step
-        if ckpt and last_saved != step:
+                window_t, window_tokens = now, 0
+            writer.write(record)
+            bar.set_postfix(
+                loss=f"{loss:.4f}", tok_s=f"{record.get('tokens_per_s', 0):,.0f}", refresh=False
+            )
+        if cfg.eval_batches and (step % cfg.eval_every == 0 or step == cfg.steps):
+            val = _evaluate(fns, state, val_batches, cfg.eval_batches)
+            val_losses[step] = val
+            writer.write({"step": step, "val_loss": val})
+            bar.write(
+                f"step {step}: train loss {loss:.4f}, val loss {val:.4f}"
+            ) if main else None
+            window_t = time.perf_counter()  # keep evaluation out of the throughput
+        bar.update(1)
+        if stop.received:
+            stopped = "signal"
+            break
+        if ckpt and (step % cfg.ckpt.every == 0 or step == end):
             ckpt.save(step, state, _meta(cfg, step))
+            last_saved = step
+    if ckpt and last_saved != step:
+        ckpt.save(step, state, _meta(cfg, step))
     if stopped == "done" and end < cfg.steps:
         stopped = "stop_after"
     bar.close()

@@ -54,6 +54,10 @@ class CompileSpec:
         if self.microbatches < 1 or self.batch_size % self.microbatches:
             raise UserError(f"batch {self.batch_size} does not split into {self.microbatches} "
                             "micro-batches; use a divisor of the batch")
+        if self.seq_len > self.model.max_seq_len:
+            raise UserError(f"--seq-len {self.seq_len} exceeds the model's max_seq_len "
+                            f"{self.model.max_seq_len}; shorten it or raise max_seq_len "
+                            "(--model-set max_seq_len=N)")
         if self.layer and self.parallel.layers:
             raise UserError("per-layer strategies describe a whole train step, not one layer; "
                             "drop --layer")
@@ -130,6 +134,15 @@ SCHEDULE_PROFILE_OPTION = "xla_gpu_pgle_profile_file_or_directory_path"
 def schedule_profile_options(path: str | None) -> dict:
     """The compile options that order a program by the scheduling profile at `path` (none)."""
     return {SCHEDULE_PROFILE_OPTION: str(path)} if path else {}
+
+
+def check_schedule_profile(path: str) -> None:
+    """`--schedule-profile FILE` (train.py, inspect_hlo.py): a regular file that exists, checked
+    before the compile that reads it."""
+    from oases_jax.files import regular_file
+
+    regular_file(path, "--schedule-profile",
+                 "write one with inspect_hlo.py --write-schedule-profile OUT")
 
 
 @dataclasses.dataclass

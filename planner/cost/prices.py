@@ -81,8 +81,9 @@ class Hardware:
         return 0.9 if self.cluster.device == "cpu" else XLA_SCHEDULER_SHARE
 
     def memory_budget(self, fraction: float | None = None) -> float:
-        """Bytes per device a plan may use (`memory_fraction`)."""
-        return self.memory_fraction(fraction) * self.cluster.device_spec.memory_bytes
+        """Bytes per device a plan may use (`memory_fraction` of `memory_per_device`: on CPUs
+        the host's memory over its devices)."""
+        return self.memory_fraction(fraction) * self.cluster.memory_per_device
 
     @functools.cached_property
     def datasheet(self) -> Prices:

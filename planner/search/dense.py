@@ -222,14 +222,18 @@ def plan_layout(cfg: ModelConfig, layout: Layout, hw: Hardware, budget: float,
     return best, uniform
 
 
-def no_fit(what: str, budget: float, memory_fraction: float | None, smallest, n: int
-           ) -> UserError:
+def no_fit(what: str, budget: float, memory_fraction: float | None, smallest, n: int,
+           cluster=None) -> UserError:
     """The one-line error when no `what` fits: the leanest candidate priced (`smallest`, with a
-    `cost` and a `summary()`, or None) and about how many devices it would need."""
+    `cost` and a `summary()`, or None) and about how many devices it would need. On CPUs it
+    says the devices share the host's memory."""
     need = smallest.cost.peak_memory_bytes if smallest else float("nan")
+    shared = (f", the {cluster.n_devices} CPU devices sharing this host's "
+              f"{cluster.device_spec.memory_bytes / 2**30:.1f} GiB"
+              if cluster is not None and cluster.device == "cpu" else "")
     return UserError(
         f"no {what} fits {budget / 2**30:.1f} GiB per device (memory fraction "
-        f"{'default' if memory_fraction is None else memory_fraction}); the leanest "
+        f"{'default' if memory_fraction is None else memory_fraction}{shared}); the leanest "
         f"({smallest.summary() if smallest else '-'}) needs "
         f"{need / 2**30:.1f} GiB: use more devices (about "
         f"{int(np.ceil(n * need / budget))}), a smaller --global-batch, or more micro-batches")
@@ -288,7 +292,7 @@ def search(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: int,
             if smallest is None or c.peak_memory_bytes < smallest.cost.peak_memory_bytes:
                 smallest = Candidate(layout, (probe,) * cfg.n_layers, c)
     if not ranked:
-        raise no_fit("plan", budget, memory_fraction, smallest, n)
+        raise no_fit("plan", budget, memory_fraction, smallest, n, hw.cluster)
     ranked.sort(key=lambda c: c.cost.step_s)
     return SearchResult(best=ranked[0], ranked=ranked, baselines=baselines,
                         search_s=time.perf_counter() - t0, layouts_considered=len(cands),

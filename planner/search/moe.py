@@ -188,7 +188,7 @@ def search_moe(cfg: ModelConfig, hw: Hardware, *, global_batch: int, seq_len: in
                          < smallest.cost.peak_memory_bytes):
             smallest = priced[0]
     if not ranked:
-        raise no_fit("MoE plan", budget, memory_fraction, smallest, n)
+        raise no_fit("MoE plan", budget, memory_fraction, smallest, n, hw.cluster)
     ranked.sort(key=lambda c: c.cost.step_s)
     return SearchResult(best=ranked[0], ranked=ranked, baselines=baselines,
                         search_s=time.perf_counter() - t0, layouts_considered=len(cands),

@@ -118,7 +118,7 @@ def verify_one(c: Candidate, rank: int, cfg: ModelConfig, target: Target) -> Ver
     from oases_jax.tools.inspection import inspect_isolated, inspect_program, may_abort
 
     spec = candidate_spec(c, cfg)
-    memory = target.cluster.device_spec.memory_bytes
+    memory = target.cluster.memory_per_device
     if target.is_gpu_aot and may_abort(spec):
         r = inspect_isolated(spec, target.name)
     else:
@@ -180,7 +180,7 @@ def choose(verified: list[Verified]) -> Verified | None:
 
 def no_fit_error(verified: list[Verified], cluster: ClusterSpec) -> UserError:
     """The one-line error when none of the verified plans fits, naming the fixes."""
-    n, mem = len(verified), cluster.device_spec.memory_bytes
+    n, mem = len(verified), cluster.memory_per_device
     compiled = [v for v in verified if v.compiled_peak_memory_bytes is not None]
     least = min(compiled, key=lambda v: v.compiled_peak_memory_bytes, default=None)
     why = (f"the leanest compiled ({least.candidate.summary()}) peaks at "
@@ -209,7 +209,7 @@ def verify_plan(result: SearchResult, cfg: ModelConfig, cluster: ClusterSpec, n:
     verified = verify(result, cfg, cluster, n, log, baseline)
     chosen = choose(verified)
     target = compile_target(cluster)
-    log(f"compiled for {target} (device memory {cluster.device_spec.memory_bytes / 2**30:.1f} "
+    log(f"compiled for {target} (device memory {cluster.memory_per_device / 2**30:.1f} "
         f"GiB); chosen: the fastest plan that fits, by our simulated step")
     log(table(verified, chosen))
     if chosen is None:

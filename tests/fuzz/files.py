@@ -112,7 +112,13 @@ def file_cases(tmp: pathlib.Path) -> list[Case]:
                         (("levels", 0, 1, "bytes_per_s"), 0), (("levels", 0, 1, "latency_s"), -1),
                         (("device_spec", "memory_bytes"), 0),
                         (("device_spec", "peak_flops", "float32"), -1e12),
-                        (("device_spec", "hbm_bytes_per_s"), 0)):
+                        (("device_spec", "hbm_bytes_per_s"), 0),
+                        # finite, positive and absurd: every price would be inf or nan
+                        (("levels", 0, 1, "bytes_per_s"), 1e-300),
+                        (("levels", 0, 1, "latency_s"), 1e300),
+                        (("device_spec", "peak_flops", "float32"), 1e-300),
+                        (("device_spec", "hbm_bytes_per_s"), 1e30),
+                        (("device_spec", "memory_bytes"), 1e30)):
         base = clusters["custom" if path[0] == "device_spec" else "h100"]
         add("cluster", "range", f"{label(path)} = {value}", dumps(replaced(base, path, value)),
             needle=label(path))

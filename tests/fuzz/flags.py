@@ -102,7 +102,8 @@ def flag_cases(tmp: pathlib.Path) -> list[Case]:
                          (("--json", str(a_dir)), "--json"),
                          (("--timeline", str(a_file / "t.png")), "--timeline"),
                          (("--plan", str(a_dir)), str(a_dir)),
-                         (("--schedule", "primepar", "--mesh", "data=8"), "primepar")):
+                         (("--schedule", "primepar", "--mesh", "data=8"), "primepar"),
+                         (("--seq-len", "4096"), "max_seq_len")):
         add("inspect_hlo", "range", ("--model", "tiny", *args), needle=needle)
 
     add("bench", "valid", ("--model", "tiny", "--seq-len", "32", "--batch-size", "8"), "accept")
@@ -118,9 +119,14 @@ def flag_cases(tmp: pathlib.Path) -> list[Case]:
                         ("--warmup", "-1"), ("--min-program-ms", "0"),
                         ("--min-program-ms", "nan"), ("--out", str(a_dir)),
                         ("--out", str(a_file / "p.json")), ("--kinds", "gossip"),
-                        ("--dtypes", "int7"), ("--axis-sizes", "16")):
+                        ("--dtypes", "int7"), ("--axis-sizes", "16"), ("--model", "nope")):
         add("calibrate", "range", ("--quick", *out, flag, value),
-            needle=value if flag in ("--kinds", "--dtypes") else flag, shown=(flag, value))
+            needle=value if flag in ("--kinds", "--dtypes", "--model") else flag,
+            shown=(flag, value))
+
+    add("memory_table", "valid", ("--targets", "h100:4", "--models", "gpt2-1.5b"), "accept")
+    for flag, value in (("--targets", "h100:8"), ("--targets", "tpu:8"), ("--models", "nope")):
+        add("memory_table", "range", (flag, value), needle=value, shown=(flag, value))
     return cases
 
 

@@ -61,6 +61,13 @@ def calibrate(*args: str) -> None:
         module.main()
 
 
+def memory_table(*args: str) -> None:
+    module = _script("memory_table")
+    with (_stubs(module, "oases_jax.tools.inspection.inspect_isolated"),
+          argv("memory_table.py", *args)):
+        module.main()
+
+
 def both(*runs) -> None:
     """Run every callable; raise the worst of what they raised (another exception before a
     UserError or exit, those before `Reached`), so that one target's clean rejection does not

@@ -286,6 +286,31 @@ def test_search_reports_what_would_fit():
                seq_len=2048)
 
 
+@pytest.mark.parametrize("host_gib", [24, 256])
+def test_cpu_devices_share_the_host_memory(monkeypatch, host_gib):
+    """A CPU cluster's devices are one host's: each may use 0.9 x host / n. GPT-2 1.5B at
+    16 x 128 on 8 of them needs about 3.1 GiB per device at the leanest: refused on a 24 GiB
+    host (2.6 GiB each), planned within 0.9 x 32 GiB on a 256 GiB one."""
+    import dataclasses
+
+    from oases_jax import hardware
+
+    cpu = dataclasses.replace(hardware.DEVICES["cpu"], memory_bytes=host_gib * 2**30)
+    monkeypatch.setitem(hardware.DEVICES, "cpu", cpu)
+    cluster = get_cluster("cpu-8")
+    assert cluster.memory_per_device == host_gib * 2**30 / 8
+    assert get_cluster("h100-8").memory_per_device == hardware.DEVICES["h100"].memory_bytes
+    hw = Hardware.of(cluster)
+    assert hw.memory_budget() == pytest.approx(0.9 * host_gib * 2**30 / 8)
+    cfg = get_preset("gpt2-1.5b")
+    if host_gib == 24:
+        with pytest.raises(UserError, match="the 8 CPU devices sharing this host's 24.0 GiB"):
+            search(cfg, hw, global_batch=16, seq_len=128)
+    else:
+        r = search(cfg, hw, global_batch=16, seq_len=128)
+        assert r.best.cost.peak_memory_bytes <= 0.9 * 32 * 2**30
+
+
 def test_search_prefers_overlap_on_a_bandwidth_bound_cluster():
     cfg = get_preset("oases-h4096-l16")
     r = search(cfg, Hardware.of(get_cluster("3090-nvlink-32")), global_batch=64, seq_len=1024)

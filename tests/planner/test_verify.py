@@ -130,7 +130,11 @@ def test_none_fits_is_one_line_naming_the_fix(monkeypatch):
         ver.verify_plan(result, cfg, cluster, 2, model="tiny", cost_source="datasheet",
                         log=lambda s: None)
     msg = str(e.value)
-    assert "none of the top 2 plans fits 24.0 GiB" in msg and "25.0 GiB" in msg
+    # The 8 CPU devices share the host's memory: each has an eighth of it.
+    each = cluster.device_spec.memory_bytes / 8
+    assert cluster.memory_per_device == each
+    assert f"none of the top 2 plans fits {each / gib:.1f} GiB per device" in msg
+    assert "25.0 GiB" in msg
     assert "--verify 4" in msg and "--global-batch" in msg and "--cluster" in msg
     assert "\n" not in msg
 
@@ -219,7 +223,7 @@ def test_scheduler_limit_by_hand():
     assert ver.scheduler_limit_bytes(mem, 80 * gib) == pytest.approx(io + (64 * gib - io) * 0.95)
     h100, cpu = Hardware.of(get_cluster("h100-8")), Hardware.of(get_cluster("cpu-8"))
     assert h100.memory_budget() == pytest.approx(0.76 * h100.cluster.device_spec.memory_bytes)
-    assert cpu.memory_budget() == pytest.approx(0.9 * cpu.cluster.device_spec.memory_bytes)
+    assert cpu.memory_budget() == pytest.approx(0.9 * cpu.cluster.device_spec.memory_bytes / 8)
     assert h100.memory_budget(0.5) == pytest.approx(0.5 * h100.cluster.device_spec.memory_bytes)
     v = ver.Verified(candidate=None, rank=1, device_memory_bytes=80 * gib,
                      compiled_peak_memory_bytes=70 * gib,

@@ -194,3 +194,24 @@ def test_plan_on_a_gpu_without_xla_schedule_tables(tmp_path):
     assert abs(r["memory_report"]["total_bytes"] - r["peak_memory_bytes"]) \
         <= 0.01 * r["peak_memory_bytes"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json", "r.json"]
+
+
+@pytest.mark.parametrize("allow", [False, True], ids=["refused", "allowed"])
+def test_a_program_over_the_device_memory_says_so(tmp_path, allow):
+    """33M tokens of `small` per step: terabytes of activations, over any host's memory shared
+    by its 8 CPU devices. The report is printed and written either way; then one line, and exit
+    7 unless --allow-oversize."""
+    out = tmp_path / "r.json"
+    proc = run("--model", "small", "--batch-size", "131072", "--seq-len", "256", "--mesh",
+               "data=8", "--json", str(out), *(("--allow-oversize",) if allow else ()))
+    assert proc.returncode == (0 if allow else 7), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "simulated" in proc.stdout
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("inspect_hlo.py:")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    kind = "note" if allow else "error"
+    assert lines[0].startswith(f"inspect_hlo.py: {kind}: megatron on local peaks at ")
+    assert "share the host's memory): it does not fit" in lines[0]
+    peak = json.loads(out.read_text())["peak_memory_bytes"]
+    from oases_jax.hardware import host_memory_bytes
+
+    assert peak > host_memory_bytes()

@@ -105,3 +105,44 @@ def test_a_pipelined_plan_trains(tmp_path):
     path.write_text(json.dumps(merak))
     assert_one_line_error(run_train("--model", "tiny", "--plan", str(path), "--steps", "1",
                                     "--out-dir", str(tmp_path / "merak")), "merak")
+
+
+def test_auto_plan_on_cpu_counts_the_host_memory_its_devices_share(tmp_path):
+    """GPT-2 1.5B at 4096 x 128 tokens on 8 CPU devices: the leanest plan needs tens of GiB per
+    device, far past a host's memory shared 8 ways; refused in one line before any compile."""
+    import time
+
+    t0 = time.perf_counter()
+    proc = run_train("--model", "gpt2-1.5b", "--plan", "auto", "--batch-size", "4096",
+                     "--out-dir", str(tmp_path / "run"), timeout=60)
+    took = time.perf_counter() - t0
+    assert_one_line_error(proc, "no plan fits", "the 8 CPU devices sharing this host's")
+    assert took < 30, took  # the search takes about a second; start-up is the rest
+    assert not (tmp_path / "run").exists()
+
+
+def test_sigint_during_start_up_is_one_line(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.scriptrun import ROOT
+
+    env = {k: v for k, v in __import__("os").environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "scripts" / "train.py"), "--no-progress", "--model", "small",
+         "--out-dir", str(tmp_path / "run")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lock = tmp_path / "run" / ".ckpt.lock"  # taken just before the restore and the compile
+    deadline = time.monotonic() + 120
+    while not lock.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.startswith("train.py:")]
+    assert lines == ["train.py: interrupted (SIGINT) before it finished; nothing was written "
+                     "since the last complete output"], err[-3000:]

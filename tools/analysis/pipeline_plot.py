@@ -6,6 +6,8 @@ only when drawing."""
 
 from __future__ import annotations
 
+import pathlib
+
 import numpy as np
 
 from oases_jax.pipeline.executor import BRANCH, MB
@@ -91,5 +93,6 @@ def draw(pipeline: dict, path: str, title: str = "") -> None:
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=3,
               fontsize=7, frameon=False)
     fig.tight_layout()
+    pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)  # as --json creates its own
     fig.savefig(path, dpi=110)
     plt.close(fig)
