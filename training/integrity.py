@@ -52,10 +52,8 @@ def _words(x: jax.Array) -> jax.Array:
     if x.dtype == jnp.bool_:
         x = x.astype(jnp.uint8)
     width = x.dtype.itemsize
-    if width == 4:
+    if width >= 4:  # an 8-byte type gains a trailing axis of 2 words
         return jax.lax.bitcast_convert_type(x, jnp.uint32)
-    if width == 8:
-        return jax.lax.bitcast_convert_type(x, jnp.uint32)  # a trailing axis of 2
     unsigned = {1: jnp.uint8, 2: jnp.uint16}[width]
     return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
 
